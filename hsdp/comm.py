@@ -1,0 +1,108 @@
+"""Every collective of a run goes through `Comm`, which counts bytes sent and time.
+
+Bytes are what one rank sends under the ring algorithm, for a group of n ranks:
+
+    all_gather(out, inp)      (n − 1) · inp.nbytes
+    reduce_scatter(out, inp)  (n − 1) · out.nbytes
+    all_reduce(t)             2 · (n − 1) · t.nbytes // n
+
+A collective on a group of one rank is skipped (and counts nothing). Counts are
+kept per (group name, op); `metrics.jsonl` reports the "shard" and "sync" totals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renames the tensor-in/tensor-out collectives; older torch (GPU boxes) has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _TimedWork:
+    """Wraps an async Work so the time spent waiting on it is counted."""
+
+    def __init__(self, work: Optional[dist.Work], comm: "Comm", key: tuple[str, str]) -> None:
+        self.work, self.comm, self.key = work, comm, key
+
+    def wait(self) -> None:
+        if self.work is not None:
+            t0 = time.perf_counter()
+            self.work.wait()
+            self.comm.seconds[self.key] += time.perf_counter() - t0
+            self.work = None
+
+    def get_future(self) -> torch.futures.Future:
+        """The underlying work's future (for DDP comm hooks); time is not counted here."""
+        if self.work is None:
+            raise RuntimeError("get_future() on a finished or skipped collective")
+        return self.work.get_future()
+
+
+class Comm:
+    """The run's process groups by name, and the byte/time counters."""
+
+    def __init__(self, groups: dict[str, Optional[dist.ProcessGroup]]) -> None:
+        self.groups = groups
+        self.sizes = {name: dist.get_world_size(g) for name, g in groups.items()}
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def size(self, group: str) -> int:
+        return self.sizes[group]
+
+    def _run(self, group: str, op: str, nbytes: int, fn, async_op: bool) -> _TimedWork:
+        key = (group, op)
+        self.bytes[key] += nbytes
+        self.calls[key] += 1
+        t0 = time.perf_counter()
+        work = fn(async_op)
+        self.seconds[key] += time.perf_counter() - t0
+        timed = _TimedWork(work, self, key)
+        if not async_op:
+            timed.wait()
+        return timed
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False) -> _TimedWork:
+        """out = concat over the group's ranks of inp (all_gather_into_tensor)."""
+        n = self.sizes[group]
+        if n == 1:
+            out.copy_(inp)
+            return _TimedWork(None, self, (group, "all_gather"))
+        return self._run(group, "all_gather", (n - 1) * inp.numel() * inp.element_size(),
+                         lambda a: _all_gather_single(out, inp, group=self.groups[group], async_op=a),
+                         async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False) -> _TimedWork:
+        """out = this rank's chunk of the sum over the group of inp."""
+        n = self.sizes[group]
+        if n == 1:
+            out.copy_(inp)
+            return _TimedWork(None, self, (group, "reduce_scatter"))
+        return self._run(group, "reduce_scatter", (n - 1) * out.numel() * out.element_size(),
+                         lambda a: _reduce_scatter_single(out, inp, group=self.groups[group], async_op=a),
+                         async_op)
+
+    def all_reduce(self, t: torch.Tensor, group: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                   async_op: bool = False) -> _TimedWork:
+        """In-place all-reduce of t over the group (SUM by default)."""
+        n = self.sizes[group]
+        if n == 1:
+            return _TimedWork(None, self, (group, "all_reduce"))
+        return self._run(group, "all_reduce", 2 * (n - 1) * t.numel() * t.element_size() // n,
+                         lambda a: dist.all_reduce(t, op=op, group=self.groups[group], async_op=a), async_op)
+
+    def group_bytes(self, group: str) -> int:
+        """Total bytes this rank has sent on `group`, all ops."""
+        return sum(b for (g, _), b in self.bytes.items() if g == group)
+
+    def report(self) -> dict[str, dict[str, float]]:
+        """{"group/op": {"bytes", "seconds", "calls"}} for summary.json."""
+        return {f"{g}/{op}": {"bytes": self.bytes[(g, op)], "seconds": round(self.seconds[(g, op)], 4),
+                              "calls": self.calls[(g, op)]} for (g, op) in sorted(self.bytes)}

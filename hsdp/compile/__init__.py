@@ -1,0 +1,1 @@
+"""torch.compile passes (later issue)."""

@@ -1,0 +1,353 @@
+"""Run configuration: typed dataclasses, YAML loading, `--set` overrides, validation.
+
+Every user error (unknown key, wrong type, out-of-range value, missing file,
+inconsistent mesh) raises `ConfigError` with one line naming the key and what
+was expected; `train.py` turns it into exit code 2 before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    out_dir: str = "runs"
+    seed: int = 0
+    steps: int = 200
+    log_every: int = 10
+    eval_every: int = 50  # 0 = only at the end
+    eval_batches: int = 4
+    save_model: bool = False  # write model.replica{m}.pt (full params) at the end
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    bias: bool = True
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | text | tokens | synthetic
+    path: str = ""  # text: file or glob; tokens: train .bin (val.bin beside it, if present)
+    batch_size: int = 8  # sequences per rank per micro-step
+    val_fraction: float = 0.1  # text/tokens without a val file: share held out
+
+
+@dataclass
+class MeshConfig:
+    sync: int = 1  # replicas (slow links)
+    shard: int = 1  # FSDP group size (fast links)
+    engine: str = "hsdp"  # hsdp | fsdp2 | ddp
+    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl
+    timeout_s: float = 300.0  # process-group timeout: a hung collective fails after this
+    prefetch: bool = True  # overlap the next unit's gather with this unit's compute
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: str = "fp32"  # dtype of gathered full params (compute)
+    reduce_dtype: str = "fp32"  # dtype of gradient reduce-scatter / all-reduce
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_warmup: int = 20  # linear LR warmup steps (not the sync warmup)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.0  # sgd only
+    grad_clip: float = 1.0  # 0 disables clipping
+    grad_accum: int = 1
+
+
+@dataclass
+class SyncConfig:
+    warmup_steps: Optional[int] = None  # None: every step syncs grads (exact HSDP)
+    every: int = 1  # H: param sync period after warmup
+    method: str = "average"  # average | diloco
+    outer_lr: Optional[float] = None  # None: 1.0 for average, 0.7 for diloco
+    outer_momentum: Optional[float] = None  # None: 0.0 for average, 0.9 for diloco
+    nesterov: bool = True
+    fragments: int = 1  # P: streaming fragments
+    quantize: str = "none"  # none | int8
+    quant_block: int = 256  # elements per int8 scale
+
+
+@dataclass
+class KernelsConfig:
+    backend: str = "auto"  # auto (Triton on CUDA, torch on CPU) | triton | torch
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "hsdp"
+    entity: Optional[str] = None
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.sync * self.mesh.shard
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+
+# ---------------------------------------------------------------- validation rules
+DTYPES = ("fp32", "bf16", "fp16")
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.source": ("stdlib", "text", "tokens", "synthetic"),
+    "mesh.engine": ("hsdp", "fsdp2", "ddp"),
+    "mesh.backend": ("auto", "gloo", "nccl"),
+    "precision.param_dtype": DTYPES,
+    "precision.reduce_dtype": DTYPES,
+    "optim.name": ("adamw", "sgd"),
+    "sync.method": ("average", "diloco"),
+    "sync.quantize": ("none", "int8"),
+    "kernels.backend": ("auto", "triton", "torch"),
+    "wandb.mode": ("offline", "online", "disabled"),
+}
+# key -> (lower bound, inclusive?)
+AT_LEAST_ONE = [
+    "run.steps", "run.log_every", "run.eval_batches", "model.vocab_size", "model.seq_len",
+    "model.n_layer", "model.n_head", "model.d_model", "data.batch_size", "mesh.sync",
+    "mesh.shard", "optim.grad_accum", "sync.every", "sync.fragments", "sync.quant_block",
+]
+NON_NEGATIVE = [
+    "run.eval_every", "optim.lr_warmup", "optim.weight_decay", "optim.momentum",
+    "optim.grad_clip", "optim.min_lr", "sync.warmup_steps", "sync.outer_momentum",
+]
+POSITIVE = ["optim.lr", "optim.eps", "mesh.timeout_s", "sync.outer_lr"]
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args:
+        return f"{args[0].__name__} or null"
+    return tp.__name__
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML/CLI value to the field's annotated type, or raise ConfigError."""
+    optional = type(None) in typing.get_args(tp)
+    if optional:
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return None
+        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+    expected = f"expected {_type_name(tp)}{' or null' if optional and 'null' not in _type_name(tp) else ''}"
+    bad = ConfigError(f"{key}: {expected}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    raise bad
+
+
+def _section_fields(section_obj: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(section_obj))
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_obj)}
+
+
+def _set_value(cfg: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    if len(parts) != 2:
+        raise ConfigError(f"{key}: expected a key of the form section.key (sections: {', '.join(sections)})")
+    section, name = parts
+    if section not in sections:
+        raise ConfigError(f"{key}: unknown section {section!r} (expected one of: {', '.join(sections)})")
+    obj = getattr(cfg, section)
+    fields_ = _section_fields(obj)
+    if name not in fields_:
+        raise ConfigError(f"{key}: unknown key in section {section!r} (expected one of: {', '.join(fields_)})")
+    setattr(obj, name, _coerce(key, value, fields_[name]))
+
+
+def _apply_mapping(cfg: Config, data: Any, origin: str) -> None:
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping of sections, got {type(data).__name__}")
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: expected a mapping of keys, got {values!r}")
+        for name, value in values.items():
+            _set_value(cfg, f"{section}.{name}", value)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`section.key=value` → (key, value parsed as YAML scalar)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text}: expected section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
+    """Defaults ← YAML file ← `--set` overrides, then validate."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: file not found: {path}")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        _apply_mapping(cfg, data, str(path))
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_value(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Range, choice and cross-field checks. `world_size` is the torchrun world, if any."""
+    for key, choices in CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key}: expected one of {' | '.join(choices)}, got {_get(cfg, key)!r}")
+    for key in AT_LEAST_ONE:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}: expected an integer >= 1, got {_get(cfg, key)!r}")
+    for key in NON_NEGATIVE:
+        v = _get(cfg, key)
+        if v is not None and v < 0:
+            raise ConfigError(f"{key}: expected a value >= 0, got {v!r}")
+    for key in POSITIVE:
+        v = _get(cfg, key)
+        if v is not None and v <= 0:
+            raise ConfigError(f"{key}: expected a value > 0, got {v!r}")
+    if not cfg.run.name or "/" in cfg.run.name:
+        raise ConfigError(f"run.name: expected a non-empty name without '/', got {cfg.run.name!r}")
+    if cfg.model.d_model % cfg.model.n_head:
+        raise ConfigError(
+            f"model.n_head: expected a divisor of model.d_model={cfg.model.d_model}, got {cfg.model.n_head}")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr: expected a value <= optim.lr={cfg.optim.lr}, got {cfg.optim.min_lr}")
+    if not 0 <= cfg.optim.beta1 < 1 or not 0 <= cfg.optim.beta2 < 1:
+        raise ConfigError(f"optim.beta1/beta2: expected values in [0, 1), got {cfg.optim.beta1}, {cfg.optim.beta2}")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction: expected a value in (0, 1), got {cfg.data.val_fraction}")
+    if cfg.data.source == "synthetic" or cfg.data.source == "stdlib":
+        if cfg.data.source == "stdlib" and cfg.model.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
+    elif cfg.data.source == "text":
+        if cfg.model.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
+        if not cfg.data.path or not glob.glob(os.path.expanduser(cfg.data.path)):
+            raise ConfigError(f"data.path: expected a text file or glob that matches files, got {cfg.data.path!r}")
+    elif cfg.data.source == "tokens":
+        if not cfg.data.path or not Path(cfg.data.path).expanduser().is_file():
+            raise ConfigError(f"data.path: expected an existing uint16 .bin token file, got {cfg.data.path!r}")
+    s = cfg.sync
+    if s.fragments > 1 and s.every % s.fragments:
+        raise ConfigError(f"sync.fragments: expected a divisor of sync.every={s.every}, got {s.fragments}")
+    if s.outer_momentum is not None and s.outer_momentum >= 1:
+        raise ConfigError(f"sync.outer_momentum: expected a value in [0, 1), got {s.outer_momentum}")
+    periodic = s.warmup_steps is not None and s.warmup_steps < cfg.run.steps
+    if periodic and cfg.mesh.engine != "hsdp":
+        raise ConfigError(
+            f"mesh.engine: periodic sync (sync.warmup_steps < run.steps) needs engine hsdp, got {cfg.mesh.engine!r}")
+    if world_size is not None and world_size != cfg.world_size:
+        raise ConfigError(
+            f"mesh: sync×shard = {cfg.mesh.sync}×{cfg.mesh.shard} = {cfg.world_size} does not match "
+            f"the launched world size {world_size}")
+
+
+def outer_hyperparams(s: SyncConfig) -> tuple[float, float]:
+    """(outer lr η, outer momentum μ) with the method's defaults (DESIGN §2)."""
+    if s.method == "average":
+        return (1.0 if s.outer_lr is None else s.outer_lr, 0.0 if s.outer_momentum is None else s.outer_momentum)
+    return (0.7 if s.outer_lr is None else s.outer_lr, 0.9 if s.outer_momentum is None else s.outer_momentum)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    cfg = Config()
+    _apply_mapping(cfg, data, "config")
+    return cfg
+
+
+__all__ = ["Config", "ConfigError", "load_config", "validate", "save_config", "from_dict", "to_dict",
+           "outer_hyperparams", "parse_override"]

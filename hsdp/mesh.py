@@ -1,0 +1,38 @@
+"""The 2-D `sync × shard` DeviceMesh and its two process groups (DESIGN §1).
+
+Rank r = sync_rank · shard + shard_rank: the shard dimension is innermost, so a
+shard group is a block of neighbouring ranks (one node, fast links) and a sync
+group joins the ranks with the same shard_rank across replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hsdp.comm import Comm
+
+
+@dataclass
+class Mesh:
+    device_mesh: DeviceMesh
+    device: torch.device
+    rank: int
+    world: int
+    shard_rank: int
+    sync_rank: int
+    shard_size: int
+    sync_size: int
+    comm: Comm
+
+
+def build_mesh(sync: int, shard: int, device: torch.device) -> Mesh:
+    """Build the mesh on an initialised default process group of sync·shard ranks."""
+    dm = init_device_mesh(device.type, (sync, shard), mesh_dim_names=("sync", "shard"))
+    rank = dist.get_rank()
+    comm = Comm({"shard": dm.get_group("shard"), "sync": dm.get_group("sync"), "world": dist.group.WORLD})
+    return Mesh(device_mesh=dm, device=device, rank=rank, world=dist.get_world_size(),
+                shard_rank=rank % shard, sync_rank=rank // shard, shard_size=shard, sync_size=sync, comm=comm)

@@ -1,0 +1,213 @@
+"""Grad packing around the reduce-scatter of one unit (DESIGN §1, §4).
+
+`pack_grads`: chunk-cat the unit's full grads into the [S, N] reduce-scatter
+input, cast to reduce_dtype with the pre-divide fused (optionally accumulating).
+`accumulate_grad_shards`: post-divide the reduce-scatter output and add it to
+the fp32 grad shard.
+
+All arithmetic is fp32, one rounding per operation (the kernels are launched
+with FMA contraction off), so kernel and reference agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels._util import FLOAT_DTYPES, check, check_shard_sizes, check_tensor, unit_items
+from kernels.backend import launch, tl, triton, use_triton
+
+_BLOCK = 4096
+_ITEM_BLOCK = 2048
+_GRAD_DTYPES = FLOAT_DTYPES + (torch.float64,)
+
+
+# ----------------------------------------------------------------------------- pack_grads
+
+
+@triton.jit
+def _pack_grads_kernel(grads_ptr, out_ptr, items_ptr, g0_ptr, n_params, N, scale,
+                       BLOCK: tl.constexpr, ALIGN: tl.constexpr, ACCUMULATE: tl.constexpr):
+    # program (item, rank): out[r, off + j] = grad_i.flat[r*sn + j] * scale, 0 past numel_i.
+    item = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    i = tl.load(items_ptr + item * 4)
+    off = tl.multiple_of(tl.load(items_ptr + item * 4 + 1), ALIGN)
+    sn = tl.multiple_of(tl.load(items_ptr + item * 4 + 2), ALIGN)
+    start = tl.multiple_of(tl.load(items_ptr + item * 4 + 3), BLOCK)
+    # grads_ptr is an int64 table [2, n_params]: data pointers, then numels. All
+    # grads share g0's dtype, so the pointer type is known at compile time.
+    g_ptr = tl.load(grads_ptr + i).to(g0_ptr.dtype)
+    numel = tl.load(grads_ptr + n_params + i)
+    j = start + tl.arange(0, BLOCK)
+    in_shard = j < sn
+    src = r * sn + j
+    g = tl.load(g_ptr + src, mask=in_shard & (src < numel), other=0.0)
+    if g0_ptr.dtype.element_ty == tl.bfloat16:  # exact upcast on the bits (interpreter-safe)
+        g = (g.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        g = g.to(tl.float32)
+    x = g * scale
+    dst = out_ptr + (r * N + off) + j
+    if ACCUMULATE:
+        prev = tl.load(dst, mask=in_shard)
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            prev = (prev.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            prev = prev.to(tl.float32)
+        x = x + prev
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        # fp32 -> bf16 round-to-nearest-even on the bits (see pack.py)
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        bits = tl.where(x != x, 0x7FC0, bits)
+        y = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(out_ptr.dtype.element_ty)
+    tl.store(dst, y, mask=in_shard)
+
+
+def _grads_dtype(grads: list[torch.Tensor | None], default: torch.dtype) -> torch.dtype:
+    """The one dtype the grads are read in: their common dtype (mixed ones are promoted)."""
+    dtype = None
+    for g in grads:
+        if g is not None:
+            dtype = g.dtype if dtype is None else torch.promote_types(dtype, g.dtype)
+    return default if dtype is None else dtype
+
+
+def pack_grads_ref(grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor,
+                   scale: float, accumulate: bool = False) -> None:
+    """out[r, off_i + j] (+)= grads[i].flatten()[r*sn_i + j] * scale (0 past the end), via torch._chunk_cat.
+
+    _chunk_cat pads dim 0 of each grad to a multiple of S and lays rank r's rows
+    at out[r, off_i : off_i + sn_i], which is exactly the dim-0 shard layout.
+    """
+    S = out.shape[0]
+    if out.numel() == 0:
+        return
+    gdtype = _grads_dtype(grads, out.dtype)
+    parts = []
+    for g, sn in zip(grads, shard_sizes):
+        if sn == 0:  # _chunk_cat rejects empty tensors; they own no columns anyway
+            continue
+        if g is None:
+            parts.append(torch.zeros(S * sn, dtype=gdtype, device=out.device))
+        else:
+            parts.append(g.reshape(g.shape[0] if g.dim() else 1, -1).to(gdtype))
+    # Cast + scale in one rounding: straight into `out` when out is fp32 or the grads'
+    # own dtype (torch computes low-precision mul in fp32), else through an fp32 buffer.
+    direct = not accumulate and out.dtype in (torch.float32, gdtype)
+    buf = out if direct else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    torch._chunk_cat(parts, dim=0, num_chunks=S, out=buf)
+    if scale != 1.0:
+        buf.mul_(scale)
+    if accumulate:
+        buf.add_(out)
+    if buf is not out:
+        out.copy_(buf)
+
+
+@torch.library.custom_op("hsdp_kernels::pack_grads", mutates_args=("out",))
+def _pack_grads_op(grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor,
+                   scale: float, accumulate: bool) -> None:
+    if not use_triton(out, *[g for g in grads if g is not None]):
+        pack_grads_ref(grads, shard_sizes, out, scale, accumulate)
+        return
+    S, N = out.shape
+    table, n_items, align = unit_items(tuple(shard_sizes), out.device, _ITEM_BLOCK)
+    if not (n_items and S):
+        return
+    gdtype = _grads_dtype(grads, out.dtype)
+    present = [g.to(gdtype).contiguous() for g in grads if g is not None]
+    g0 = present[0] if present else out.new_empty(0, dtype=gdtype)
+    # None grads read nothing (numel 0) through a valid dummy pointer.
+    it = iter(present)
+    ptrs, numels = [], []
+    for g in grads:
+        t = g0 if g is None else next(it)
+        ptrs.append(t.data_ptr())
+        numels.append(0 if g is None else t.numel())
+    grads_table = torch.tensor(ptrs + numels, dtype=torch.int64, device=out.device)
+    launch(_pack_grads_kernel, (n_items, S), grads_table, out, table, g0, len(grads), N, float(scale),
+           BLOCK=_ITEM_BLOCK, ALIGN=align, ACCUMULATE=bool(accumulate), num_warps=4,
+           enable_fp_fusion=False, device=out.device)
+    # `present` holds the (possibly converted) grads alive until the launch is queued;
+    # the caching allocator orders any reuse after it on this stream.
+    del present
+
+
+@torch.no_grad()
+def pack_grads(grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor, scale: float,
+               accumulate: bool = False) -> None:
+    """Chunk-cat a unit's full grads into the reduce-scatter input out [S, N] (reduce_dtype).
+
+    out[r, off_i + j] = grads[i].flatten()[r*sn_i + j] * scale, or 0 past the grad's
+    end (None grads are zero); accumulate=True adds into out. Computed in fp32,
+    stored in out's dtype. One launch for all grads of the unit.
+    """
+    check_tensor("pack_grads", "out", out, dtypes=FLOAT_DTYPES, ndim=2)
+    S, N = out.shape
+    sizes = check_shard_sizes("pack_grads", shard_sizes, N)
+    check(len(grads) == len(sizes), f"pack_grads: {len(grads)} grads but {len(sizes)} shard_sizes")
+    check(math.isfinite(scale), f"pack_grads: scale must be finite, got {scale}")
+    for i, (g, sn) in enumerate(zip(grads, sizes)):
+        if g is None:
+            continue
+        check(isinstance(g, torch.Tensor), f"pack_grads: grads[{i}] must be a tensor or None")
+        check(g.dtype in _GRAD_DTYPES, f"pack_grads: grads[{i}] has dtype {g.dtype}, expected a float dtype")
+        check(g.device == out.device, f"pack_grads: grads[{i}] is on {g.device}, out on {out.device}")
+        d0 = g.shape[0] if g.dim() else 1
+        expect = -(-d0 // S) * (g.numel() // d0) if d0 else 0
+        check(sn == expect, f"pack_grads: grads[{i}] of shape {tuple(g.shape)} has dim-0 shards of "
+                            f"{expect} elements over S={S}, but shard_sizes[{i}] = {sn}")
+    _pack_grads_op(list(grads), list(sizes), out, float(scale), bool(accumulate))
+
+
+# ----------------------------------------------------------------------------- accumulate_grad_shards
+
+
+@triton.jit
+def _accumulate_kernel(reduced_ptr, shard_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(reduced_ptr + offs, mask=mask)
+    if reduced_ptr.dtype.element_ty == tl.bfloat16:  # exact upcast on the bits (interpreter-safe)
+        x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = x.to(tl.float32)
+    acc = tl.load(shard_ptr + offs, mask=mask)
+    tl.store(shard_ptr + offs, acc + x * scale, mask=mask)
+
+
+def accumulate_grad_shards_ref(reduced: torch.Tensor, grad_shard: torch.Tensor, scale: float) -> None:
+    """grad_shard += reduced.float() * scale (mul then add, two roundings)."""
+    tmp = reduced.to(torch.float32, copy=True)
+    if scale != 1.0:
+        tmp.mul_(scale)
+    grad_shard.add_(tmp)
+
+
+@torch.library.custom_op("hsdp_kernels::accumulate_grad_shards", mutates_args=("grad_shard",))
+def _accumulate_grad_shards_op(reduced: torch.Tensor, grad_shard: torch.Tensor, scale: float) -> None:
+    if use_triton(reduced, grad_shard):
+        n = reduced.numel()
+        if n:
+            launch(_accumulate_kernel, (triton.cdiv(n, _BLOCK),), reduced, grad_shard, n, float(scale),
+                   BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False, device=grad_shard.device)
+    else:
+        accumulate_grad_shards_ref(reduced, grad_shard, scale)
+
+
+@torch.no_grad()
+def accumulate_grad_shards(reduced: torch.Tensor, grad_shard: torch.Tensor, scale: float) -> None:
+    """grad_shard (fp32 [N]) += reduced ([N], reduce_dtype) * scale. One launch."""
+    check_tensor("accumulate_grad_shards", "reduced", reduced, dtypes=FLOAT_DTYPES, ndim=1)
+    check_tensor("accumulate_grad_shards", "grad_shard", grad_shard, dtypes=(torch.float32,),
+                 shape=tuple(reduced.shape), device=reduced.device)
+    check(math.isfinite(scale), f"accumulate_grad_shards: scale must be finite, got {scale}")
+    _accumulate_grad_shards_op(reduced, grad_shard, float(scale))
+
+
+__all__ = ["pack_grads", "pack_grads_ref", "accumulate_grad_shards", "accumulate_grad_shards_ref"]

@@ -1,0 +1,164 @@
+"""Train a GPT with hybrid-sharded data parallelism and periodic sync.
+
+    python train.py --config configs/tiny.yaml [--set section.key=value ...]
+
+config → launch (torchrun or local workers) → mesh → model → shard → loop.
+Outputs go to <run.out_dir>/<run.name>/: config.yaml, metrics.jsonl, summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hsdp.baselines import DDPModel, FSDP2Model
+from hsdp.config import Config, ConfigError, load_config, save_config
+from hsdp.data import Data
+from hsdp.launch import WorkerError, launch
+from hsdp.mesh import Mesh, build_mesh
+from hsdp.metrics import MetricsLogger, peak_memory_mb
+from hsdp.model import build_model, loss_fn
+from hsdp.optim import build_optimizer, lr_at, set_lr
+from hsdp.shard import HSDPModel
+from hsdp.sync import SyncPolicy
+from kernels.backend import set_backend
+
+
+def build_engine(cfg: Config, mesh: Mesh):
+    """The model, wrapped by the engine the config asks for."""
+    model = build_model(cfg.model, cfg.run.seed).to(mesh.device)
+    if cfg.mesh.engine == "fsdp2":
+        return FSDP2Model(model, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype)
+    if cfg.mesh.engine == "ddp":
+        return DDPModel(model, mesh)
+    return HSDPModel(model.units, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype, cfg.mesh.prefetch)
+
+
+def world_mean(mesh: Mesh, value: torch.Tensor) -> float:
+    """Average a scalar over all ranks (for logging; counted under the "world" group)."""
+    t = value.detach().float().reshape(1).clone()
+    mesh.comm.all_reduce(t, "world")
+    return float(t) / mesh.world
+
+
+@torch.no_grad()
+def evaluate(engine, data: Data, batches: int, device: torch.device) -> torch.Tensor:
+    losses = []
+    for i in range(batches):
+        x, y = data.val_batch(i)
+        losses.append(loss_fn(engine(x.to(device)), y.to(device)))
+    return torch.stack(losses).mean()
+
+
+def train_worker(cfg: Config) -> None:
+    """One rank's whole run."""
+    t_start = time.perf_counter()
+    mesh = build_mesh(cfg.mesh.sync, cfg.mesh.shard, _device())
+    set_backend(cfg.kernels.backend)
+    data = Data(cfg, mesh.rank, mesh.world)
+    engine = build_engine(cfg, mesh)
+    optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
+    policy = SyncPolicy(cfg.sync, engine.held_buffers(), mesh.comm) if cfg.mesh.engine == "hsdp" else None
+    is_rank0 = mesh.rank == 0
+    logger = MetricsLogger(cfg, cfg.run_dir, enabled=is_rank0)
+
+    accum = cfg.optim.grad_accum
+    tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * accum
+    step_times: list[float] = []
+    loss = val_loss = None
+    for step in range(cfg.run.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg.optim, cfg.run.steps)
+        set_lr(optimizer, lr)
+        if policy is not None:
+            engine.set_grad_sync(policy.grad_sync(step))
+        step_loss = torch.zeros((), device=mesh.device)
+        for micro in range(accum):
+            engine.reduce_grads = micro == accum - 1  # reduce once per optimizer step
+            x, y = data.train_batch(step, micro)
+            micro_loss = loss_fn(engine(x.to(mesh.device)), y.to(mesh.device)) / accum
+            micro_loss.backward()
+            step_loss += micro_loss.detach()
+        engine.clip_grad_norm_(cfg.optim.grad_clip)
+        optimizer.step()
+        engine.zero_grad()
+        synced = policy.after_step(step) if policy is not None else False
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize(mesh.device)
+        step_times.append(time.perf_counter() - t0)
+
+        last = step == cfg.run.steps - 1
+        eval_now = last or (cfg.run.eval_every > 0 and (step + 1) % cfg.run.eval_every == 0)
+        if not (eval_now or last or step % cfg.run.log_every == 0):
+            continue
+        record = {"step": step, "loss": world_mean(mesh, step_loss), "lr": lr,
+                  "tokens": (step + 1) * tokens_per_step, "step_time_s": step_times[-1],
+                  "shard_bytes": mesh.comm.group_bytes("shard"), "sync_bytes": mesh.comm.group_bytes("sync"),
+                  "peak_mem_mb": peak_memory_mb(mesh.device), "synced": synced}
+        if eval_now:
+            record["val_loss"] = val_loss = world_mean(mesh, evaluate(engine, data, cfg.run.eval_batches,
+                                                                      mesh.device))
+        loss = record["loss"]
+        logger.log(record)
+        logger.progress(step, loss, tokens_per_step / step_times[-1])
+
+    if cfg.run.save_model:
+        save_replicas(cfg, engine, mesh)
+    peak = torch.tensor([peak_memory_mb(mesh.device)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    train_time = sum(step_times)
+    logger.summary({
+        "final_loss": loss, "final_val_loss": val_loss, "steps": cfg.run.steps,
+        "tokens": cfg.run.steps * tokens_per_step, "tokens_per_s": cfg.run.steps * tokens_per_step / train_time,
+        "median_step_time_s": statistics.median(step_times), "train_time_s": train_time,
+        "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": float(peak),
+        "shard_bytes": mesh.comm.group_bytes("shard"), "sync_bytes": mesh.comm.group_bytes("sync"),
+        "comm": mesh.comm.report(), "engine": cfg.mesh.engine, "world": mesh.world,
+    })
+    logger.close()
+
+
+def save_replicas(cfg: Config, engine, mesh: Mesh) -> None:
+    """Each replica's full params → model.replica{m}.pt (written by its shard-rank 0)."""
+    state = engine.full_state_dict()
+    if mesh.shard_rank == 0:
+        torch.save(state, cfg.run_dir / f"model.replica{mesh.sync_rank}.pt")
+    dist.barrier()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", help="YAML config (default: built-in defaults)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, cfg.run_dir / "config.yaml")
+        launch(cfg, train_worker)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
