@@ -9,6 +9,7 @@ Outputs go to <run.out_dir>/<run.name>/: config.yaml, metrics.jsonl, summary.jso
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -79,6 +80,7 @@ def train_worker(cfg: Config) -> None:
         if policy is not None:
             engine.set_grad_sync(policy.grad_sync(step))
         step_loss = torch.zeros((), device=mesh.device)
+        inject_fault(mesh.rank, step)
         for micro in range(accum):
             engine.reduce_grads = micro == accum - 1  # reduce once per optimizer step
             x, y = data.train_batch(step, micro)
@@ -130,6 +132,13 @@ def save_replicas(cfg: Config, engine, mesh: Mesh) -> None:
     if mesh.shard_rank == 0:
         torch.save(state, cfg.run_dir / f"model.replica{mesh.sync_rank}.pt")
     dist.barrier()
+
+
+def inject_fault(rank: int, step: int) -> None:
+    """Test hook: HSDP_FAULT="rank:step" makes that rank raise at that step (crash handling tests)."""
+    fault = os.environ.get("HSDP_FAULT")
+    if fault and fault == f"{rank}:{step}":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
 
 def _device() -> torch.device:

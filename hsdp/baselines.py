@@ -8,7 +8,6 @@ comparison is one flag. The interface the training loop uses:
     engine.clip_grad_norm_(max)      engine.zero_grad()           engine.full_state_dict()
 """
 
-from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -99,7 +98,8 @@ class DDPModel:
         return {n: p.detach().float().cpu().clone() for n, p in self.module.module.named_parameters()}
 
 
-def _counted_allreduce_hook(comm, bucket: dist.GradBucket) -> torch.futures.Future:
+# No `from __future__ import annotations` here: DDP checks this hook's annotations at runtime.
+def _counted_allreduce_hook(comm, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's bucket all-reduce (average), routed through Comm so its bytes are counted."""
     buf = bucket.buffer()
     if comm.size("world") == 1:

@@ -104,6 +104,7 @@ class ShardedUnit:
         self.grad_flat = torch.zeros(self.N, dtype=torch.float32, device=device)
         self.full_flat = torch.empty(self.S * self.N, dtype=self.param_dtype, device=device)
         self.held_params: list[nn.Parameter] = []
+        self._placeholder = torch.empty(0, device=device)
         self._shard_params(mesh.shard_rank)
         self.release()
         self.gathered = False
@@ -125,8 +126,6 @@ class ShardedUnit:
                 held = nn.Parameter(seg.view(rows, *s.shape[1:]))
                 held.grad = self.grad_flat[s.offset: s.offset + rows * s.row_numel].view(rows, *s.shape[1:])
                 self.held_params.append(held)
-                # The module no longer owns storage for this param; forward swaps in full views.
-                s.owner._parameters[s.attr] = torch.empty(0, device=self.held_flat.device)
 
     # ------------------------------------------------------------ gather / release
     def start_gather(self) -> None:
@@ -154,9 +153,11 @@ class ShardedUnit:
         self.gathered = True
 
     def release(self) -> None:
-        """Free the full params' storage; their views stay, with no memory behind them."""
+        """Free the full params' storage and unhook them from the module (it holds nothing between uses)."""
         self.full_flat.untyped_storage().resize_(0)
         self.gathered = False
+        for s in self.specs:
+            s.owner._parameters[s.attr] = self._placeholder
 
     def full_views(self) -> list[torch.Tensor]:
         """Each param's full tensor: a view into full_flat (dropping the padding)."""

@@ -1,19 +1,18 @@
-"""Input checks and the per-unit work-item table shared by the kernel files."""
+"""Shared plumbing for the kernel files: input checks, op registration, the unit work-item table."""
 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Callable, NoReturn, Sequence, TypeVar
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def check(cond: bool, msg: str) -> None:
-    """Raise ValueError(msg) unless cond."""
-    if not cond:
-        raise ValueError(msg)
+def fail(msg: str) -> NoReturn:
+    raise ValueError(msg)
 
 
 def check_tensor(
@@ -26,30 +25,67 @@ def check_tensor(
     ndim: int | None = None,
     device: torch.device | None = None,
 ) -> None:
-    """Check one argument: a contiguous tensor with the given dtype/shape/device."""
-    check(isinstance(t, torch.Tensor), f"{op}: {name} must be a tensor, got {type(t).__name__}")
-    if dtypes is not None:
+    """Check one argument: a contiguous tensor with the given dtype/shape/device.
+
+    Messages are only formatted on failure: these checks run on every call.
+    """
+    if not isinstance(t, torch.Tensor):
+        fail(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        check(t.dtype in dtypes, f"{op}: {name} has dtype {t.dtype}, expected {allowed}")
-    if ndim is not None:
-        check(t.dim() == ndim, f"{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if shape is not None:
-        check(tuple(t.shape) == shape, f"{op}: {name} has shape {tuple(t.shape)}, expected {shape}")
-    if device is not None:
-        check(t.device == device, f"{op}: {name} is on {t.device}, expected {device}")
+        fail(f"{op}: {name} has dtype {t.dtype}, expected {allowed}")
+    if ndim is not None and t.dim() != ndim:
+        fail(f"{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None and t.shape != shape:
+        fail(f"{op}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if device is not None and t.device != device:
+        fail(f"{op}: {name} is on {t.device}, expected {device}")
     # The kernels index flat memory, so every tensor they touch must be dense.
-    check(t.is_contiguous(), f"{op}: {name} must be contiguous")
+    if not t.is_contiguous():
+        fail(f"{op}: {name} must be contiguous")
 
 
-def check_shard_sizes(op: str, shard_sizes: Sequence[int], total: int) -> tuple[int, ...]:
-    """Validate per-param shard numels against the unit's shard length N; return them as a tuple."""
-    sizes = tuple(int(s) for s in shard_sizes)
-    check(all(s >= 0 for s in sizes), f"{op}: shard_sizes must be >= 0, got {list(sizes)[:8]}...")
-    check(sum(sizes) == total, f"{op}: shard_sizes sum to {sum(sizes)}, but the shard length N is {total}")
+def check_shard_sizes(op: str, shard_sizes: Sequence[int], total: int) -> list[int]:
+    """Validate per-param shard numels against the unit's shard length N; return them as a list."""
+    sizes = [int(s) for s in shard_sizes]
+    if min(sizes, default=0) < 0:
+        fail(f"{op}: shard_sizes must be >= 0, got {sizes[:8]}{'...' if len(sizes) > 8 else ''}")
+    if sum(sizes) != total:
+        fail(f"{op}: shard_sizes sum to {sum(sizes)}, but the shard length N is {total}")
     return sizes
 
 
-def _pow2_divisor(x: int, cap: int) -> int:
+def no_grad(fn: F) -> F:
+    """Run fn without autograd recording (the kernels write into params in place).
+
+    Cheaper than @torch.no_grad() when grad mode is already off, the usual case.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def register_op(name: str, impl: Callable[..., Any], mutates_args: tuple[str, ...]) -> Any:
+    """Register impl as the custom op hsdp_kernels::<name>, so torch.compile sees one opaque op."""
+    return torch.library.custom_op(f"hsdp_kernels::{name}", impl, mutates_args=mutates_args)
+
+
+def call(op: Any, impl: Callable[..., Any], *args: Any) -> Any:
+    """Run the custom op while torch.compile traces, else impl itself.
+
+    Same code either way; the eager shortcut skips ~40 us of Python dispatcher
+    overhead per call that a custom op costs.
+    """
+    return (op if torch.compiler.is_compiling() else impl)(*args)
+
+
+def pow2_divisor(x: int, cap: int = 16) -> int:
     """Largest power of two <= cap that divides x (x == 0 counts as divisible)."""
     d = 1
     while d < cap and x % (2 * d) == 0:
@@ -65,7 +101,7 @@ def unit_items(shard_sizes: tuple[int, ...], device: torch.device, block: int) -
     two params and none has to search for its param. Returns (table, n_items,
     align): table is int64 [n_items, 4] = (param index, shard offset, shard size,
     chunk start); align is the largest power of two (<= 16) dividing every offset,
-    size and N, used as a divisibility hint so the GPU can vectorise loads.
+    size and N, a divisibility hint that lets the GPU vectorise loads and stores.
     Cached: the engine calls with the same shard_sizes every step, so the host
     work and the host-to-device copy happen once per unit.
     """
@@ -75,8 +111,8 @@ def unit_items(shard_sizes: tuple[int, ...], device: torch.device, block: int) -
     for i, sn in enumerate(shard_sizes):
         for start in range(0, sn, block):
             rows.append((i, off, sn, start))
-        align = min(align, _pow2_divisor(off, 16), _pow2_divisor(sn, 16))
+        align = min(align, pow2_divisor(off), pow2_divisor(sn))
         off += sn
-    align = min(align, _pow2_divisor(off, 16))
+    align = min(align, pow2_divisor(off))
     table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).to(device)
     return table, len(rows), align

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels._util import FLOAT_DTYPES, check_shard_sizes, check_tensor, unit_items
+from kernels._util import FLOAT_DTYPES, call, check_shard_sizes, check_tensor, no_grad, register_op, unit_items
 from kernels.backend import launch, tl, triton, use_triton
 
 _BLOCK = 4096  # elements per program for the flat cast-copy
-_ITEM_BLOCK = 2048  # elements per work item (one param chunk, one rank) for unpack
+_ITEM_BLOCK = 2048  # elements per work item (one param chunk on one rank) for unpack
 
 
 # ----------------------------------------------------------------------------- pack_shards
@@ -42,23 +42,24 @@ def pack_shards_ref(held: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(held)
 
 
-@torch.library.custom_op("hsdp_kernels::pack_shards", mutates_args=("out",))
-def _pack_shards_op(held: torch.Tensor, out: torch.Tensor) -> None:
-    if use_triton(held, out):
-        n = held.numel()
-        if n:
-            launch(_pack_shards_kernel, (triton.cdiv(n, _BLOCK),), held, out, n,
-                   BLOCK=_BLOCK, num_warps=8, device=out.device)
-    else:
-        pack_shards_ref(held, out)
+def _pack_shards(held: torch.Tensor, out: torch.Tensor) -> None:
+    if not use_triton(held, out):
+        return pack_shards_ref(held, out)
+    n = held.numel()
+    if n:
+        launch(_pack_shards_kernel, (triton.cdiv(n, _BLOCK),), held, out, n,
+               BLOCK=_BLOCK, num_warps=8, device=out.device)
 
 
-@torch.no_grad()
+_pack_shards_op = register_op("pack_shards", _pack_shards, mutates_args=("out",))
+
+
+@no_grad
 def pack_shards(held: torch.Tensor, out: torch.Tensor) -> None:
     """Copy-in: out[:] = held (fp32 [N]) cast to out's param_dtype ([N]). One launch."""
     check_tensor("pack_shards", "held", held, dtypes=(torch.float32,), ndim=1)
-    check_tensor("pack_shards", "out", out, dtypes=FLOAT_DTYPES, shape=tuple(held.shape), device=held.device)
-    _pack_shards_op(held, out)
+    check_tensor("pack_shards", "out", out, dtypes=FLOAT_DTYPES, shape=held.shape, device=held.device)
+    call(_pack_shards_op, _pack_shards, held, out)
 
 
 # ----------------------------------------------------------------------------- unpack_full
@@ -66,8 +67,8 @@ def pack_shards(held: torch.Tensor, out: torch.Tensor) -> None:
 
 @triton.jit
 def _unpack_full_kernel(src_ptr, dst_ptr, items_ptr, N, S, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    # program (item, rank): copy rank r's chunk of one param's shard, which is
-    # contiguous on both sides: src[r, off + j] -> dst[S*off + r*sn + j].
+    # program (item, rank r): copy r's chunk of one param's shard; it is contiguous
+    # on both sides: src[r, off + j] -> dst[S*off + r*sn + j].
     item = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     off = tl.multiple_of(tl.load(items_ptr + item * 4 + 1), ALIGN)
@@ -80,29 +81,30 @@ def _unpack_full_kernel(src_ptr, dst_ptr, items_ptr, N, S, BLOCK: tl.constexpr, 
 
 
 def unpack_full_ref(gathered: torch.Tensor, shard_sizes: list[int], out: torch.Tensor) -> None:
-    """Split gathered [S, N] by columns into param i's block out[S*off_i : S*(off_i+sn_i)] viewed [S, sn_i]."""
+    """Split gathered [S, N] by columns; param i's columns go to out[S*off_i : S*(off_i+sn_i)] viewed [S, sn_i]."""
     S = gathered.shape[0]
     views = []
     off = 0
     for sn in shard_sizes:
         views.append(out[S * off: S * (off + sn)].view(S, sn))
         off += sn
-    torch.split_with_sizes_copy(gathered, list(shard_sizes), dim=1, out=views)
+    torch.split_with_sizes_copy(gathered, shard_sizes, dim=1, out=views)
 
 
-@torch.library.custom_op("hsdp_kernels::unpack_full", mutates_args=("out",))
-def _unpack_full_op(gathered: torch.Tensor, shard_sizes: list[int], out: torch.Tensor) -> None:
-    if use_triton(gathered, out):
-        S, N = gathered.shape
-        table, n_items, align = unit_items(tuple(shard_sizes), out.device, _ITEM_BLOCK)
-        if n_items and S:
-            launch(_unpack_full_kernel, (n_items, S), gathered, out, table, N, S,
-                   BLOCK=_ITEM_BLOCK, ALIGN=align, num_warps=4, device=out.device)
-    else:
-        unpack_full_ref(gathered, shard_sizes, out)
+def _unpack_full(gathered: torch.Tensor, shard_sizes: list[int], out: torch.Tensor) -> None:
+    if not use_triton(gathered, out):
+        return unpack_full_ref(gathered, shard_sizes, out)
+    S, N = gathered.shape
+    table, n_items, align = unit_items(tuple(shard_sizes), out.device, _ITEM_BLOCK)
+    if n_items and S:
+        launch(_unpack_full_kernel, (n_items, S), gathered, out, table, N, S,
+               BLOCK=_ITEM_BLOCK, ALIGN=align, num_warps=4, device=out.device)
 
 
-@torch.no_grad()
+_unpack_full_op = register_op("unpack_full", _unpack_full, mutates_args=("out",))
+
+
+@no_grad
 def unpack_full(gathered: torch.Tensor, shard_sizes: list[int], out: torch.Tensor) -> None:
     """Copy-out: gathered [S, N] (rank-major) -> out [S*N] (param-major, param i as [S, sn_i]).
 
@@ -112,7 +114,7 @@ def unpack_full(gathered: torch.Tensor, shard_sizes: list[int], out: torch.Tenso
     S, N = gathered.shape
     sizes = check_shard_sizes("unpack_full", shard_sizes, N)
     check_tensor("unpack_full", "out", out, dtypes=(gathered.dtype,), shape=(S * N,), device=gathered.device)
-    _unpack_full_op(gathered, list(sizes), out)
+    call(_unpack_full_op, _unpack_full, gathered, sizes, out)
 
 
 __all__ = ["pack_shards", "pack_shards_ref", "unpack_full", "unpack_full_ref"]

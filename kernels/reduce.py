@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from kernels._util import FLOAT_DTYPES, check, check_shard_sizes, check_tensor, unit_items
+from kernels._util import (FLOAT_DTYPES, call, check_shard_sizes, check_tensor, fail, no_grad, pow2_divisor,
+                           register_op, unit_items)
 from kernels.backend import launch, tl, triton, use_triton
 
 _BLOCK = 4096
@@ -27,8 +28,9 @@ _GRAD_DTYPES = FLOAT_DTYPES + (torch.float64,)
 
 
 @triton.jit
-def _pack_grads_kernel(grads_ptr, out_ptr, items_ptr, g0_ptr, n_params, N, scale,
-                       BLOCK: tl.constexpr, ALIGN: tl.constexpr, ACCUMULATE: tl.constexpr):
+def _pack_grads_kernel(grads_ptr, out_ptr, items_ptr, g0_ptr, n_params, N, scale, BLOCK: tl.constexpr,
+                       ALIGN: tl.constexpr, NUMEL_ALIGN: tl.constexpr, PTR_ALIGN: tl.constexpr,
+                       ACCUMULATE: tl.constexpr):
     # program (item, rank): out[r, off + j] = grad_i.flat[r*sn + j] * scale, 0 past numel_i.
     item = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
@@ -38,8 +40,9 @@ def _pack_grads_kernel(grads_ptr, out_ptr, items_ptr, g0_ptr, n_params, N, scale
     start = tl.multiple_of(tl.load(items_ptr + item * 4 + 3), BLOCK)
     # grads_ptr is an int64 table [2, n_params]: data pointers, then numels. All
     # grads share g0's dtype, so the pointer type is known at compile time.
-    g_ptr = tl.load(grads_ptr + i).to(g0_ptr.dtype)
-    numel = tl.load(grads_ptr + n_params + i)
+    # The alignment hints (checked on the host) let the GPU use vector loads.
+    g_ptr = tl.multiple_of(tl.load(grads_ptr + i).to(g0_ptr.dtype), PTR_ALIGN)
+    numel = tl.multiple_of(tl.load(grads_ptr + n_params + i), NUMEL_ALIGN)
     j = start + tl.arange(0, BLOCK)
     in_shard = j < sn
     src = r * sn + j
@@ -109,36 +112,38 @@ def pack_grads_ref(grads: list[torch.Tensor | None], shard_sizes: list[int], out
         out.copy_(buf)
 
 
-@torch.library.custom_op("hsdp_kernels::pack_grads", mutates_args=("out",))
-def _pack_grads_op(grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor,
-                   scale: float, accumulate: bool) -> None:
+def _pack_grads(grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor,
+                scale: float, accumulate: bool) -> None:
     if not use_triton(out, *[g for g in grads if g is not None]):
-        pack_grads_ref(grads, shard_sizes, out, scale, accumulate)
-        return
+        return pack_grads_ref(grads, shard_sizes, out, scale, accumulate)
     S, N = out.shape
     table, n_items, align = unit_items(tuple(shard_sizes), out.device, _ITEM_BLOCK)
     if not (n_items and S):
         return
     gdtype = _grads_dtype(grads, out.dtype)
+    # Mixed grad dtypes (rare) are promoted first so one pointer type serves all.
     present = [g.to(gdtype).contiguous() for g in grads if g is not None]
     g0 = present[0] if present else out.new_empty(0, dtype=gdtype)
-    # None grads read nothing (numel 0) through a valid dummy pointer.
     it = iter(present)
     ptrs, numels = [], []
     for g in grads:
         t = g0 if g is None else next(it)
-        ptrs.append(t.data_ptr())
+        ptrs.append(t.data_ptr())  # a None grad reads nothing (numel 0) through a valid pointer
         numels.append(0 if g is None else t.numel())
     grads_table = torch.tensor(ptrs + numels, dtype=torch.int64, device=out.device)
-    launch(_pack_grads_kernel, (n_items, S), grads_table, out, table, g0, len(grads), N, float(scale),
-           BLOCK=_ITEM_BLOCK, ALIGN=align, ACCUMULATE=bool(accumulate), num_warps=4,
-           enable_fp_fusion=False, device=out.device)
-    # `present` holds the (possibly converted) grads alive until the launch is queued;
-    # the caching allocator orders any reuse after it on this stream.
-    del present
+    numel_align = min([pow2_divisor(k) for k in numels] + [16])
+    ptr_align = 16 if all(p % 16 == 0 for p in ptrs) else 1
+    launch(_pack_grads_kernel, (n_items, S), grads_table, out, table, g0, len(grads), N, scale,
+           BLOCK=_ITEM_BLOCK, ALIGN=align, NUMEL_ALIGN=numel_align, PTR_ALIGN=ptr_align,
+           ACCUMULATE=accumulate, num_warps=4, enable_fp_fusion=False, device=out.device)
+    # The grads (and converted copies in `present`) may be freed once this returns:
+    # the caching allocator only reuses their memory for work queued after the kernel.
 
 
-@torch.no_grad()
+_pack_grads_op = register_op("pack_grads", _pack_grads, mutates_args=("out",))
+
+
+@no_grad
 def pack_grads(grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor, scale: float,
                accumulate: bool = False) -> None:
     """Chunk-cat a unit's full grads into the reduce-scatter input out [S, N] (reduce_dtype).
@@ -150,19 +155,23 @@ def pack_grads(grads: list[torch.Tensor | None], shard_sizes: list[int], out: to
     check_tensor("pack_grads", "out", out, dtypes=FLOAT_DTYPES, ndim=2)
     S, N = out.shape
     sizes = check_shard_sizes("pack_grads", shard_sizes, N)
-    check(len(grads) == len(sizes), f"pack_grads: {len(grads)} grads but {len(sizes)} shard_sizes")
-    check(math.isfinite(scale), f"pack_grads: scale must be finite, got {scale}")
+    if len(grads) != len(sizes):
+        fail(f"pack_grads: {len(grads)} grads but {len(sizes)} shard_sizes")
+    if not math.isfinite(scale):
+        fail(f"pack_grads: scale must be finite, got {scale}")
     for i, (g, sn) in enumerate(zip(grads, sizes)):
         if g is None:
             continue
-        check(isinstance(g, torch.Tensor), f"pack_grads: grads[{i}] must be a tensor or None")
-        check(g.dtype in _GRAD_DTYPES, f"pack_grads: grads[{i}] has dtype {g.dtype}, expected a float dtype")
-        check(g.device == out.device, f"pack_grads: grads[{i}] is on {g.device}, out on {out.device}")
+        if not isinstance(g, torch.Tensor) or g.dtype not in _GRAD_DTYPES or g.device != out.device:
+            fail(f"pack_grads: grads[{i}] must be None or a float tensor on {out.device}, got "
+                 f"{g.dtype if isinstance(g, torch.Tensor) else type(g).__name__}"
+                 f"{' on ' + str(g.device) if isinstance(g, torch.Tensor) else ''}")
         d0 = g.shape[0] if g.dim() else 1
         expect = -(-d0 // S) * (g.numel() // d0) if d0 else 0
-        check(sn == expect, f"pack_grads: grads[{i}] of shape {tuple(g.shape)} has dim-0 shards of "
-                            f"{expect} elements over S={S}, but shard_sizes[{i}] = {sn}")
-    _pack_grads_op(list(grads), list(sizes), out, float(scale), bool(accumulate))
+        if sn != expect:
+            fail(f"pack_grads: grads[{i}] of shape {tuple(g.shape)} has dim-0 shards of {expect} elements "
+                 f"over S={S}, but shard_sizes[{i}] = {sn}")
+    call(_pack_grads_op, _pack_grads, list(grads), sizes, out, float(scale), bool(accumulate))
 
 
 # ----------------------------------------------------------------------------- accumulate_grad_shards
@@ -189,25 +198,28 @@ def accumulate_grad_shards_ref(reduced: torch.Tensor, grad_shard: torch.Tensor, 
     grad_shard.add_(tmp)
 
 
-@torch.library.custom_op("hsdp_kernels::accumulate_grad_shards", mutates_args=("grad_shard",))
-def _accumulate_grad_shards_op(reduced: torch.Tensor, grad_shard: torch.Tensor, scale: float) -> None:
-    if use_triton(reduced, grad_shard):
-        n = reduced.numel()
-        if n:
-            launch(_accumulate_kernel, (triton.cdiv(n, _BLOCK),), reduced, grad_shard, n, float(scale),
-                   BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False, device=grad_shard.device)
-    else:
-        accumulate_grad_shards_ref(reduced, grad_shard, scale)
+def _accumulate_grad_shards(reduced: torch.Tensor, grad_shard: torch.Tensor, scale: float) -> None:
+    if not use_triton(reduced, grad_shard):
+        return accumulate_grad_shards_ref(reduced, grad_shard, scale)
+    n = reduced.numel()
+    if n:
+        launch(_accumulate_kernel, (triton.cdiv(n, _BLOCK),), reduced, grad_shard, n, scale,
+               BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False, device=grad_shard.device)
 
 
-@torch.no_grad()
+_accumulate_grad_shards_op = register_op("accumulate_grad_shards", _accumulate_grad_shards,
+                                         mutates_args=("grad_shard",))
+
+
+@no_grad
 def accumulate_grad_shards(reduced: torch.Tensor, grad_shard: torch.Tensor, scale: float) -> None:
     """grad_shard (fp32 [N]) += reduced ([N], reduce_dtype) * scale. One launch."""
     check_tensor("accumulate_grad_shards", "reduced", reduced, dtypes=FLOAT_DTYPES, ndim=1)
     check_tensor("accumulate_grad_shards", "grad_shard", grad_shard, dtypes=(torch.float32,),
-                 shape=tuple(reduced.shape), device=reduced.device)
-    check(math.isfinite(scale), f"accumulate_grad_shards: scale must be finite, got {scale}")
-    _accumulate_grad_shards_op(reduced, grad_shard, float(scale))
+                 shape=reduced.shape, device=reduced.device)
+    if not math.isfinite(scale):
+        fail(f"accumulate_grad_shards: scale must be finite, got {scale}")
+    call(_accumulate_grad_shards_op, _accumulate_grad_shards, reduced, grad_shard, float(scale))
 
 
 __all__ = ["pack_grads", "pack_grads_ref", "accumulate_grad_shards", "accumulate_grad_shards_ref"]

@@ -1,0 +1,29 @@
+"""Triton kernels for hybrid-sharded training, each with a torch reference.
+
+Every public function validates its inputs, then runs the Triton kernel when
+`kernels.backend.use_triton(...)` says so (CUDA tensors under the default
+`auto` backend) and the torch reference otherwise. Each is also registered as a
+`torch.library` custom op in the `hsdp_kernels` namespace, so torch.compile
+sees one opaque op per call. Importing this package launches nothing and does
+not need CUDA or a working triton.
+"""
+
+from kernels.backend import get_backend, set_backend, use_triton
+from kernels.outer import compute_delta, outer_step
+from kernels.pack import pack_shards, unpack_full
+from kernels.quant import dequantize_mean, quantize_int8
+from kernels.reduce import accumulate_grad_shards, pack_grads
+
+__all__ = [
+    "set_backend",
+    "get_backend",
+    "use_triton",
+    "pack_shards",
+    "unpack_full",
+    "pack_grads",
+    "accumulate_grad_shards",
+    "compute_delta",
+    "outer_step",
+    "quantize_int8",
+    "dequantize_mean",
+]

@@ -1,0 +1,137 @@
+"""Benchmark every kernel at the size of one real unit: `python -m kernels.bench`.
+
+The `7b` unit is one transformer block of a 7B model (d=4096, ffn=11008,
+~202M params) sharded over S=8; `small` is d=1024, ffn=2816. Prints a markdown
+table: time, achieved GB/s (bytes read + written / time), % of the device's
+measured copy bandwidth (`dst.copy_(src)`), and on CUDA the speedup of the
+Triton kernel over the torch reference. Without a GPU only the torch
+references are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+
+import kernels
+from kernels import backend
+
+UNITS = {"small": (1024, 2816), "7b": (4096, 11008)}  # (d_model, d_ffn) of one transformer block
+KERNELS = ("pack", "unpack", "pack_grads", "accumulate", "delta", "outer", "quantize", "dequantize")
+S = 8  # shard-group size (one node)
+M = 4  # sync-group size for dequantize_mean
+QBLOCK = 256  # int8 quantization block
+
+
+def block_shapes(d: int, ffn: int) -> list[tuple[int, ...]]:
+    """Params of one llama-style block: q, k, v, o, w1, w3, w2, two norms."""
+    return [(d, d)] * 4 + [(ffn, d), (ffn, d), (d, ffn), (d,), (d,)]
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Time of fn in ms: do_bench's median on CUDA; on CPU the best of a perf_counter loop
+    (CPU boxes are often shared, and the minimum is the least noisy estimate)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    fn()  # warm up
+    times = []
+    start = time.perf_counter()
+    while len(times) < 5 or (len(times) < 50 and time.perf_counter() - start < 1.0):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """GB/s of dst.copy_(src) for a large fp32 buffer (bytes read + written)."""
+    n = (256 if device.type == "cuda" else 64) * 2**20
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device)
+    return 2 * n * 4 / ms / 1e6
+
+
+def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable[[], object]]]:
+    """kernel name -> (size label, bytes moved, call)."""
+    shapes = block_shapes(*UNITS[size])
+    sizes = [-(-s[0] // S) * (s[1] if len(s) > 1 else 1) for s in shapes]
+    N = sum(sizes)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    nb = -(-N // QBLOCK)
+    bf16, f32 = torch.bfloat16, torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int, dtype: torch.dtype = f32) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
+
+    label = f"N={N / 1e6:.1f}M"
+    held, shard_bf16, full = randn(N), torch.empty(N, dtype=bf16, device=device), randn(N)
+    gathered, unpacked = randn(S, N, dtype=bf16), torch.empty(S * N, dtype=bf16, device=device)
+    grads = [randn(*s, dtype=bf16) for s in shapes]
+    rs_in = torch.empty(S, N, dtype=f32, device=device)
+    mom, delta, out = randn(N), randn(N) * 1e-3, torch.empty(N, device=device)
+    q = torch.randint(-127, 128, (M, N), dtype=torch.int8, device=device, generator=g)
+    scales = torch.rand(M, nb, device=device, generator=g)
+    return {
+        "pack": (f"{label} fp32→bf16", N * (4 + 2), lambda: kernels.pack_shards(held, shard_bf16)),
+        "unpack": (f"S={S}, {label} bf16", 2 * S * N * 2, lambda: kernels.unpack_full(gathered, sizes, unpacked)),
+        "pack_grads": (f"{len(shapes)} grads bf16→fp32, S={S}", numel * 2 + S * N * 4,
+                       lambda: kernels.pack_grads(grads, sizes, rs_in, 1.0 / S)),
+        "accumulate": (f"{label} fp32", 3 * N * 4, lambda: kernels.accumulate_grad_shards(held, full, 1.0 / S)),
+        "delta": (f"{label}", 3 * N * 4, lambda: kernels.compute_delta(full, held, out)),
+        "outer": (f"{label} nesterov", 6 * N * 4,
+                  lambda: kernels.outer_step(held, full, mom, delta, 0.7, 0.9, True, False)),
+        "quantize": (f"{label}, block {QBLOCK}", N * 4 + N + nb * 4, lambda: kernels.quantize_int8(held, QBLOCK)),
+        "dequantize": (f"M={M}, {label}", M * (N + nb * 4) + N * 4,
+                       lambda: kernels.dequantize_mean(q, scales, QBLOCK, out)),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(UNITS), help="unit size (default: 7b on CUDA, small on CPU)")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {','.join(KERNELS)}")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    args = parser.parse_args(argv)
+    names = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = [k for k in names if k not in KERNELS]
+    if unknown:
+        parser.error(f"unknown kernels {unknown}; choose from {','.join(KERNELS)}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    size = args.size or ("7b" if device.type == "cuda" else "small")
+    gpu = device.type == "cuda" and backend.HAVE_TRITON
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    copy_bw = copy_bandwidth(device)
+    d, ffn = UNITS[size]
+    print(f"device: {name}; copy bandwidth {copy_bw:.0f} GB/s; torch {torch.__version__}")
+    print(f"unit: one transformer block, d={d}, ffn={ffn}, S={S}")
+    if not gpu:
+        print("Triton kernels need a GPU: timing the torch references only.")
+    print()
+    print("| kernel | size | time (ms) | GB/s | % of copy | torch ref (ms) | speedup |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    table = cases(size, device)
+    for k in names:
+        label, nbytes, fn = table[k]
+        backend.set_backend("torch")
+        ref_ms = time_ms(fn, device)
+        if gpu:
+            backend.set_backend("triton")
+            ms = time_ms(fn, device)
+            speedup = f"{ref_ms / ms:.2f}x"
+        else:
+            ms, speedup = ref_ms, "–"
+        gbs = nbytes / ms / 1e6
+        print(f"| {k} | {label} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% | {ref_ms:.3f} | {speedup} |")
+    backend.set_backend("auto")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Multi-process checks of the engine's internals, run as `python -m tests.engine_workers NAME WORLD OUT`.
+
+Each check spawns WORLD gloo ranks (shard group = all of them), compares the
+engine against plain torch computed on every rank, and writes `OUT/rank{r}.json`;
+the pytest side runs this with a timeout and reads the files.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def _mesh(world: int):
+    from hsdp.mesh import build_mesh
+
+    return build_mesh(1, world, torch.device("cpu"))
+
+
+def _toy_units() -> nn.ModuleList:
+    """Units with params smaller than the shard count (bias of 3) and dims that do not divide 4."""
+    torch.manual_seed(0)
+    return nn.ModuleList([nn.Linear(5, 3), nn.Sequential(nn.Linear(3, 257), nn.Tanh()), nn.Linear(257, 7, bias=False),
+                          nn.LayerNorm(7)])
+
+
+def check_odd_shapes(rank: int, world: int) -> dict:
+    """Grads and SGD updates of the sharded engine equal plain torch on the full batch."""
+    from hsdp.shard import HSDPModel
+
+    mesh = _mesh(world)
+    units = _toy_units()
+    ref = copy.deepcopy(units)
+    engine = HSDPModel(units, mesh)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    x_all = torch.randn(world * 3, 5)
+    x = x_all[rank * 3: (rank + 1) * 3]
+    errs = []
+    for _ in range(3):
+        engine(x).pow(2).mean().backward()
+        opt.step()
+        engine.zero_grad()
+        out = x_all
+        for u in ref:
+            out = u(out)
+        out.pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = engine.full_state_dict()
+    for name, p in ref.named_parameters():
+        errs.append(float((full["units." + name] - p.detach()).abs().max() / p.detach().abs().max()))
+    held_rows = {n: list(p.shape) for n, p in engine.named_parameters()}
+    return {"max_rel_err": max(errs), "errs": errs, "held_shapes": held_rows}
+
+
+def check_release(rank: int, world: int) -> dict:
+    """After a unit's forward (and after backward) its full params hold no storage."""
+    from hsdp.config import ModelConfig
+    from hsdp.model import build_model
+    from hsdp.shard import HSDPModel
+
+    mesh = _mesh(world)
+    model = build_model(ModelConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16), 0)
+    engine = HSDPModel(model.units, mesh)
+    seen_during_forward, full_views = [], []
+    # While unit i runs: its own full storage size, and the earlier units' (released) sizes.
+    for i, unit in enumerate(engine.units):
+        unit.module.register_forward_hook(
+            lambda mod, inp, out, i=i: seen_during_forward.append(
+                (i, engine.units[i].full_flat.untyped_storage().nbytes(),
+                 [engine.units[j].full_flat.untyped_storage().nbytes() for j in range(i)])))
+        # Keep the very full-param tensors the module computed with.
+        unit.module.register_forward_hook(
+            lambda mod, inp, out, i=i: full_views.extend(s.owner._parameters[s.attr] for s in engine.units[i].specs))
+    logits = engine(torch.randint(0, 256, (2, 8)))
+    after_forward = [u.full_flat.untyped_storage().nbytes() for u in engine.units]
+    # The full params the module computed with now have no storage behind them.
+    view_bytes = [t.untyped_storage().nbytes() for t in full_views]
+    logits.float().logsumexp(-1).mean().backward()
+    after_backward = [u.full_flat.untyped_storage().nbytes() for u in engine.units]
+    grad_nonzero = all(bool(u.grad_flat.abs().sum() > 0) for u in engine.units)
+    return {"during_forward": seen_during_forward, "after_forward": after_forward, "view_bytes": view_bytes,
+            "after_backward": after_backward, "grad_nonzero": grad_nonzero}
+
+
+def check_compile(rank: int, world: int) -> dict:
+    """torch.compile(fullgraph=True) of one sharded unit's forward+backward gives the eager grads."""
+    from hsdp.compile.ops import functional_unit_forward, register_comm
+    from hsdp.config import ModelConfig
+    from hsdp.model import Block
+    from hsdp.shard import HSDPModel
+
+    mesh = _mesh(world)
+    register_comm(mesh.comm)
+    torch.manual_seed(0)
+    block = Block(ModelConfig(seq_len=8, n_head=2, d_model=18))
+    engine = HSDPModel(nn.ModuleList([block]), mesh)
+    unit = engine.units[0]
+    torch.manual_seed(1 + rank)
+    x = torch.randn(2, 8, 18)
+    engine(x).pow(2).sum().backward()
+    eager = unit.grad_flat.clone()
+
+    held = unit.held_flat.detach().clone().requires_grad_(True)
+    compiled = torch.compile(lambda h, inp: functional_unit_forward(unit, h, inp), fullgraph=True,
+                             backend="aot_eager")
+    compiled(held, x).pow(2).sum().backward()
+    return {"max_abs_err": float((held.grad - eager).abs().max()), "grad_norm": float(eager.norm())}
+
+
+CHECKS = {"odd_shapes": check_odd_shapes, "release": check_release, "compile": check_compile}
+
+
+def _worker(rank: int, name: str, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = CHECKS[name](rank, world)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    name, world, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(name, world, port, out), nprocs=world, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()

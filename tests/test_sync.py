@@ -1,0 +1,265 @@
+"""Sync policies (DESIGN §2) on a 2×2 mesh against the independent reference in sync_reference.py.
+
+Every multi-process run goes through `run_train` (with a timeout) and is made once per module
+(`Runs` caches them). Cases:
+
+  average   warmup 3, every 4                      16 steps (last step not a sync)
+  diloco    warmup 3, every 4, η 0.7, μ 0.9         15 steps (last step 14 is a sync)
+  frag      diloco, fragments 2, every 4           16 steps
+  int8      diloco, int8, quant_block 64           16 steps
+  int8first average + int8, quant_block 64          7 steps (ends at the first sync)
+  sgd_w0    average, every 1, sgd, warmup 0        (linear: equals exact HSDP)
+  sgd_hsdp  warmup null (exact HSDP)
+  sgd_wall  warmup_steps = steps                   (equals sgd_hsdp bit for bit)
+
+Byte formula checked (per rank, sync group of M, shard group of S; N_u = Σ over the unit's
+params of ceil(d0/S)·prod(rest), the unit's held shard):
+  warmup grad sync per step   Σ_u 2·(M−1)·4·N_u // M                    (fp32 all_reduce)
+  fp32 param sync of unit u   2·(M−1)·4·N_u // M                        (all_reduce of Δ or θ)
+  int8 param sync of unit u   (M−1)·(N_u + 4·ceil(N_u/block))           (all_gather q and scales)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hsdp.config import load_config
+from hsdp.model import build_model
+from tests.helpers import SMALL, max_param_rel_err, rel_err, run_train
+from tests.sync_reference import (SyncReferenceResult, dequantize_int8, fragment_due, quantize_int8,
+                                  sync_reference_run)
+
+M, S = 2, 2
+MESH = [f"mesh.sync={M}", f"mesh.shard={S}"]
+TOL = 1e-5
+PERIODIC = ["sync.warmup_steps=3", "sync.every=4"]
+SGD = ["optim.name=sgd", "optim.momentum=0", "optim.lr=0.05", "optim.min_lr=0.005", "optim.grad_clip=0",
+       "run.steps=16"]
+
+CASES: dict[str, list[str]] = {
+    "average": [*PERIODIC, "run.steps=16"],
+    "diloco": [*PERIODIC, "run.steps=15", "sync.method=diloco", "sync.outer_lr=0.7", "sync.outer_momentum=0.9"],
+    "frag": [*PERIODIC, "run.steps=16", "sync.method=diloco", "sync.fragments=2"],
+    "int8": [*PERIODIC, "run.steps=16", "sync.method=diloco", "sync.quantize=int8", "sync.quant_block=64"],
+    "int8first": [*PERIODIC, "run.steps=7", "sync.quantize=int8", "sync.quant_block=64"],
+    "sgd_w0": [*SGD, "sync.warmup_steps=0", "sync.every=1"],
+    "sgd_hsdp": [*SGD, "sync.warmup_steps=null"],
+    "sgd_wall": [*SGD, "sync.warmup_steps=16", "sync.every=4"],
+}
+
+
+def overrides(case: str) -> list[str]:
+    return [*SMALL, *CASES[case]]
+
+
+class Runs:
+    """Each case's distributed run and reference, made on first use."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self._runs, self._refs = {}, {}
+
+    def run(self, case: str):
+        if case not in self._runs:
+            self._runs[case] = run_train(self.out, case, [*overrides(case), *MESH])
+        return self._runs[case]
+
+    def ref(self, case: str) -> SyncReferenceResult:
+        if case not in self._refs:
+            self._refs[case] = sync_reference_run(overrides(case), M, S)
+        return self._refs[case]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("sync"))
+
+
+def max_loss_rel_err(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def replica_gap(run) -> float:
+    """How far replica 1's params are from replica 0's (max relative over params)."""
+    return max_param_rel_err(run.params(1), run.params(0))
+
+
+# ---------------------------------------------------------------- the schedule and the reference itself
+def test_schedule_formula():
+    """DESIGN §2's formula, spelled out for the cases used here (a check of the reference's schedule)."""
+    due = lambda f, P, w=3, H=4, steps=16: [s for s in range(steps) if fragment_due(s, f, w, H, P)]  # noqa: E731
+    assert due(0, 1) == [6, 10, 14]
+    assert due(0, 2) == [4, 8, 12] and due(1, 2) == [6, 10, 14]
+    assert due(0, 1, w=0, H=1, steps=4) == [0, 1, 2, 3]
+    assert due(0, 1, w=None) == [] and due(0, 1, w=16) == []
+
+
+def test_reference_quantizer_rounds_half_away_from_zero():
+    # absmax 127 → scale exactly 1, so x/scale = x and the rounding is visible directly
+    x = torch.tensor([127.0, 2.5, -2.5, 0.5, -0.5, 0.49, 126.5, -1.5, 0.0, 0.0, 0.0, 0.0])
+    q, s = quantize_int8(x, 8)
+    assert s.tolist() == [1.0, 0.0]  # second block is all zero: scale 0, q 0
+    assert q.tolist() == [127, 3, -3, 1, -1, 0, 127, -2, 0, 0, 0, 0]
+    y = torch.tensor([-254.0, 1.0, 127.0, 3.0])  # scale 2: -127, round(0.5)=1, round(63.5)=64, round(1.5)=2
+    q, s = quantize_int8(y, 4)
+    assert s.tolist() == [2.0] and q.tolist() == [-127, 1, 64, 2]
+    assert torch.equal(dequantize_int8(q, s, 4), torch.tensor([-254.0, 2.0, 128.0, 4.0]))
+
+
+# ---------------------------------------------------------------- distributed run == reference
+@pytest.mark.parametrize("case", ["average", "diloco", "frag"])
+def test_matches_reference(runs: Runs, case: str):
+    run, ref = runs.run(case), runs.ref(case)
+    assert max_loss_rel_err(run.losses, ref.losses) <= TOL
+    for m in range(M):
+        err = max_param_rel_err(run.params(m), ref.params[m])
+        assert err <= TOL, f"{case}: replica {m} params differ from the reference by {err:.3g}"
+
+
+def test_int8_first_sync_matches_reference_up_to_rounding_ties(runs: Runs):
+    """average + int8, ending right after the first sync: exact up to int8 rounding-tie flips.
+
+    int8 rounding is discontinuous: a Δ_m that the engine and the reference hold ~1e-7 apart
+    (fp32 reduction order of the sharded grads, as in every other case) rounds to different
+    int8 values when x/scale sits within that noise of a .5 tie. Each such flip moves its element
+    by one int8 step of one replica (scale_m / M), about 1e-4 abs here, which alone is ~5e-5 of a
+    whole param's norm. So the check is element-wise: every element agrees to 1e-5 (relative,
+    per param) except a few, and each of those is at most one step off and was at a tie in the
+    reference.
+    """
+    run, ref = runs.run("int8first"), runs.ref("int8first")
+    assert ref.synced == [False] * 6 + [True]
+    assert max_loss_rel_err(run.losses, ref.losses) <= TOL
+    trace = ref.int8_trace[6]
+    total = flipped = 0
+    for m in range(M):
+        eng = run.params(m)
+        assert eng.keys() == ref.params[m].keys()
+        for name, (qstep, margin) in trace.items():
+            r = ref.params[m][name]
+            d = (eng[name] - r).abs()
+            flip = d > 0.1 * qstep  # η = 1, μ = 0: one flip moves θ by scale_m / M <= qstep
+            assert bool((d[flip] <= 1.1 * qstep[flip]).all()), f"{name}: off by more than one int8 step"
+            assert bool((margin[flip] <= 0.05).all()), \
+                f"{name}: int8 values differ where the reference is not near a rounding tie"
+            patched = torch.where(flip, r, eng[name])
+            assert rel_err(patched, r) <= TOL, f"{name}: {rel_err(patched, r):.3g} outside flipped elements"
+            total += d.numel()
+            flipped += int(flip.sum())
+    assert flipped <= 1e-3 * total, f"{flipped} of {total} elements differ by an int8 step"
+
+
+def test_int8_long_run_matches_reference(runs: Runs):
+    """Losses to 1e-5; params within 1e-3, well below the effect of quantizing at all.
+
+    After a rounding-tie flip (see the test above) the two runs' params differ by ~1e-4 relative
+    and Adam carries that on (measured 3.3e-4 at 16 steps), so 1e-5 cannot hold for params here.
+    The bound is kept meaningful by asserting it is < 0.3× the distance between the int8 and the
+    fp32 reference (3.2e-3); quantizing with the wrong shard layout moves params as far (3.4e-3).
+    """
+    run, ref = runs.run("int8"), runs.ref("int8")
+    assert max_loss_rel_err(run.losses, ref.losses) <= TOL
+    fp32 = sync_reference_run([o for o in overrides("int8") if not o.startswith("sync.quant")], M, S)
+    effect = max_param_rel_err(ref.params[0], fp32.params[0])
+    for m in range(M):
+        err = max_param_rel_err(run.params(m), ref.params[m])
+        assert err <= 1e-3 and err <= 0.3 * effect, (m, err, effect)
+
+
+# ---------------------------------------------------------------- linearity and warmup = whole run
+def test_average_every_step_with_sgd_equals_exact_hsdp(runs: Runs):
+    """SGD (momentum 0, no clipping) is linear: averaging params every step = averaging grads."""
+    w0, hsdp = runs.run("sgd_w0"), runs.run("sgd_hsdp")
+    assert all(m["synced"] for m in w0.metrics)
+    assert max_loss_rel_err(w0.losses, hsdp.losses) <= TOL
+    for m in range(M):
+        assert max_param_rel_err(w0.params(m), hsdp.params(m)) <= TOL
+    assert max_param_rel_err(hsdp.params(0), runs.ref("sgd_hsdp").params[0]) <= TOL
+
+
+def test_warmup_covering_the_run_is_exact_hsdp_bit_for_bit(runs: Runs):
+    wall, hsdp = runs.run("sgd_wall"), runs.run("sgd_hsdp")
+    assert wall.losses == hsdp.losses
+    assert [m["sync_bytes"] for m in wall.metrics] == [m["sync_bytes"] for m in hsdp.metrics]
+    assert not any(m["synced"] for m in wall.metrics)
+    for m in range(M):
+        a, b = wall.params(m), hsdp.params(m)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- synced flags and sync bytes
+def unit_sizes(case: str) -> list[int]:
+    """N_u: elements of one rank's held shard of each unit."""
+    model = build_model(load_config(None, overrides(case)).model, 0)
+    return [sum(math.ceil(p.shape[0] / S) * math.prod(p.shape[1:]) for p in unit.parameters())
+            for unit in model.units]
+
+
+def fp32_all_reduce_bytes(n: int) -> int:
+    return 2 * (M - 1) * 4 * n // M
+
+
+def int8_sync_bytes(n: int, block: int) -> int:
+    return (M - 1) * (n + 4 * math.ceil(n / block))
+
+
+def expected_sync_bytes(case: str) -> list[int]:
+    """Bytes this rank sends on the sync group at each step (DESIGN §2 schedule, formula above)."""
+    cfg = load_config(None, overrides(case))
+    sc = cfg.sync
+    sizes = unit_sizes(case)
+    out = []
+    for s in range(cfg.run.steps):
+        b = sum(fp32_all_reduce_bytes(n) for n in sizes) if sc.warmup_steps is None or s < sc.warmup_steps else 0
+        for f in range(sc.fragments):
+            if fragment_due(s, f, sc.warmup_steps, sc.every, sc.fragments):
+                for u in range(f, len(sizes), sc.fragments):
+                    b += (int8_sync_bytes(sizes[u], sc.quant_block) if sc.quantize == "int8"
+                          else fp32_all_reduce_bytes(sizes[u]))
+        out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("case", ["average", "diloco", "frag", "int8", "sgd_w0", "sgd_hsdp"])
+def test_synced_flags_and_sync_bytes(runs: Runs, case: str):
+    run, ref = runs.run(case), runs.ref(case)
+    metrics = run.metrics
+    assert [m["step"] for m in metrics] == list(range(len(ref.synced)))
+    assert [m["synced"] for m in metrics] == ref.synced
+    cum = [m["sync_bytes"] for m in metrics]
+    per_step = [b - a for a, b in zip([0, *cum], cum)]
+    assert per_step == expected_sync_bytes(case)
+    assert run.summary["sync_bytes"] == cum[-1]
+
+
+def test_synced_steps_follow_the_formula(runs: Runs):
+    steps = lambda case: [m["step"] for m in runs.run(case).metrics if m["synced"]]  # noqa: E731
+    assert steps("average") == [6, 10, 14]
+    assert steps("diloco") == [6, 10, 14]
+    assert steps("frag") == [4, 6, 8, 10, 12, 14]  # fragment 0 after 4, 8, 12; fragment 1 after 6, 10, 14
+
+
+def test_int8_sync_sends_about_a_quarter_of_fp32(runs: Runs):
+    def per_sync(case):
+        m = runs.run(case).metrics
+        return m[6]["sync_bytes"] - m[5]["sync_bytes"]  # the first sync (after step 6)
+    ratio = per_sync("int8") / per_sync("diloco")
+    assert 0.25 <= ratio <= 0.3, ratio  # (1 + 4/64)/4 = 0.266 with block 64 on M = 2
+
+
+# ---------------------------------------------------------------- replicas agree right after a sync only
+def test_replicas_identical_after_sync_and_different_between(runs: Runs):
+    for case in ("diloco", "int8first"):  # last step is a sync
+        run = runs.run(case)
+        assert run.metrics[-1]["synced"]
+        a, b = run.params(0), run.params(1)
+        assert all(torch.equal(a[k], b[k]) for k in a), case
+    for case in ("average", "frag", "int8"):  # last step is not a sync
+        run = runs.run(case)
+        assert not run.metrics[-1]["synced"]
+        assert replica_gap(run) > 1e-4, case
