@@ -2,7 +2,8 @@
 
 `auto` (default) runs Triton on CUDA tensors and the torch reference on CPU.
 `triton` forces the kernels; on CPU tensors they run in the Triton interpreter,
-which needs ``TRITON_INTERPRET=1`` (tests use this). `torch` forces the
+which needs ``TRITON_INTERPRET=1`` set before triton is first imported (tests
+use this). `torch` forces the
 references. The environment variable ``HSDP_KERNELS_BACKEND`` sets the initial
 choice.
 
@@ -12,7 +13,6 @@ even where triton is missing, so ``import kernels`` works on any CPU machine.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, Callable
 
@@ -83,29 +83,34 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         return HAVE_TRITON and on_cuda
     if not HAVE_TRITON:
         raise RuntimeError(f"kernels backend 'triton' needs an importable triton ({_TRITON_ERROR})")
-    if not on_cuda and not interpreting():
+    if not on_cuda and not (interpreting() and _set_up_for_interpreter()):
         raise RuntimeError(
-            "kernels backend 'triton' on CPU tensors runs the Triton interpreter, which needs the "
-            "environment variable TRITON_INTERPRET=1; set it, or use backend 'auto' or 'torch' on CPU"
+            "kernels backend 'triton' on CPU tensors runs the Triton interpreter, which needs "
+            "TRITON_INTERPRET=1 in the environment before triton and kernels are first imported "
+            "(triton reads it when it defines kernels; in tests set it at the top of the module "
+            "or in tests/conftest.py); or use backend 'auto' or 'torch' on CPU"
         )
     return True
 
 
-@functools.cache
-def _interpreted(kernel: Any) -> Any:
-    # @triton.jit decides compiled-vs-interpreted when the module is imported. If
-    # `kernels` was imported before TRITON_INTERPRET=1 was set (e.g. another test
-    # module imported it first), re-wrap the same source now that it is set.
-    return triton.jit(kernel.fn)
+if HAVE_TRITON:
+
+    @triton.jit
+    def _probe():
+        pass
+
+
+def _set_up_for_interpreter() -> bool:
+    # @triton.jit picks compiled or interpreted when a function is defined: at import
+    # for our kernels and for triton's own library (tl.max, tl.zeros, ...). Both must
+    # have been defined while TRITON_INTERPRET=1 for the interpreter to run them.
+    return not isinstance(_probe, triton.runtime.JITFunction) and not isinstance(tl.max, triton.runtime.JITFunction)
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, device: torch.device, **meta: Any) -> None:
-    """Launch `kernel[grid](*args, **meta)` on `device` (interpreted on CPU)."""
-    if device.type == "cuda":
-        if device.index is not None and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                kernel[grid](*args, **meta)
-            return
-    elif isinstance(kernel, triton.runtime.JITFunction):
-        kernel = _interpreted(kernel)
-    kernel[grid](*args, **meta)
+    """Launch `kernel[grid](*args, **meta)` on `device`'s GPU (or in the interpreter on CPU)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     copy_bw = copy_bandwidth(device)
     d, ffn = UNITS[size]
-    print(f"device: {name}; copy bandwidth {copy_bw:.0f} GB/s; torch {torch.__version__}")
+    threads = "" if device.type == "cuda" else f", {torch.get_num_threads()} threads"
+    print(f"device: {name}{threads}; copy bandwidth {copy_bw:.0f} GB/s; torch {torch.__version__}")
     print(f"unit: one transformer block, d={d}, ffn={ffn}, S={S}")
     if not gpu:
         print("Triton kernels need a GPU: timing the torch references only.")

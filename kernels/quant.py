@@ -18,6 +18,7 @@ from kernels.backend import launch, tl, triton, use_triton
 
 _TILE = 4096  # elements per program (several quant blocks when block is small)
 _BLOCK = 4096
+MAX_BLOCK = 16384  # one quant block is one register tile row in the kernel
 
 
 def _next_pow2(x: int) -> int:
@@ -97,8 +98,8 @@ def _(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize fp32 x [n] to (q int8 [n], scales fp32 [ceil(n/block)]), one scale per block. One launch."""
     check_tensor("quantize_int8", "x", x, dtypes=(torch.float32,), ndim=1)
-    if not isinstance(block, int) or block < 1:
-        fail(f"quantize_int8: block must be an int >= 1, got {block!r}")
+    if not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
+        fail(f"quantize_int8: block must be an int in [1, {MAX_BLOCK}], got {block!r}")
     return call(_quantize_int8_op, _quantize_int8, x, block)
 
 
@@ -107,7 +108,7 @@ def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 
 @triton.jit
 def _dequantize_mean_kernel(q_ptr, scale_ptr, out_ptr, n, nb, block, M, M_f, BLOCK: tl.constexpr):
-    # n < 2**31 is checked on the host, so int32 offsets suffice (and keep the division cheap)
+    # n + BLOCK < 2**31 is checked on the host, so int32 offsets suffice (and keep the division cheap)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     blk = offs // block
@@ -154,8 +155,8 @@ def dequantize_mean(q: torch.Tensor, scales: torch.Tensor, block: int, out: torc
         fail(f"dequantize_mean: block must be an int >= 1, got {block!r}")
     check_tensor("dequantize_mean", "q", q, dtypes=(torch.int8,), ndim=2)
     M, n = q.shape
-    if M < 1 or n >= 2**31:
-        fail(f"dequantize_mean: q must have M >= 1 rows of n < 2**31 elements, got {tuple(q.shape)}")
+    if M < 1 or n + _BLOCK >= 2**31:
+        fail(f"dequantize_mean: q must have M >= 1 rows of n < 2**31 - {_BLOCK} elements, got {tuple(q.shape)}")
     nb = -(-n // block)
     check_tensor("dequantize_mean", "scales", scales, dtypes=(torch.float32,), shape=(M, nb), device=q.device)
     check_tensor("dequantize_mean", "out", out, dtypes=(torch.float32,), shape=(n,), device=q.device)

@@ -127,23 +127,27 @@ def test_int8_first_sync_matches_reference_up_to_rounding_ties(runs: Runs):
     int8 rounding is discontinuous: a Δ_m that the engine and the reference hold ~1e-7 apart
     (fp32 reduction order of the sharded grads, as in every other case) rounds to different
     int8 values when x/scale sits within that noise of a .5 tie. Each such flip moves its element
-    by one int8 step of one replica (scale_m / M), about 1e-4 abs here, which alone is ~5e-5 of a
-    whole param's norm. So the check is element-wise: every element agrees to 1e-5 (relative,
+    by one int8 step of one replica (scale_m / M), ~5e-5 abs here, which alone is 3e-5–8e-5 of a
+    whole param's norm (measured: 8 flips in 50400 elements, each at a tie margin < 1e-3). So the check is element-wise: every element agrees to 1e-5 (relative,
     per param) except a few, and each of those is at most one step off and was at a tie in the
     reference.
     """
     run, ref = runs.run("int8first"), runs.ref("int8first")
     assert ref.synced == [False] * 6 + [True]
     assert max_loss_rel_err(run.losses, ref.losses) <= TOL
-    trace = ref.int8_trace[6]
+    check_equal_up_to_int8_ties([run.params(m) for m in range(M)], ref, 6)
+
+
+def check_equal_up_to_int8_ties(params: list[dict[str, torch.Tensor]], ref: SyncReferenceResult, step: int) -> None:
+    """Right after an int8 sync with η = 1, μ = 0 (where one flip moves θ by scale_m / M <= quant_step)."""
+    trace = ref.int8_trace[step]
     total = flipped = 0
-    for m in range(M):
-        eng = run.params(m)
-        assert eng.keys() == ref.params[m].keys()
+    for m, eng in enumerate(params):
+        assert eng.keys() == ref.params[m].keys() == trace.keys()
         for name, (qstep, margin) in trace.items():
             r = ref.params[m][name]
             d = (eng[name] - r).abs()
-            flip = d > 0.1 * qstep  # η = 1, μ = 0: one flip moves θ by scale_m / M <= qstep
+            flip = d > 0.1 * qstep + 1e-6 * float(r.abs().max())
             assert bool((d[flip] <= 1.1 * qstep[flip]).all()), f"{name}: off by more than one int8 step"
             assert bool((margin[flip] <= 0.05).all()), \
                 f"{name}: int8 values differ where the reference is not near a rounding tie"
@@ -158,7 +162,8 @@ def test_int8_long_run_matches_reference(runs: Runs):
     """Losses to 1e-5; params within 1e-3, well below the effect of quantizing at all.
 
     After a rounding-tie flip (see the test above) the two runs' params differ by ~1e-4 relative
-    and Adam carries that on (measured 3.3e-4 at 16 steps), so 1e-5 cannot hold for params here.
+    and Adam carries that on (measured 1.7e-4 and 3.3e-4 at 16 steps, in runs with different
+    kernel revisions), so 1e-5 cannot hold for params here.
     The bound is kept meaningful by asserting it is < 0.3× the distance between the int8 and the
     fp32 reference (3.2e-3); quantizing with the wrong shard layout moves params as far (3.4e-3).
     """
