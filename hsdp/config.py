@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -175,6 +176,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise bad
@@ -192,17 +195,16 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
+        try:
+            number = float(value) if isinstance(value, (int, float, str)) else None
+        except ValueError:
+            number = None
+        if number is None or not math.isfinite(number):
+            raise ConfigError(f"{key}: expected a finite float, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
+            return str(value)  # --set text arrives verbatim, so "2024-01-01" or "010" stay as typed
         raise bad
     raise bad
 
@@ -239,16 +241,12 @@ def _apply_mapping(cfg: Config, data: Any, origin: str) -> None:
             _set_value(cfg, f"{section}.{name}", value)
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """`section.key=value` → (key, value parsed as YAML scalar)."""
+def parse_override(text: str) -> tuple[str, str]:
+    """`section.key=value` → (key, raw text); the field's type decides how the text is read."""
     if "=" not in text:
         raise ConfigError(f"--set {text}: expected section.key=value")
     key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
+    return key.strip(), raw
 
 
 def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
@@ -308,7 +306,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     elif cfg.data.source == "text":
         if cfg.model.vocab_size < 256:
             raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
-        if not cfg.data.path or not glob.glob(os.path.expanduser(cfg.data.path)):
+        if not cfg.data.path or not any(os.path.isfile(p) for p in glob.glob(os.path.expanduser(cfg.data.path))):
             raise ConfigError(f"data.path: expected a text file or glob that matches files, got {cfg.data.path!r}")
     elif cfg.data.source == "tokens":
         if not cfg.data.path or not Path(cfg.data.path).expanduser().is_file():

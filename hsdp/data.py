@@ -119,9 +119,10 @@ class Data:
 
     def __init__(self, cfg: Config, rank: int, world: int) -> None:
         train, val = load_tokens(cfg)
-        head = np.asarray(train[: 1 << 20])  # a full scan of a large .bin would be slow
-        if len(head) and int(head.max()) >= cfg.model.vocab_size:
-            raise ValueError(f"data: token id {int(head.max())} >= model.vocab_size={cfg.model.vocab_size}")
+        for split, tokens in (("train", train), ("val", val)):
+            head = np.asarray(tokens[: 1 << 20])  # a full scan of a large .bin would be slow
+            if len(head) and int(head.max()) >= cfg.model.vocab_size:
+                raise ValueError(f"data: {split} token id {int(head.max())} >= model.vocab_size={cfg.model.vocab_size}")
         self.train = TokenStream(train, cfg.model.seq_len, cfg.run.seed)
         self.val = TokenStream(val, cfg.model.seq_len, cfg.run.seed + 1)
         self.rank, self.world = rank, world

@@ -26,10 +26,10 @@ def build_optimizer(named_params: list[tuple[str, nn.Parameter]], cfg: OptimConf
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Linear warmup to `lr` over `lr_warmup` steps, then cosine decay to `min_lr`."""
+    """Linear warmup to `lr` over `lr_warmup` steps, then cosine decay reaching `min_lr` at the last step."""
     if step < cfg.lr_warmup:
         return cfg.lr * (step + 1) / cfg.lr_warmup
-    span = max(1, total_steps - cfg.lr_warmup)
+    span = max(1, total_steps - 1 - cfg.lr_warmup)
     progress = min(1.0, (step - cfg.lr_warmup) / span)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 

@@ -106,8 +106,9 @@ def test_later_override_wins_and_file_values_are_overridden():
 
 def test_parse_override_splits_at_first_equals():
     assert parse_override("run.name=a=b") == ("run.name", "a=b")
-    assert parse_override(" run.steps =5") == ("run.steps", 5)
-    assert parse_override("wandb.entity=null") == ("wandb.entity", None)
+    # The raw text is kept; the field's type decides how it is read (see test_str_override_keeps_the_text).
+    assert parse_override(" run.steps =5") == ("run.steps", "5")
+    assert parse_override("wandb.entity=null") == ("wandb.entity", "null")
     assert parse_override("run.name=") == ("run.name", "")
 
 
@@ -123,7 +124,6 @@ BAD_OVERRIDES = [
     pytest.param(["optim.lr=fast"], "optim.lr", id="str-for-float"),
     pytest.param(["optim.lr=true"], "optim.lr", id="bool-for-float"),
     pytest.param(["run.save_model=maybe"], "run.save_model", id="str-for-bool"),
-    pytest.param(["run.name=[a, b]"], "run.name", id="list-for-str"),
     pytest.param(["sync.warmup_steps=soon"], "sync.warmup_steps", id="str-for-optional-int"),
     pytest.param(["run.steps=0"], "run.steps", id="steps-zero"),
     pytest.param(["optim.lr=0"], "optim.lr", id="lr-zero"),
@@ -276,25 +276,21 @@ def test_from_dict_rejects_unknown_key():
 
 
 # ------------------------------------------------------------------ known library bugs (see report)
-@pytest.mark.xfail(strict=True, reason="bug: NaN/inf pass the range checks in hsdp/config.py validate()")
 @pytest.mark.parametrize("override, key", [("optim.lr=nan", "optim.lr"), ("optim.lr=.inf", "optim.lr"),
                                            ("optim.min_lr=nan", "optim.min_lr")])
 def test_non_finite_values_rejected(override, key):
     assert key in one_line_error(load_config, TINY, [override])
 
 
-@pytest.mark.xfail(strict=True, reason="bug: validate() accepts a data.path glob that matches only directories")
 def test_text_path_matching_only_a_directory_is_rejected(tmp_path):
     assert "data.path" in one_line_error(load_config, TINY, ["data.source=text", f"data.path={tmp_path}"])
 
 
-@pytest.mark.xfail(strict=True, reason="bug: --set values for str fields are YAML-reinterpreted (dates, octal)")
 @pytest.mark.parametrize("name", ["2024-01-01", "010", "1.50"])
 def test_str_override_keeps_the_text(name):
     assert load_config(TINY, [f"run.name={name}"]).run.name == name
 
 
-@pytest.mark.xfail(strict=True, reason="bug: `--set run.save_model=1` is rejected though _coerce accepts '1'")
 def test_bool_override_accepts_1_and_0():
     assert load_config(TINY, ["run.save_model=1"]).run.save_model is True
     assert load_config(TINY, ["model.bias=0"]).model.bias is False

@@ -279,7 +279,6 @@ def test_tokens_source_rejects_ids_beyond_vocab(tmp_path):
         Data(cfg, 0, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Data checks only train tokens against vocab_size, not val.bin")
 def test_tokens_source_rejects_val_ids_beyond_vocab(tmp_path):
     path = write_bin(tmp_path / "train.bin", np.arange(2000) % 200)
     write_bin(tmp_path / "val.bin", np.arange(2000) % 300)

@@ -225,8 +225,6 @@ def test_lr_without_warmup_starts_at_peak():
     assert lr_at(49, cfg, 50) < 2e-3 * 0.01
 
 
-@pytest.mark.xfail(strict=True, reason="bug: hsdp/optim.py lr_at reaches min_lr at step total_steps, "
-                                       "one past the last step")
 @pytest.mark.parametrize("total, warmup", [(100, 10), (20, 0), (600, 30)])
 def test_lr_reaches_min_lr_at_the_last_step(total, warmup):
     cfg = OptimConfig(lr=1e-3, min_lr=1e-4, lr_warmup=warmup)
