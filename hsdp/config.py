@@ -314,12 +314,22 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     s = cfg.sync
     if s.fragments > 1 and s.every % s.fragments:
         raise ConfigError(f"sync.fragments: expected a divisor of sync.every={s.every}, got {s.fragments}")
+    if s.quant_block > 16384:  # kernels.quant.MAX_BLOCK: one block is one register-tile row
+        raise ConfigError(f"sync.quant_block: expected at most 16384, got {s.quant_block}")
     if s.outer_momentum is not None and s.outer_momentum >= 1:
         raise ConfigError(f"sync.outer_momentum: expected a value in [0, 1), got {s.outer_momentum}")
     periodic = s.warmup_steps is not None and s.warmup_steps < cfg.run.steps
     if periodic and cfg.mesh.engine != "hsdp":
         raise ConfigError(
             f"mesh.engine: periodic sync (sync.warmup_steps < run.steps) needs engine hsdp, got {cfg.mesh.engine!r}")
+    if cfg.kernels.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch  # only here: config parsing stays light otherwise
+
+        if not torch.cuda.is_available():
+            raise ConfigError("kernels.backend: triton needs a CUDA GPU (or TRITON_INTERPRET=1 to interpret "
+                              "the kernels on CPU); use auto or torch here")
+    if cfg.sync.method == "average" and (cfg.sync.outer_lr is not None or cfg.sync.outer_momentum is not None):
+        raise ConfigError("sync.outer_lr/outer_momentum: only used by sync.method=diloco, got method average")
     if world_size is not None and world_size != cfg.world_size:
         raise ConfigError(
             f"mesh: sync×shard = {cfg.mesh.sync}×{cfg.mesh.shard} = {cfg.world_size} does not match "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -265,14 +266,14 @@ class HSDPModel:
             s.owner._parameters[s.attr] = full  # plain tensor swap, as FSDP2 does
         if not torch.is_grad_enabled():
             return unit.module(x)
-        with saved_tensors_hooks(self._pack_saved, self._unpack_saved):
+        with saved_tensors_hooks(partial(self._pack_saved, unit), self._unpack_saved):
             return unit.module(x)
 
-    def _pack_saved(self, t: torch.Tensor):
-        """Replace a saved tensor that aliases a unit's full params by a marker (so release frees it)."""
-        for unit in self.units:
-            if unit.aliases_full(t):
-                return (unit, t.size(), t.stride(), t.storage_offset())
+    @staticmethod
+    def _pack_saved(unit: ShardedUnit, t: torch.Tensor):
+        """Replace a saved tensor that aliases the unit's full params by a marker (so release frees it)."""
+        if unit.aliases_full(t):
+            return (unit, t.size(), t.stride(), t.storage_offset())
         return t
 
     def _unpack_saved(self, packed):
