@@ -110,8 +110,6 @@ def train_worker(cfg: Config) -> None:
         logger.log(record)
         logger.progress(step, loss, tokens_per_step / step_times[-1])
 
-    if cfg.run.save_model:
-        save_replicas(cfg, engine, mesh)
     peak = torch.tensor([peak_memory_mb(mesh.device)])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     train_time = sum(step_times)
@@ -124,6 +122,8 @@ def train_worker(cfg: Config) -> None:
         "comm": mesh.comm.report(), "engine": cfg.mesh.engine, "world": mesh.world,
     })
     logger.close()
+    if cfg.run.save_model:  # after the summary, so its byte counts are the training traffic only
+        save_replicas(cfg, engine, mesh)
 
 
 def save_replicas(cfg: Config, engine, mesh: Mesh) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hsdp.mesh import Mesh
 from hsdp.shard import DTYPES
@@ -28,6 +29,10 @@ class FSDP2Model:
             fully_shard(unit, mesh=mesh.device_mesh, mp_policy=policy)
         self.module = fully_shard(model, mesh=mesh.device_mesh, mp_policy=policy)
         self.mesh = mesh
+        # FSDP2 issues its collectives itself; count them from the dispatcher for the same metrics.
+        # Entered for the whole run (forward and loss.backward()); it costs ~µs per op.
+        self._counting = CountCollectives(mesh.comm)
+        self._counting.__enter__()
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         return self.module(idx)
@@ -109,3 +114,31 @@ def _counted_allreduce_hook(comm, bucket: dist.GradBucket) -> torch.futures.Futu
     buf.div_(comm.size("world"))
     work = comm.all_reduce(buf, "world", async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the bytes of c10d collectives that pass the dispatcher, by group, with Comm's ring formula."""
+
+    OPS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
+
+    def __init__(self, comm) -> None:
+        super().__init__()
+        self.comm = comm
+        self.labels = {g.group_name: name for name, g in comm.groups.items() if g is not None}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = self.OPS.get(func._opname) if func.namespace == "c10d" else None
+        if op is not None:
+            self._count(op, args)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, op: str, args: tuple) -> None:
+        if op == "all_reduce":
+            tensors, pg = args[0], args[1]
+        else:
+            tensors, pg = [args[0] if op == "reduce_scatter" else args[1]], args[2]
+        group = dist.ProcessGroup.unbox(pg)
+        n = group.size()
+        label = self.labels.get(group.group_name, "other")
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.comm.count(label, op, 2 * (n - 1) * nbytes // n if op == "all_reduce" else (n - 1) * nbytes)

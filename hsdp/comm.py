@@ -57,10 +57,14 @@ class Comm:
     def size(self, group: str) -> int:
         return self.sizes[group]
 
+    def count(self, group: str, op: str, nbytes: int) -> None:
+        """Record one collective's bytes (also used for collectives issued by FSDP2 itself)."""
+        self.bytes[(group, op)] += nbytes
+        self.calls[(group, op)] += 1
+
     def _run(self, group: str, op: str, nbytes: int, fn, async_op: bool) -> _TimedWork:
         key = (group, op)
-        self.bytes[key] += nbytes
-        self.calls[key] += 1
+        self.count(group, op, nbytes)
         t0 = time.perf_counter()
         work = fn(async_op)
         self.seconds[key] += time.perf_counter() - t0

@@ -184,22 +184,33 @@ class ShardedUnit:
         return _PendingReduce(self, work, out)
 
 
-@dataclass
 class _PendingReduce:
-    """A launched reduce-scatter whose result still has to land in the grad shard."""
+    """A unit's grad reduction in flight: reduce-scatter, then (warmup) the sync all-reduce.
 
-    unit: ShardedUnit
-    work: object
-    out: torch.Tensor
+    Each stage is launched async and only waited on one unit later, so it
+    overlaps with the next unit's backward compute.
+    """
 
-    def finish(self) -> None:
-        """Wait, average across replicas when asked (warmup), post-divide, accumulate."""
+    def __init__(self, unit: ShardedUnit, work, out: torch.Tensor) -> None:
+        self.unit, self.work, self.out = unit, work, out
+        self.in_sync_group = False
+
+    def advance(self) -> bool:
+        """Wait for the current stage and start the next; True once the grad shard holds the result."""
         engine = self.unit.engine
         self.work.wait()
-        self.unit._rs_in = None
-        if engine.sync_grads:
-            self.unit.comm.all_reduce(self.out, "sync")
+        if not self.in_sync_group:
+            self.unit._rs_in = None  # the reduce-scatter input can go
+            if engine.sync_grads:  # average across replicas (exact HSDP / warmup)
+                self.work = self.unit.comm.all_reduce(self.out, "sync", async_op=True)
+                self.in_sync_group = True
+                return False
         accumulate_grad_shards(self.out, self.unit.grad_flat, 1.0 / engine.post_divide)
+        return True
+
+    def finish(self) -> None:
+        while not self.advance():
+            pass
 
 
 class _GatherFn(torch.autograd.Function):
@@ -299,10 +310,9 @@ class HSDPModel:
         unit.release()
         if not self.reduce_grads:
             return
-        # Finish the previous unit's reduction while this one's is in flight.
-        for pending in self._pending:
-            pending.finish()
-        self._pending = [unit.reduce_scatter_grads()]
+        # Move earlier units' reductions one stage on; this unit's reduce-scatter joins them.
+        self._pending = [p for p in self._pending if not p.advance()]
+        self._pending.append(unit.reduce_scatter_grads())
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:

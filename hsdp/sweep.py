@@ -1,6 +1,6 @@
 """Run an ablation sweep and print its results as a markdown table.
 
-    python -m hsdp.sweep configs/ablations/sync.yaml [--set key=value ...]
+    python -m hsdp.sweep configs/ablations/sync.yaml [--set key=value ...] [--only run,run]
 
 A sweep file names a base config, overrides shared by every run, and one list
 of overrides per run:
@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run an ablation sweep")
     p.add_argument("sweep")
     p.add_argument("--set", action="append", default=[], help="extra override for every run")
+    p.add_argument("--only", default="", help="comma-separated runs to (re)run; the others' existing "
+                                              "summaries are reused in the table")
     args = p.parse_args(argv)
     try:
         spec = load_sweep(args.sweep)
@@ -88,9 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    only = set(filter(None, args.only.split(",")))
+    if only - set(plans):
+        print(f"config error: --only: unknown runs {sorted(only - set(plans))} (expected: {', '.join(plans)})",
+              file=sys.stderr)
+        return 2
     summaries = {}
     for run, overrides in plans.items():
-        rc = run_one(spec["base"], overrides)
+        rc = run_one(spec["base"], overrides) if not only or run in only else 0
         path = cfgs[run].run_dir / "summary.json"
         summaries[run] = json.loads(path.read_text()) if rc == 0 and path.is_file() else {}
     md = table(name, spec, summaries)
