@@ -8,13 +8,15 @@ comparison is one flag. The interface the training loop uses:
     engine.clip_grad_norm_(max)      engine.zero_grad()           engine.full_state_dict()
 """
 
+import functools
+import inspect
+import threading
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hsdp.mesh import Mesh
 from hsdp.shard import DTYPES
@@ -29,10 +31,8 @@ class FSDP2Model:
             fully_shard(unit, mesh=mesh.device_mesh, mp_policy=policy)
         self.module = fully_shard(model, mesh=mesh.device_mesh, mp_policy=policy)
         self.mesh = mesh
-        # FSDP2 issues its collectives itself; count them from the dispatcher for the same metrics.
-        # Entered for the whole run (forward and loss.backward()); it costs ~µs per op.
+        # FSDP2 issues its collectives itself; count them too, for the same metrics.
         self._counting = CountCollectives(mesh.comm)
-        self._counting.__enter__()
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         return self.module(idx)
@@ -116,29 +116,53 @@ def _counted_allreduce_hook(comm, bucket: dist.GradBucket) -> torch.futures.Futu
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-class CountCollectives(TorchDispatchMode):
-    """Counts the bytes of c10d collectives that pass the dispatcher, by group, with Comm's ring formula."""
+class CountCollectives:
+    """Counts the collectives FSDP2 issues itself, by group, with Comm's ring formula.
 
-    OPS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
+    Wraps torch.distributed's collective entry points for the life of the run
+    (only collective calls pay for it, unlike a dispatch mode that sees every
+    op). hsdp.comm captured its own references at import, so our collectives
+    are not counted twice; a thread-local depth guard skips nested calls.
+    """
+
+    OPS = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+           "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+           "all_reduce": "all_reduce"}
 
     def __init__(self, comm) -> None:
-        super().__init__()
         self.comm = comm
         self.labels = {g.group_name: name for name, g in comm.groups.items() if g is not None}
+        self._depth = threading.local()
+        self._originals = {name: getattr(dist, name) for name in self.OPS if hasattr(dist, name)}
+        for name, fn in self._originals.items():
+            setattr(dist, name, self._wrap(name, fn))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        op = self.OPS.get(func._opname) if func.namespace == "c10d" else None
-        if op is not None:
-            self._count(op, args)
-        return func(*args, **(kwargs or {}))
+    def close(self) -> None:
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
 
-    def _count(self, op: str, args: tuple) -> None:
-        if op == "all_reduce":
-            tensors, pg = args[0], args[1]
-        else:
-            tensors, pg = [args[0] if op == "reduce_scatter" else args[1]], args[2]
-        group = dist.ProcessGroup.unbox(pg)
-        n = group.size()
+    def _wrap(self, name: str, fn):
+        op, sig = self.OPS[name], inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            if depth == 0:
+                self._count(op, sig.bind(*args, **kwargs).arguments)
+            self._depth.n = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+
+        return counted
+
+    def _count(self, op: str, a: dict) -> None:
+        group = a.get("group") or dist.group.WORLD
+        n = dist.get_world_size(group)
+        values = list(a.values())
+        # all_gather: (n−1)·input; reduce_scatter: (n−1)·output; all_reduce: 2(n−1)/n·tensor
+        t = values[1] if op == "all_gather" else values[0]
+        nbytes = t.numel() * t.element_size()
         label = self.labels.get(group.group_name, "other")
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.comm.count(label, op, 2 * (n - 1) * nbytes // n if op == "all_reduce" else (n - 1) * nbytes)
