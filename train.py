@@ -24,7 +24,7 @@ from hsdp.data import Data
 from hsdp.launch import WorkerError, launch
 from hsdp.mesh import Mesh, build_mesh
 from hsdp.metrics import MetricsLogger, peak_memory_mb
-from hsdp.model import build_model, loss_fn
+from hsdp.model import build_model, loss_fn, unit_initializer
 from hsdp.optim import build_optimizer, lr_at, set_lr
 from hsdp.shard import HSDPModel
 from hsdp.sync import SyncPolicy
@@ -33,12 +33,16 @@ from kernels.backend import set_backend
 
 def build_engine(cfg: Config, mesh: Mesh):
     """The model, wrapped by the engine the config asks for."""
+    if cfg.mesh.engine == "hsdp":  # built on meta, materialised and sharded one unit at a time
+        model = build_model(cfg.model, cfg.run.seed, materialize=False)
+        return HSDPModel(model.units, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype,
+                         cfg.mesh.prefetch, materialize=unit_initializer(cfg.model, cfg.run.seed))
     model = build_model(cfg.model, cfg.run.seed).to(mesh.device)
     if cfg.mesh.engine == "fsdp2":
         return FSDP2Model(model, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype)
     if cfg.mesh.engine == "ddp":
         return DDPModel(model, mesh)
-    return HSDPModel(model.units, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype, cfg.mesh.prefetch)
+    raise ValueError(f"unknown engine {cfg.mesh.engine!r}")  # unreachable: validate() checks the choice
 
 
 def world_mean(mesh: Mesh, value: torch.Tensor) -> float:

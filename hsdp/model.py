@@ -8,6 +8,7 @@ order, so any engine that wraps each unit sees the same computation.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -85,20 +86,10 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.units = nn.ModuleList([Embedding(cfg), *[Block(cfg) for _ in range(cfg.n_layer)], Head(cfg)])
-        self.reset_parameters()
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2·n_layer)."""
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif ".ln" in name:
-                p.fill_(1.0)
-            elif name.endswith("proj.weight"):
-                p.normal_(0.0, 0.02 / math.sqrt(2 * self.cfg.n_layer))
-            else:
-                p.normal_(0.0, 0.02)
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        for i, unit in enumerate(self.units):
+            init_unit(i, unit, self.cfg, generator)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = idx
@@ -107,11 +98,48 @@ class GPT(nn.Module):
         return x
 
 
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
-    """Deterministic init: the same seed gives the same weights on every rank."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return GPT(cfg)
+@torch.no_grad()
+def init_unit(index: int, unit: nn.Module, cfg: ModelConfig, generator: torch.Generator) -> None:
+    """GPT-2 init of one unit: N(0, 0.02), residual projections scaled by 1/sqrt(2·n_layer).
+
+    Units must be initialised in order with one generator: then unit-by-unit
+    init (see `unit_initializer`) gives exactly the weights of `build_model`.
+    """
+    for name, p in unit.named_parameters(prefix=f"units.{index}"):
+        if name.endswith("bias"):
+            p.zero_()
+        elif ".ln" in name:
+            p.fill_(1.0)
+        elif name.endswith("proj.weight"):
+            p.normal_(0.0, 0.02 / math.sqrt(2 * cfg.n_layer), generator=generator)
+        else:
+            p.normal_(0.0, 0.02, generator=generator)
+
+
+def build_model(cfg: ModelConfig, seed: int, materialize: bool = True) -> GPT:
+    """Deterministic init: the same seed gives the same weights on every rank.
+
+    `materialize=False` builds on the meta device (no memory); pair it with
+    `unit_initializer` to create and initialise one unit at a time.
+    """
+    if not materialize:
+        with torch.device("meta"):
+            return GPT(cfg)
+    with torch.random.fork_rng(devices=[]):  # module constructors draw from the global RNG
+        model = GPT(cfg)
+    model.reset_parameters(torch.Generator().manual_seed(seed))
+    return model
+
+
+def unit_initializer(cfg: ModelConfig, seed: int) -> Callable[[int, nn.Module], None]:
+    """fn(index, unit) that materialises a meta unit on CPU with `build_model`'s weights (call in order)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def materialize(index: int, unit: nn.Module) -> None:
+        unit.to_empty(device="cpu")
+        init_unit(index, unit, cfg, generator)
+
+    return materialize
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

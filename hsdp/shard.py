@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -91,8 +91,11 @@ def divide_factors(divisor: int) -> tuple[float, float]:
 class ShardedUnit:
     """One model unit: its held shard, full-param buffer and collectives."""
 
-    def __init__(self, index: int, prefix: str, module: nn.Module, engine: "HSDPModel") -> None:
+    def __init__(self, index: int, prefix: str, module: nn.Module, engine: "HSDPModel",
+                 materialize: Optional[Callable[[int, nn.Module], None]] = None) -> None:
         mesh = engine.mesh
+        if materialize is not None:  # meta-device unit: create its full params only now, one unit at a time
+            materialize(index, module)
         self.index, self.prefix, self.module, self.engine = index, prefix, module, engine
         self.S = mesh.shard_size
         self.comm: Comm = mesh.comm
@@ -234,12 +237,13 @@ class HSDPModel:
     """Runs a model's units with sharded params. Owns the units and the backward bookkeeping."""
 
     def __init__(self, units: nn.ModuleList, mesh: Mesh, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, materialize: Optional[Callable[[int, nn.Module], None]] = None) -> None:
         self.mesh = mesh
         self.param_dtype = DTYPES[param_dtype]
         self.reduce_dtype = DTYPES[reduce_dtype]
         self.prefetch = prefetch
-        self.units = [ShardedUnit(i, f"units.{i}.", m, self) for i, m in enumerate(units)]
+        # Units are sharded in order, so a meta model's full params exist for one unit at a time.
+        self.units = [ShardedUnit(i, f"units.{i}.", m, self, materialize) for i, m in enumerate(units)]
         self.sync_grads = True  # average grads across the sync group (exact HSDP / warmup)
         self.reduce_grads = True  # False on non-final micro-steps of gradient accumulation
         self._pending: list[_PendingReduce] = []

@@ -123,9 +123,8 @@ def test_sharded_peak_memory_below_unsharded(tmp_path: Path) -> None:
            "data.source=synthetic", "run.steps=2", "run.eval_every=0", "run.eval_batches=1", "wandb.mode=disabled"]
     sharded = run_train(tmp_path, "sharded", big + ["mesh.sync=1", "mesh.shard=4"]).summary["peak_mem_mb"]
     replicated = run_train(tmp_path, "replicated", big + ["mesh.sync=4", "mesh.shard=1"]).summary["peak_mem_mb"]
-    # Peak RSS also holds the interpreter, torch and the full model built before sharding, so the
-    # saving is smaller than 3/4 of params+grads+Adam state (~450 MB); measured here: ~100 MB.
-    assert sharded < replicated - 50, (sharded, replicated)
+    # 3/4 of params+grads+Adam state (~450 MB) minus transient full units; measured here: ~320 MB.
+    assert sharded < replicated - 200, (sharded, replicated)
 
 
 def test_bf16_params_train_close_to_fp32(tmp_path: Path) -> None:

@@ -257,3 +257,18 @@ def test_short_training_run_reduces_loss():
     with torch.no_grad():
         val = sum(loss_fn(model(x), y).item() for x, y in (data.val_batch(i) for i in range(2))) / 2
     assert val < initial - 0.5, f"val loss {val:.3f}"
+
+
+def test_unit_by_unit_init_equals_build_model():
+    """The engine's meta-device path (one unit materialised at a time) gives build_model's exact weights."""
+    from hsdp.model import unit_initializer
+
+    cfg = ModelConfig(vocab_size=256, seq_len=16, n_layer=3, n_head=2, d_model=32)
+    full = build_model(cfg, seed=7)
+    meta = build_model(cfg, seed=7, materialize=False)
+    assert all(p.is_meta for p in meta.parameters())
+    init = unit_initializer(cfg, seed=7)
+    for i, unit in enumerate(meta.units):
+        init(i, unit)
+    for (name, a), (_, b) in zip(full.named_parameters(), meta.named_parameters()):
+        assert torch.equal(a, b), name
