@@ -78,12 +78,6 @@ def launch(cfg: Config, worker: Worker) -> None:
     if torch.cuda.is_available() and world > torch.cuda.device_count() and cfg.mesh.backend != "gloo":
         raise ConfigError(f"mesh: sync×shard = {world} ranks but only {torch.cuda.device_count()} GPUs here; "
                           "use torchrun across nodes or mesh.backend=gloo")
-    if not torch.cuda.is_available():
-        # glibc keeps freed mid-size blocks in its heap, so peak RSS would count dead tensors; with every
-        # block >= 64 KiB mmapped, freed tensors go back to the OS and peak RSS tracks tensor memory
-        # (measured: sharded vs replicated 28M-param run 699 vs 1023 MB, instead of 1049 vs 1158 MB).
-        # Read by glibc at process start, so it reaches the spawned workers, not this process.
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     port = _free_port()
     if world == 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -51,14 +51,14 @@ class RunResult:
 
 
 def run_train(out_dir: Path, name: str, overrides: list[str], config: str | None = None,
-              timeout: float = 240, check: bool = True) -> RunResult:
+              timeout: float = 240, check: bool = True, env: dict[str, str] | None = None) -> RunResult:
     """`python train.py [--config] --set ...` in a subprocess; a hang fails after `timeout` seconds."""
     cmd = [sys.executable, str(REPO / "train.py")]
     if config:
         cmd += ["--config", str(REPO / config)]
     for o in [*overrides, f"run.out_dir={out_dir}", f"run.name={name}", "mesh.timeout_s=60"]:
         cmd += ["--set", o]
-    env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     result = RunResult(proc.returncode, proc.stderr, out_dir / name)
     if check and proc.returncode != 0:

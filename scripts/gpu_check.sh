@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The checks only a GPU can do, as one script for a lent device (see README "Results" → Kernels):
+#   1. python -m kernels.bench --size 7b   (Triton compiled for real vs the torch references)
+#   2. the engine on one CUDA GPU with kernels.backend=triton vs torch (bf16 params, int8 DiLoCo):
+#      same losses = the compiled kernels compute what the references compute.
+# Usage on the device: bash scripts/gpu_check.sh   (writes to $OUT, default /tmp/gpu_check)
+set -euo pipefail
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export HSDP_NO_BAR=1
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+python -m kernels.bench --size 7b | tee "$OUT/bench.md"
+common=(--config configs/tiny.yaml --set mesh.sync=1 --set mesh.shard=1 --set wandb.mode=disabled
+        --set run.steps=60 --set precision.param_dtype=bf16 --set sync.warmup_steps=10 --set sync.every=8
+        --set sync.method=diloco --set sync.quantize=int8 --set run.out_dir="$OUT")
+python train.py "${common[@]}" --set kernels.backend=triton --set run.name=triton
+python train.py "${common[@]}" --set kernels.backend=torch --set run.name=torch
+python - "$OUT" <<'PY' | tee "$OUT/engine_check.txt"
+import json, sys
+out = sys.argv[1]
+runs = {n: [json.loads(l) for l in open(f"{out}/{n}/metrics.jsonl")] for n in ("triton", "torch")}
+a, b = [m["loss"] for m in runs["triton"]], [m["loss"] for m in runs["torch"]]
+err = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+for n in runs:
+    s = json.load(open(f"{out}/{n}/summary.json"))
+    print(f"{n}: final loss {a[-1] if n == 'triton' else b[-1]:.4f}, median step {s['median_step_time_s']*1e3:.1f} ms")
+print(f"max relative loss difference triton vs torch: {err:.2e} ({'OK' if err < 1e-3 else 'MISMATCH'})")
+PY
