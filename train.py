@@ -101,7 +101,7 @@ def train_worker(cfg: Config) -> None:
 
         last = step == cfg.run.steps - 1
         eval_now = last or (cfg.run.eval_every > 0 and (step + 1) % cfg.run.eval_every == 0)
-        if not (eval_now or last or step % cfg.run.log_every == 0):
+        if not (eval_now or step % cfg.run.log_every == 0):
             continue
         record = {"step": step, "loss": world_mean(mesh, step_loss), "lr": lr,
                   "tokens": (step + 1) * tokens_per_step, "step_time_s": step_times[-1],
@@ -114,8 +114,8 @@ def train_worker(cfg: Config) -> None:
         logger.log(record)
         logger.progress(step, loss, tokens_per_step / step_times[-1])
 
-    peak = torch.tensor([peak_memory_mb(mesh.device)])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak = torch.tensor([peak_memory_mb(mesh.device)], device=mesh.device)  # nccl needs it on the GPU
+    mesh.comm.all_reduce(peak, "world", op=dist.ReduceOp.MAX)
     train_time = sum(step_times)
     logger.summary({
         "final_loss": loss, "final_val_loss": val_loss, "steps": cfg.run.steps,
