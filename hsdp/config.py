@@ -144,7 +144,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kernels.backend": ("auto", "triton", "torch"),
     "wandb.mode": ("offline", "online", "disabled"),
 }
-# key -> (lower bound, inclusive?)
+# Range rules by key: integers >= 1, values >= 0 (null allowed where the field is optional), values > 0.
 AT_LEAST_ONE = [
     "run.steps", "run.log_every", "run.eval_batches", "model.vocab_size", "model.seq_len",
     "model.n_layer", "model.n_head", "model.d_model", "data.batch_size", "mesh.sync",

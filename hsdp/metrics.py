@@ -17,10 +17,6 @@ from tqdm import tqdm
 
 from hsdp.config import Config, to_dict
 
-METRIC_FIELDS = ("step", "loss", "lr", "tokens", "step_time_s", "shard_bytes", "sync_bytes", "peak_mem_mb",
-                 "synced")
-
-
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory of this rank: CUDA allocator peak on GPU, peak RSS of the process on CPU."""
     if device.type == "cuda":

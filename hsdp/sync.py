@@ -16,7 +16,7 @@ Param sync of a fragment, per unit's held shard θ_m (fp32):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -45,8 +45,7 @@ class _OuterState:
     """θ_g and outer momentum b for one unit's held shard."""
 
     global_params: torch.Tensor
-    momentum: torch.Tensor = field(default=None)  # allocated on the first sync
-    syncs: int = 0
+    momentum: Optional[torch.Tensor] = None  # allocated on the first sync
 
 
 class SyncPolicy:
@@ -98,7 +97,6 @@ class SyncPolicy:
         if first:
             state.momentum = torch.empty_like(held)
         outer_step(held, state.global_params, state.momentum, delta, self.lr, self.mu, self.cfg.nesterov, first)
-        state.syncs += 1
 
     def average_delta(self, delta: torch.Tensor) -> None:
         """delta ← mean over replicas of delta, in fp32 or via int8 + per-block scales."""

@@ -9,7 +9,7 @@ import torch
 
 from hsdp.config import Config, ModelConfig, OptimConfig
 from hsdp.data import Data
-from hsdp.model import GPT, Block, Embedding, Head, build_model, loss_fn, no_decay
+from hsdp.model import Block, Embedding, Head, build_model, loss_fn, no_decay
 from hsdp.optim import build_optimizer, lr_at, set_lr
 
 torch.set_num_threads(1)
