@@ -10,6 +10,7 @@ rank's traceback; a hung collective fails after `mesh.timeout_s`.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import traceback
@@ -57,7 +58,21 @@ def _init_and_run(cfg: Config, worker: Worker, rank: int, world: int, local_rank
     try:
         worker(cfg)
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group()
+
+
+def shutdown_process_group() -> None:
+    """Destroy the process groups and free them now, while the interpreter is fully alive.
+
+    Our mesh objects keep the groups referenced (the engine and its units form a
+    reference cycle), so without the collect they would be freed in the
+    interpreter's final GC. A gloo worker thread that then drops a Work created in
+    backward (it holds a Python object from the autograd TLS) needs the GIL, finds
+    the interpreter finalizing and aborts the process ("terminate called without
+    an active exception").
+    """
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def _spawned(local_rank: int, cfg: Config, worker: Worker, port: int, world: int) -> None:

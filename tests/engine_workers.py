@@ -123,6 +123,8 @@ CHECKS = {"odd_shapes": check_odd_shapes, "release": check_release, "compile": c
 
 
 def _worker(rank: int, name: str, world: int, port: int, out: str) -> None:
+    from hsdp.launch import shutdown_process_group
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -130,7 +132,7 @@ def _worker(rank: int, name: str, world: int, port: int, out: str) -> None:
         result = CHECKS[name](rank, world)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group()
 
 
 def main() -> None:
