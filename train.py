@@ -27,7 +27,7 @@ from hsdp.metrics import MetricsLogger, peak_memory_mb
 from hsdp.model import build_model, loss_fn, unit_initializer
 from hsdp.optim import build_optimizer, lr_at, set_lr
 from hsdp.shard import HSDPModel
-from hsdp.sync import SyncPolicy
+from hsdp.sync import SyncPolicy, steps_after_last_sync
 from kernels.backend import set_backend
 
 
@@ -149,6 +149,16 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def warn_unsynced_end(cfg: Config) -> None:
+    """Say so when the run does not end on a param sync: its final model is then not θ_g."""
+    tail = steps_after_last_sync(cfg.run.steps, cfg.sync) if cfg.mesh.engine == "hsdp" and cfg.mesh.sync > 1 else 0
+    if tail:
+        of = " of a fragment" if cfg.sync.fragments > 1 else ""
+        hint = "" if of else " (run.steps = warmup_steps + a multiple of sync.every ends on a sync)"
+        print(f"note: the last {tail} steps come after the last param sync{of}, so the final val loss is the "
+              f"mean of the replicas' local models, not θ_g{hint}", file=sys.stderr)
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", help="YAML config (default: built-in defaults)")
@@ -163,6 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = load_config(args.config, args.set)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, cfg.run_dir / "config.yaml")
+        warn_unsynced_end(cfg)
         launch(cfg, train_worker)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -40,6 +40,19 @@ def fragments_due(step: int, cfg: SyncConfig) -> list[int]:
     return [f for f in range(P) if (step + 1 - cfg.warmup_steps - (f + 1) * H // P) % H == 0]
 
 
+def steps_after_last_sync(steps: int, cfg: SyncConfig) -> int:
+    """How many final steps of a `steps`-step run come after some fragment's last param sync.
+
+    0 means the run ends on a full sync, so the final model (and val loss) is θ_g;
+    otherwise it is each replica's local model. With warmup_steps None it is 0 (exact HSDP).
+    """
+    if cfg.warmup_steps is None or steps <= cfg.warmup_steps:
+        return 0
+    last = [max((s for s in range(cfg.warmup_steps, steps) if f in fragments_due(s, cfg)), default=-1)
+            for f in range(cfg.fragments)]
+    return steps - 1 - min(last)
+
+
 @dataclass
 class _OuterState:
     """θ_g and outer momentum b for one unit's held shard."""

@@ -29,7 +29,7 @@ import torch
 
 from hsdp.config import load_config
 from hsdp.model import build_model
-from tests.helpers import SMALL, max_param_rel_err, rel_err, run_train
+from tests.helpers import REPO, SMALL, max_param_rel_err, rel_err, run_train
 from tests.sync_reference import (SyncReferenceResult, dequantize_int8, fragment_due, quantize_int8,
                                   sync_reference_run)
 
@@ -97,6 +97,31 @@ def test_schedule_formula():
     assert due(0, 2) == [4, 8, 12] and due(1, 2) == [6, 10, 14]
     assert due(0, 1, w=0, H=1, steps=4) == [0, 1, 2, 3]
     assert due(0, 1, w=None) == [] and due(0, 1, w=16) == []
+
+
+def test_steps_after_last_sync():
+    """The tail a run trains after its last param sync (train.py warns when it is not 0), worked by hand."""
+    from hsdp.config import SyncConfig
+    from hsdp.sync import steps_after_last_sync
+
+    assert steps_after_last_sync(600, SyncConfig(warmup_steps=0, every=32)) == 24  # last sync after step 575
+    assert steps_after_last_sync(640, SyncConfig(warmup_steps=0, every=32)) == 0
+    assert steps_after_last_sync(600, SyncConfig(warmup_steps=40, every=32)) == 16  # 40 + 17·32 = 584
+    assert steps_after_last_sync(600, SyncConfig(warmup_steps=None)) == 0  # exact HSDP has no tail
+    assert steps_after_last_sync(20, SyncConfig(warmup_steps=30, every=4)) == 0  # all warmup
+    # Fragments 2, H=4, warmup 0: fragment 0 syncs after steps 1, 5, 9, fragment 1 after 3, 7, 11.
+    assert steps_after_last_sync(12, SyncConfig(warmup_steps=0, every=4, fragments=2)) == 2
+    assert steps_after_last_sync(33, SyncConfig(warmup_steps=0, every=32)) == 1
+
+
+def test_train_warns_when_run_ends_between_syncs(capsys):
+    import train
+
+    train.warn_unsynced_end(load_config(str(REPO / "configs/tiny.yaml"), ["sync.warmup_steps=0", "sync.every=32"]))
+    assert "the last 24 steps come after the last param sync" in capsys.readouterr().err
+    for ends_on_sync in (["sync.warmup_steps=0", "sync.every=32", "run.steps=640"], []):
+        train.warn_unsynced_end(load_config(str(REPO / "configs/tiny.yaml"), ends_on_sync))
+        assert capsys.readouterr().err == ""
 
 
 def test_reference_quantizer_rounds_half_away_from_zero():
