@@ -14,7 +14,8 @@ Autograd wiring: `_GatherFn` turns held shards into full params; its backward
 is the reduce-scatter. Saved tensors that alias a unit's full params are
 replaced by a marker in forward (saved_tensors_hooks), so release really frees
 them, and the first unpack in backward re-gathers the unit (and prefetches the
-previous one). Everything collective goes through `hsdp.comm.Comm`.
+previous one that saved any). A unit whose backward needs no weights (the
+embedding) is never re-gathered. Everything collective goes through `hsdp.comm.Comm`.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class ShardedUnit:
         self._shard_params(mesh.shard_rank)
         self.release()
         self.gathered = False
+        self.saved_full = True  # whether its last forward saved full params for backward (see _pack_saved)
         self._gather_work = None
         self._ag_out: Optional[torch.Tensor] = None
         self._rs_in: Optional[torch.Tensor] = None  # [S, N] grads packed over micro-steps
@@ -281,6 +283,7 @@ class HSDPModel:
             s.owner._parameters[s.attr] = full  # plain tensor swap, as FSDP2 does
         if not torch.is_grad_enabled():
             return unit.module(x)
+        unit.saved_full = False  # set by _pack_saved if backward will need the full params again
         with saved_tensors_hooks(partial(self._pack_saved, unit), self._unpack_saved):
             return unit.module(x)
 
@@ -288,6 +291,7 @@ class HSDPModel:
     def _pack_saved(unit: ShardedUnit, t: torch.Tensor):
         """Replace a saved tensor that aliases the unit's full params by a marker (so release frees it)."""
         if unit.aliases_full(t):
+            unit.saved_full = True
             return (unit, t.size(), t.stride(), t.storage_offset())
         return t
 
@@ -303,8 +307,12 @@ class HSDPModel:
         if unit.gathered:
             return
         unit.wait_gather()
-        if self.prefetch and unit.index > 0:
-            self.units[unit.index - 1].start_gather()
+        if self.prefetch:
+            # The nearest earlier unit whose backward needs its params (an embedding's does not:
+            # it saves only indices, so re-gathering it would be a wasted collective).
+            earlier = [u for u in self.units[:unit.index] if u.saved_full]
+            if earlier:
+                earlier[-1].start_gather()
 
     # ------------------------------------------------------------ backward
     def on_unit_backward(self, unit: ShardedUnit, grads: list[Optional[torch.Tensor]]) -> None:
