@@ -120,8 +120,9 @@ def test_release_frees_full_params(tmp_path: Path) -> None:
 
 def test_compiled_unit_matches_eager(tmp_path: Path) -> None:
     """torch.compile(fullgraph=True) of one sharded unit's forward+backward gives the eager grads."""
-    results = _run_check("compile", 2, tmp_path, timeout=400)
+    results = _run_check("compile", 2, tmp_path, timeout=400)  # inductor: the custom ops lowered for real
     for r in results:
+        assert r["ran"] == {"all_gather": 1, "reduce_scatter": 1}
         assert r["grad_norm"] > 0
         assert r["max_abs_err"] < 1e-5 * max(1.0, r["grad_norm"])
 
