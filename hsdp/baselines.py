@@ -131,7 +131,6 @@ class CountCollectives:
 
     def __init__(self, comm) -> None:
         self.comm = comm
-        self.labels = {g.group_name: name for name, g in comm.groups.items() if g is not None}
         self._depth = threading.local()
         self._originals = {name: getattr(dist, name) for name in self.OPS if hasattr(dist, name)}
         for name, fn in self._originals.items():
@@ -164,5 +163,4 @@ class CountCollectives:
         # all_gather: (n−1)·input; reduce_scatter: (n−1)·output; all_reduce: 2(n−1)/n·tensor
         t = values[1] if op == "all_gather" else values[0]
         nbytes = t.numel() * t.element_size()
-        label = self.labels.get(group.group_name, "other")
-        self.comm.count(label, op, 2 * (n - 1) * nbytes // n if op == "all_reduce" else (n - 1) * nbytes)
+        self.comm.count(self.comm.label(group), op, 2 * (n - 1) * nbytes // n if op == "all_reduce" else (n - 1) * nbytes)

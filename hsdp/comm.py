@@ -51,12 +51,22 @@ class Comm:
     def __init__(self, groups: dict[str, Optional[dist.ProcessGroup]]) -> None:
         self.groups = groups
         self.sizes = {name: dist.get_world_size(g) for name, g in groups.items()}
+        # Process-group name → our label. One group can carry several labels (on a 1×S mesh the
+        # shard group is the world group): the first, most specific one ("shard" before "world") wins.
+        self.labels: dict[str, str] = {}
+        for name, g in groups.items():
+            if g is not None:
+                self.labels.setdefault(g.group_name, name)
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
 
     def size(self, group: str) -> int:
         return self.sizes[group]
+
+    def label(self, group: dist.ProcessGroup) -> str:
+        """Our name for a process group (for collectives issued by other code, e.g. FSDP2)."""
+        return self.labels.get(group.group_name, "other")
 
     def count(self, group: str, op: str, nbytes: int) -> None:
         """Record one collective's bytes (also used for collectives issued by FSDP2 itself)."""

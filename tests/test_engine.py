@@ -60,6 +60,15 @@ def test_baselines_equal_hsdp(tmp_path: Path, engine: str) -> None:
         assert extra == STEPS * (2 - 1) * n_emb * 4
 
 
+def test_fsdp2_bytes_labelled_shard_when_shard_group_is_world(tmp_path: Path) -> None:
+    """On a 1×2 mesh the shard group is the world group; FSDP2's traffic still counts as "shard"."""
+    run = run_train(tmp_path, "fsdp2-1x2", SMALL + ["run.steps=2", "mesh.sync=1", "mesh.shard=2",
+                                                    "mesh.engine=fsdp2"])
+    comm = run.summary["comm"]
+    assert comm["shard/all_gather"]["calls"] > 0 and comm["shard/reduce_scatter"]["calls"] > 0
+    assert not any(k.startswith(("world/all_gather", "world/reduce_scatter", "other/")) for k in comm), comm
+
+
 def test_grad_accum_equals_bigger_batch(tmp_path: Path) -> None:
     """grad_accum=2 with batch 1 equals batch 2 (the reference uses the same micro-batches)."""
     overrides = SMALL + ["run.steps=8", "mesh.sync=2", "mesh.shard=2", "optim.grad_accum=2", "data.batch_size=1"]

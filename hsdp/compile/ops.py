@@ -28,11 +28,8 @@ _GROUPS: dict[str, tuple[Comm, str]] = {}
 
 def register_comm(comm: Comm) -> None:
     """Let the custom ops find the run's Comm from a process-group name (ops take only plain args)."""
-    for label, group in comm.groups.items():
-        # One group can carry several labels (on a 1×S mesh the shard group is the world group):
-        # the first, most specific label ("shard" before "world") is the one bytes are counted under.
-        if group is not None and _GROUPS.get(group.group_name, (None,))[0] is not comm:
-            _GROUPS[group.group_name] = (comm, label)
+    for group_name, label in comm.labels.items():
+        _GROUPS[group_name] = (comm, label)
 
 
 def _full_chunks(full: torch.Tensor, shard_sizes: list[int], S: int) -> list[torch.Tensor]:
