@@ -310,9 +310,9 @@ class HSDPModel:
         if self.prefetch:
             # The nearest earlier unit whose backward needs its params (an embedding's does not:
             # it saves only indices, so re-gathering it would be a wasted collective).
-            earlier = [u for u in self.units[:unit.index] if u.saved_full]
-            if earlier:
-                earlier[-1].start_gather()
+            earlier = next((u for u in reversed(self.units[:unit.index]) if u.saved_full), None)
+            if earlier is not None:
+                earlier.start_gather()
 
     # ------------------------------------------------------------ backward
     def on_unit_backward(self, unit: ShardedUnit, grads: list[Optional[torch.Tensor]]) -> None:
