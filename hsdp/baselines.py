@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from hsdp.comm import ring_bytes
 from hsdp.mesh import Mesh
 from hsdp.shard import DTYPES
 
@@ -119,7 +120,7 @@ def _counted_allreduce_hook(comm, bucket: dist.GradBucket) -> torch.futures.Futu
 class CountCollectives:
     """Counts the collectives FSDP2 issues itself, by group, with Comm's ring formula.
 
-    Wraps torch.distributed's collective entry points for the life of the run
+    Wraps torch.distributed's collective entry points for the life of the process
     (only collective calls pay for it, unlike a dispatch mode that sees every
     op). hsdp.comm captured its own references at import, so our collectives
     are not counted twice; a thread-local depth guard skips nested calls.
@@ -132,13 +133,9 @@ class CountCollectives:
     def __init__(self, comm) -> None:
         self.comm = comm
         self._depth = threading.local()
-        self._originals = {name: getattr(dist, name) for name in self.OPS if hasattr(dist, name)}
-        for name, fn in self._originals.items():
-            setattr(dist, name, self._wrap(name, fn))
-
-    def close(self) -> None:
-        for name, fn in self._originals.items():
-            setattr(dist, name, fn)
+        for name in self.OPS:
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(name, getattr(dist, name)))
 
     def _wrap(self, name: str, fn):
         op, sig = self.OPS[name], inspect.signature(fn)
@@ -158,9 +155,6 @@ class CountCollectives:
 
     def _count(self, op: str, a: dict) -> None:
         group = a.get("group") or dist.group.WORLD
-        n = dist.get_world_size(group)
-        values = list(a.values())
-        # all_gather: (n−1)·input; reduce_scatter: (n−1)·output; all_reduce: 2(n−1)/n·tensor
+        values = list(a.values())  # (output, input, ...) for the gathers and scatters, (tensor, ...) for all_reduce
         t = values[1] if op == "all_gather" else values[0]
-        nbytes = t.numel() * t.element_size()
-        self.comm.count(self.comm.label(group), op, 2 * (n - 1) * nbytes // n if op == "all_reduce" else (n - 1) * nbytes)
+        self.comm.count(self.comm.label(group), op, ring_bytes(op, dist.get_world_size(group), t))

@@ -25,6 +25,15 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_reduce = dist.all_reduce  # captured here, so baselines.CountCollectives never sees (or double-counts) ours
 
 
+def ring_bytes(op: str, n: int, t: torch.Tensor) -> int:
+    """Bytes one rank sends for `op` on a group of n ranks (the formulas above).
+
+    t is the all_gather input, the reduce_scatter output or the all_reduce tensor.
+    """
+    nbytes = t.numel() * t.element_size()
+    return 2 * (n - 1) * nbytes // n if op == "all_reduce" else (n - 1) * nbytes
+
+
 class _TimedWork:
     """Wraps an async Work so the time spent waiting on it is counted."""
 
@@ -90,7 +99,7 @@ class Comm:
         if n == 1:
             out.copy_(inp)
             return _TimedWork(None, self, (group, "all_gather"))
-        return self._run(group, "all_gather", (n - 1) * inp.numel() * inp.element_size(),
+        return self._run(group, "all_gather", ring_bytes("all_gather", n, inp),
                          lambda a: _all_gather_single(out, inp, group=self.groups[group], async_op=a),
                          async_op)
 
@@ -100,7 +109,7 @@ class Comm:
         if n == 1:
             out.copy_(inp)
             return _TimedWork(None, self, (group, "reduce_scatter"))
-        return self._run(group, "reduce_scatter", (n - 1) * out.numel() * out.element_size(),
+        return self._run(group, "reduce_scatter", ring_bytes("reduce_scatter", n, out),
                          lambda a: _reduce_scatter_single(out, inp, group=self.groups[group], async_op=a),
                          async_op)
 
@@ -110,7 +119,7 @@ class Comm:
         n = self.sizes[group]
         if n == 1:
             return _TimedWork(None, self, (group, "all_reduce"))
-        return self._run(group, "all_reduce", 2 * (n - 1) * t.numel() * t.element_size() // n,
+        return self._run(group, "all_reduce", ring_bytes("all_reduce", n, t),
                          lambda a: _all_reduce(t, op=op, group=self.groups[group], async_op=a), async_op)
 
     def group_bytes(self, group: str) -> int:
