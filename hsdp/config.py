@@ -33,6 +33,10 @@ class RunConfig:
     eval_every: int = 50  # 0 = only at the end
     eval_batches: int = 4
     save_model: bool = False  # write model.replica{m}.pt (full params) at the end
+    overwrite: bool = False  # replace an existing run folder of the same name (otherwise refuse)
+    checkpoint_every: int = 0  # steps between checkpoints (0 = off)
+    resume: str = "auto"  # auto (latest checkpoint in the run folder, if any) | never | a checkpoint path
+    keep_checkpoints: int = 2  # complete checkpoints kept (older ones deleted after a new one is complete)
 
 
 @dataclass
@@ -95,6 +99,16 @@ class SyncConfig:
     fragments: int = 1  # P: streaming fragments
     quantize: str = "none"  # none | int8
     quant_block: int = 256  # elements per int8 scale
+    delay: int = 0  # τ: inner steps the param-sync reduction overlaps (0 = blocking sync)
+    alpha: float = 0.0  # α: after a delayed sync, θ_m ← α·θ_m + (1 − α)·θ_g
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False  # run the hsdp / fsdp2 step as torch.compile graphs
+    passes: str = "none"  # none | ours | inductor: who schedules the graph's collectives
+    prefetch: int = 1  # units of look-ahead for all-gathers (passes=ours)
+    bucket_mb: float = 0.0  # merge adjacent small collectives up to this size (0 = no bucketing)
 
 
 @dataclass
@@ -118,6 +132,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -141,6 +156,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("adamw", "sgd"),
     "sync.method": ("average", "diloco"),
     "sync.quantize": ("none", "int8"),
+    "compile.passes": ("ours", "inductor", "none"),
     "kernels.backend": ("auto", "triton", "torch"),
     "wandb.mode": ("offline", "online", "disabled"),
 }
@@ -148,11 +164,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
 AT_LEAST_ONE = [
     "run.steps", "run.log_every", "run.eval_batches", "model.vocab_size", "model.seq_len",
     "model.n_layer", "model.n_head", "model.d_model", "data.batch_size", "mesh.sync",
-    "mesh.shard", "optim.grad_accum", "sync.every", "sync.fragments", "sync.quant_block",
+    "mesh.shard", "optim.grad_accum", "sync.every", "sync.fragments", "sync.quant_block", "run.keep_checkpoints",
 ]
 NON_NEGATIVE = [
     "run.eval_every", "optim.lr_warmup", "optim.weight_decay", "optim.momentum",
     "optim.grad_clip", "optim.min_lr", "sync.warmup_steps", "sync.outer_momentum",
+    "run.checkpoint_every", "sync.delay", "compile.prefetch", "compile.bucket_mb",
 ]
 POSITIVE = ["optim.lr", "optim.eps", "mesh.timeout_s", "sync.outer_lr"]
 
@@ -316,6 +333,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"sync.fragments: expected a divisor of sync.every={s.every}, got {s.fragments}")
     if s.quant_block > 16384:  # kernels.quant.MAX_BLOCK: one block is one register-tile row
         raise ConfigError(f"sync.quant_block: expected at most 16384, got {s.quant_block}")
+    if s.delay >= s.every and s.delay > 0:
+        raise ConfigError(f"sync.delay: expected a value < sync.every={s.every}, got {s.delay}")
+    if not 0 <= s.alpha <= 1:
+        raise ConfigError(f"sync.alpha: expected a value in [0, 1], got {s.alpha}")
     if s.outer_momentum is not None and s.outer_momentum >= 1:
         raise ConfigError(f"sync.outer_momentum: expected a value in [0, 1), got {s.outer_momentum}")
     periodic = s.warmup_steps is not None and s.warmup_steps < cfg.run.steps
