@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,7 +84,6 @@ def train_worker(cfg: Config) -> None:
         if policy is not None:
             engine.set_grad_sync(policy.grad_sync(step))
         step_loss = torch.zeros((), device=mesh.device)
-        inject_fault(mesh.rank, step)
         for micro in range(accum):
             engine.reduce_grads = micro == accum - 1  # reduce once per optimizer step
             x, y = data.train_batch(step, micro)
@@ -138,13 +137,6 @@ def save_replicas(cfg: Config, engine, mesh: Mesh) -> None:
     dist.barrier()
 
 
-def inject_fault(rank: int, step: int) -> None:
-    """Test hook: HSDP_FAULT="rank:step" makes that rank raise at that step (crash handling tests)."""
-    fault = os.environ.get("HSDP_FAULT")
-    if fault and fault == f"{rank}:{step}":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-
-
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -167,14 +159,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = None) -> int:
+    """The command line: config → run folder → launch `worker` (train_worker; tests pass a wrapper)."""
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, cfg.run_dir / "config.yaml")
         warn_unsynced_end(cfg)
-        launch(cfg, train_worker)
+        launch(cfg, worker or train_worker)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

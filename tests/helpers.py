@@ -51,9 +51,14 @@ class RunResult:
 
 
 def run_train(out_dir: Path, name: str, overrides: list[str], config: str | None = None,
-              timeout: float = 240, check: bool = True, env: dict[str, str] | None = None) -> RunResult:
-    """`python train.py [--config] --set ...` in a subprocess; a hang fails after `timeout` seconds."""
-    cmd = [sys.executable, str(REPO / "train.py")]
+              timeout: float = 240, check: bool = True, env: dict[str, str] | None = None,
+              script: list[str] | None = None) -> RunResult:
+    """`python train.py [--config] --set ...` in a subprocess; a hang fails after `timeout` seconds.
+
+    `script` replaces `train.py` (e.g. `["tests/faulty_train.py", "2", "3"]`).
+    """
+    script = script or ["train.py"]
+    cmd = [sys.executable, str(REPO / script[0]), *script[1:]]
     if config:
         cmd += ["--config", str(REPO / config)]
     for o in [*overrides, f"run.out_dir={out_dir}", f"run.name={name}", "mesh.timeout_s=60"]:

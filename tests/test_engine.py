@@ -161,15 +161,9 @@ def test_bf16_params_train_close_to_fp32(tmp_path: Path) -> None:
 
 def test_rank_crash_ends_job_with_its_error(tmp_path: Path) -> None:
     """A rank that raises mid-step ends every rank; train.py exits non-zero printing that rank's error."""
-    import os
-
     overrides = SMALL + ["run.steps=10", "mesh.sync=2", "mesh.shard=2"]
-    os.environ["HSDP_FAULT"] = "2:3"
-    try:
-        t0 = time.time()
-        run = run_train(tmp_path, "crash", overrides, check=False, timeout=120)
-    finally:
-        del os.environ["HSDP_FAULT"]
+    t0 = time.time()
+    run = run_train(tmp_path, "crash", overrides, check=False, timeout=120, script=["tests/faulty_train.py", "2", "3"])
     assert run.returncode == 1
     assert "rank 2 failed" in run.stderr and "injected fault on rank 2 at step 3" in run.stderr
     assert time.time() - t0 < 100
