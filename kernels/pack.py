@@ -1,4 +1,4 @@
-"""Shard packing around the all-gather of one unit (DESIGN §4).
+"""Shard packing around the all-gather of one unit (docs/design.md §3, §7).
 
 copy-in  (`pack_shards`): this rank's fp32 held shards -> its slice of the
                           all-gather buffer, cast to param_dtype.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton_helpers import from_fp32
 from kernels._util import FLOAT_DTYPES, call, check_shard_sizes, check_tensor, no_grad, register_op, unit_items
 from kernels.backend import launch, tl, triton, use_triton
 
@@ -25,16 +26,7 @@ def _pack_shards_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(src_ptr + offs, mask=mask)
-    if dst_ptr.dtype.element_ty == tl.bfloat16:
-        # fp32 -> bf16 round-to-nearest-even on the bits: what the hardware cvt and
-        # torch do, and unlike the Triton interpreter's own cast (it truncates).
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        bits = tl.where(x != x, 0x7FC0, bits)  # keep NaN a NaN
-        y = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        y = x.to(dst_ptr.dtype.element_ty)
-    tl.store(dst_ptr + offs, y, mask=mask)
+    tl.store(dst_ptr + offs, from_fp32(x, dst_ptr.dtype.element_ty), mask=mask)  # bf16: RNE, as torch
 
 
 def pack_shards_ref(held: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Grad packing around the reduce-scatter of one unit (DESIGN §1, §4).
+"""Grad packing around the reduce-scatter of one unit (docs/design.md §3, §7).
 
 `pack_grads`: chunk-cat the unit's full grads into the [S, N] reduce-scatter
 input, cast to reduce_dtype with the pre-divide fused (optionally accumulating).
@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from kernels._triton_helpers import from_fp32, to_fp32
 from kernels._util import (FLOAT_DTYPES, call, check_shard_sizes, check_tensor, fail, no_grad, pow2_divisor,
                            register_op, unit_items)
 from kernels.backend import launch, tl, triton, use_triton
@@ -47,28 +48,11 @@ def _pack_grads_kernel(grads_ptr, out_ptr, items_ptr, g0_ptr, n_params, N, scale
     in_shard = j < sn
     src = r * sn + j
     g = tl.load(g_ptr + src, mask=in_shard & (src < numel), other=0.0)
-    if g0_ptr.dtype.element_ty == tl.bfloat16:  # exact upcast on the bits (interpreter-safe)
-        g = (g.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        g = g.to(tl.float32)
-    x = g * scale
+    x = to_fp32(g) * scale
     dst = out_ptr + (r * N + off) + j
     if ACCUMULATE:
-        prev = tl.load(dst, mask=in_shard)
-        if out_ptr.dtype.element_ty == tl.bfloat16:
-            prev = (prev.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:
-            prev = prev.to(tl.float32)
-        x = x + prev
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        # fp32 -> bf16 round-to-nearest-even on the bits (see pack.py)
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        bits = tl.where(x != x, 0x7FC0, bits)
-        y = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        y = x.to(out_ptr.dtype.element_ty)
-    tl.store(dst, y, mask=in_shard)
+        x = x + to_fp32(tl.load(dst, mask=in_shard))
+    tl.store(dst, from_fp32(x, out_ptr.dtype.element_ty), mask=in_shard)
 
 
 def _grads_dtype(grads: list[torch.Tensor | None], default: torch.dtype) -> torch.dtype:
@@ -181,11 +165,7 @@ def pack_grads(grads: list[torch.Tensor | None], shard_sizes: list[int], out: to
 def _accumulate_kernel(reduced_ptr, shard_ptr, n, scale, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(reduced_ptr + offs, mask=mask)
-    if reduced_ptr.dtype.element_ty == tl.bfloat16:  # exact upcast on the bits (interpreter-safe)
-        x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = x.to(tl.float32)
+    x = to_fp32(tl.load(reduced_ptr + offs, mask=mask))
     acc = tl.load(shard_ptr + offs, mask=mask)
     tl.store(shard_ptr + offs, acc + x * scale, mask=mask)
 
