@@ -1,0 +1,179 @@
+"""Print the README's config reference table from the dataclasses in hsdp/config.py.
+
+    python scripts/config_table.py            # print the table
+    python scripts/config_table.py --write    # replace the table between the README's markers
+
+One row per key, `section.key | default | meaning`, in the order of `Config`'s
+sections and their fields. The default is the dataclass default. The meaning
+is the key's entry in MEANINGS below if it has one, else the comment after the
+field in hsdp/config.py; a key with neither is an error, so a new key cannot
+be added without a description. For keys with a fixed set of values
+(`hsdp.config.CHOICES`) the choices are appended unless the meaning already
+names them all. tests/test_readme.py checks that the README holds exactly
+this output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import sys
+import textwrap
+import tokenize
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from hsdp.config import CHOICES, Config  # noqa: E402
+
+START = "<!-- config-table:start -->"
+END = "<!-- config-table:end -->"
+
+# Meanings for keys whose field has no comment, or whose comment does not read on its own in a table.
+MEANINGS: dict[str, str] = {
+    "run.name": "run folder name: outputs go to `<out_dir>/<name>/`",
+    "run.out_dir": "parent folder of run folders",
+    "run.seed": "model init and data order",
+    "run.steps": "optimizer steps",
+    "run.log_every": "steps between metric records (evals and the last step are always logged)",
+    "run.eval_every": "steps between evals (0 = only at the end)",
+    "run.eval_batches": "val batches per rank at each eval",
+    "model.vocab_size": "vocabulary size (>= 256 for byte-level data)",
+    "model.seq_len": "tokens per sequence (context length)",
+    "model.n_layer": "transformer blocks",
+    "model.n_head": "attention heads (must divide d_model)",
+    "model.d_model": "model width",
+    "model.bias": "biases in linear layers and LayerNorms",
+    "data.source": (
+        "`stdlib` (the interpreter's own .py files, byte-level), `text` (file or glob, byte-level), "
+        "`tokens` (uint16 `.bin`, memmapped), `synthetic`"
+    ),
+    "data.val_fraction": (
+        "share held out for validation: whole files (stdlib, a text glob), else the tail "
+        "(one text file; tokens without a val.bin)"
+    ),
+    "mesh.engine": "`hsdp` (this project), `fsdp2` (PyTorch `fully_shard` per unit on the same 2-D mesh), `ddp`",
+    "optim.lr": "peak learning rate (linear warmup, then cosine decay to min_lr at the last step)",
+    "optim.min_lr": "learning rate at the last step",
+    "optim.weight_decay": "decoupled weight decay (none on biases, norms and embeddings)",
+    "optim.beta1": "AdamW β1",
+    "optim.beta2": "AdamW β2",
+    "optim.eps": "AdamW ε",
+    "optim.momentum": "SGD momentum (sgd only)",
+    "optim.grad_clip": "global-norm gradient clipping threshold (0 = off)",
+    "optim.grad_accum": "micro-steps per optimizer step",
+    "sync.warmup_steps": (
+        "steps of exact HSDP (grads averaged across replicas) before periodic param sync; null = the whole run"
+    ),
+    "sync.outer_lr": "outer learning rate η (null: 0.7 for diloco; average is η = 1 and may not set it)",
+    "sync.outer_momentum": "outer momentum μ (null: 0.9 for diloco; average is μ = 0 and may not set it)",
+    "sync.nesterov": "Nesterov outer momentum (diloco)",
+    "sync.fragments": "P: streaming fragments (units round-robin, synced every/P steps apart; must divide every)",
+    "sync.quantize": "`int8`: Δ sent as int8 values + one fp32 scale per block",
+    "wandb.project": "wandb project",
+    "wandb.entity": "wandb entity (null: the account's default)",
+}
+
+
+def sections() -> list[tuple[str, type]]:
+    """(section name, dataclass) for each section of `Config`, in order."""
+    return [(f.name, type(f.default_factory())) for f in dataclasses.fields(Config)]  # type: ignore[misc]
+
+
+def keys() -> list[str]:
+    """Every `section.key` of the config, in table order."""
+    return [f"{name}.{f.name}" for name, cls in sections() for f in dataclasses.fields(cls)]
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Field name → the comment on its line in the class source (fields without one are left out)."""
+    src = textwrap.dedent(inspect.getsource(cls))
+    comments = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    out = {}
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.lineno in comments:
+            out[node.target.id] = comments[node.lineno]
+    return out
+
+
+def format_default(value: Any) -> str:
+    if value is None:
+        text = "null"
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = value if value else '""'
+    else:
+        text = repr(value)
+    return f"`{text}`"
+
+
+def meaning(key: str, comments: dict[str, str]) -> str:
+    name = key.split(".", 1)[1]
+    text = MEANINGS.get(key) or comments.get(name)
+    if not text:
+        raise ValueError(
+            f"config key {key} has no meaning: add a comment to its field in hsdp/config.py "
+            f"or an entry to MEANINGS in scripts/config_table.py"
+        )
+    choices = CHOICES.get(key)
+    if choices and not all(c in text for c in choices):
+        text += f" (one of: {', '.join(choices)})"
+    return text.replace("|", "\\|")
+
+
+def table() -> str:
+    """The markdown table, one row per key."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for section, cls in sections():
+        comments = field_comments(cls)
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            rows.append(f"| `{key}` | {format_default(getattr(defaults, f.name))} | {meaning(key, comments)} |")
+    return "\n".join(rows) + "\n"
+
+
+def readme_block(readme: str) -> str:
+    """The text between the README's config-table markers (exactly one pair)."""
+    if readme.count(START) != 1 or readme.count(END) != 1:
+        raise ValueError(f"README must contain {START} and {END} once each")
+    return readme.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+
+
+def write_readme(path: Path) -> bool:
+    """Replace the table between the markers; True if the file changed."""
+    text = path.read_text()
+    readme_block(text)  # checks the markers
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{START}\n{table()}{END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help="update README.md in place instead of printing")
+    args = p.parse_args(argv)
+    if args.write:
+        changed = write_readme(ROOT / "README.md")
+        print("README.md updated" if changed else "README.md already up to date")
+    else:
+        sys.stdout.write(table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
