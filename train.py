@@ -2,14 +2,13 @@
 
     python train.py --config configs/tiny.yaml [--set section.key=value ...]
 
-config → launch (torchrun or local workers) → mesh → model → shard → loop.
+config → launch (torchrun or local workers) → mesh → engine → loop, read top to bottom.
 Outputs go to <run.out_dir>/<run.name>/: config.yaml, metrics.jsonl, summary.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -18,47 +17,16 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hsdp.baselines import DDPModel, FSDP2Model
 from hsdp.config import Config, ConfigError, load_config, save_config
 from hsdp.data import Data
+from hsdp.engine import Batch, Engine, build_engine
 from hsdp.launch import WorkerError, launch
 from hsdp.mesh import Mesh, build_mesh
 from hsdp.metrics import MetricsLogger, peak_memory_mb
-from hsdp.model import build_model, loss_fn, unit_initializer
+from hsdp.model import loss_fn
 from hsdp.optim import build_optimizer, lr_at, set_lr
-from hsdp.shard import HSDPModel
-from hsdp.sync import SyncPolicy, steps_after_last_sync
+from hsdp.sync import steps_after_last_sync
 from kernels.backend import set_backend
-
-
-def build_engine(cfg: Config, mesh: Mesh):
-    """The model, wrapped by the engine the config asks for."""
-    if cfg.mesh.engine == "hsdp":  # built on meta, materialised and sharded one unit at a time
-        model = build_model(cfg.model, cfg.run.seed, materialize=False)
-        return HSDPModel(model.units, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype,
-                         cfg.mesh.prefetch, materialize=unit_initializer(cfg.model, cfg.run.seed))
-    model = build_model(cfg.model, cfg.run.seed).to(mesh.device)
-    if cfg.mesh.engine == "fsdp2":
-        return FSDP2Model(model, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype)
-    if cfg.mesh.engine == "ddp":
-        return DDPModel(model, mesh)
-    raise ValueError(f"unknown engine {cfg.mesh.engine!r}")  # unreachable: validate() checks the choice
-
-
-def world_mean(mesh: Mesh, value: torch.Tensor) -> float:
-    """Average a scalar over all ranks (for logging; counted under the "world" group)."""
-    t = value.detach().float().reshape(1).clone()
-    mesh.comm.all_reduce(t, "world")
-    return float(t) / mesh.world
-
-
-@torch.no_grad()
-def evaluate(engine, data: Data, batches: int, device: torch.device) -> torch.Tensor:
-    losses = []
-    for i in range(batches):
-        x, y = data.val_batch(i)
-        losses.append(loss_fn(engine(x.to(device)), y.to(device)))
-    return torch.stack(losses).mean()
 
 
 def train_worker(cfg: Config) -> None:
@@ -69,36 +37,28 @@ def train_worker(cfg: Config) -> None:
     data = Data(cfg, mesh.rank, mesh.world)
     engine = build_engine(cfg, mesh)
     optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
-    policy = SyncPolicy(cfg.sync, engine.held_buffers(), mesh.comm) if cfg.mesh.engine == "hsdp" else None
-    is_rank0 = mesh.rank == 0
-    logger = MetricsLogger(cfg, cfg.run_dir, enabled=is_rank0)
+    logger = MetricsLogger(cfg, cfg.run_dir, enabled=mesh.rank == 0)
+    tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
 
-    accum = cfg.optim.grad_accum
-    tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * accum
     step_times: list[float] = []
     loss = val_loss = None
     for step in range(cfg.run.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, cfg.run.steps)
         set_lr(optimizer, lr)
-        if policy is not None:
-            engine.set_grad_sync(policy.grad_sync(step))
-        step_loss = torch.zeros((), device=mesh.device)
-        for micro in range(accum):
-            engine.reduce_grads = micro == accum - 1  # reduce once per optimizer step
-            x, y = data.train_batch(step, micro)
-            micro_loss = loss_fn(engine(x.to(mesh.device)), y.to(mesh.device)) / accum
-            micro_loss.backward()
-            step_loss += micro_loss.detach()
+        engine.begin_step(step)  # the sync policy: are grads averaged across replicas this step?
+        step_loss = engine.forward_backward(micro_batches(data, step, cfg.optim.grad_accum, mesh.device))
         engine.clip_grad_norm_(cfg.optim.grad_clip)
         optimizer.step()
         engine.zero_grad()
-        synced = policy.after_step(step) if policy is not None else False
+        synced = engine.end_step(step)  # the sync policy's param sync, if due after this step
+        last = step == cfg.run.steps - 1
+        if last:
+            engine.finish()  # a param sync still in flight lands before the final eval
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         step_times.append(time.perf_counter() - t0)
 
-        last = step == cfg.run.steps - 1
         eval_now = last or (cfg.run.eval_every > 0 and (step + 1) % cfg.run.eval_every == 0)
         if not (eval_now or step % cfg.run.log_every == 0):
             continue
@@ -122,14 +82,36 @@ def train_worker(cfg: Config) -> None:
         "median_step_time_s": statistics.median(step_times), "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": float(peak),
         "shard_bytes": mesh.comm.group_bytes("shard"), "sync_bytes": mesh.comm.group_bytes("sync"),
-        "comm": mesh.comm.report(), "engine": cfg.mesh.engine, "world": mesh.world,
+        "comm": mesh.comm.report(), "engine": cfg.mesh.engine, "world": mesh.world, **engine.stats(),
     })
     logger.close()
     if cfg.run.save_model:  # after the summary, so its byte counts are the training traffic only
         save_replicas(cfg, engine, mesh)
 
 
-def save_replicas(cfg: Config, engine, mesh: Mesh) -> None:
+def micro_batches(data: Data, step: int, accum: int, device: torch.device) -> list[Batch]:
+    """This rank's micro-batches of `step`, on the device."""
+    return [tuple(t.to(device) for t in data.train_batch(step, micro)) for micro in range(accum)]
+
+
+def world_mean(mesh: Mesh, value: torch.Tensor) -> float:
+    """Average a scalar over all ranks (for logging; counted under the "world" group)."""
+    t = value.detach().float().reshape(1).clone()
+    mesh.comm.all_reduce(t, "world")
+    return float(t) / mesh.world
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, data: Data, batches: int, device: torch.device) -> torch.Tensor:
+    """Mean val loss of this rank's val batches."""
+    losses = []
+    for i in range(batches):
+        x, y = data.val_batch(i)
+        losses.append(loss_fn(engine(x.to(device)), y.to(device)))
+    return torch.stack(losses).mean()
+
+
+def save_replicas(cfg: Config, engine: Engine, mesh: Mesh) -> None:
     """Each replica's full params → model.replica{m}.pt (written by its shard-rank 0)."""
     state = engine.full_state_dict()
     if mesh.shard_rank == 0:
@@ -143,7 +125,7 @@ def _device() -> torch.device:
 
 def warn_unsynced_end(cfg: Config) -> None:
     """Say so when the run does not end on a param sync: its final model is then not θ_g."""
-    tail = steps_after_last_sync(cfg.run.steps, cfg.sync) if cfg.mesh.engine == "hsdp" and cfg.mesh.sync > 1 else 0
+    tail = steps_after_last_sync(cfg.run.steps, cfg.sync) if cfg.mesh.sync > 1 else 0
     if tail:
         of = " of a fragment" if cfg.sync.fragments > 1 else ""
         hint = "" if of else " (run.steps = warmup_steps + a multiple of sync.every ends on a sync)"

@@ -1,16 +1,16 @@
-"""Baseline engines with the HSDP engine's interface: PyTorch FSDP2 (HSDP mesh) and DDP.
+"""Baseline engines behind the same `Engine` interface: PyTorch FSDP2 (HSDP mesh) and DDP.
 
 Same model, data, optimizer and metrics; `mesh.engine` picks one, so every
-comparison is one flag. The interface the training loop uses:
-
-    engine(idx) -> logits            engine.named_parameters()
-    engine.reduce_grads = bool       engine.set_grad_sync(bool)   (hsdp only differs)
-    engine.clip_grad_norm_(max)      engine.zero_grad()           engine.full_state_dict()
+comparison is one flag. Their collectives are counted through `Comm` like ours:
+FSDP2's all-gathers and reduce-scatters through its own custom-comm hooks
+(`set_custom_all_gather` / `set_custom_reduce_scatter`), its replica all-reduce
+(which has no hook) by `count_all_reduces` around the step, and DDP's bucket
+all-reduces through a comm hook.
 """
 
+import contextlib
 import functools
-import inspect
-import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,36 +18,104 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from hsdp.comm import ring_bytes
+from hsdp.comm import Comm, ring_bytes
+from hsdp.config import Config
+from hsdp.engine import Batch, Engine, NoSync
+from hsdp.layout import DTYPES
 from hsdp.mesh import Mesh
-from hsdp.shard import DTYPES
+from hsdp.model import build_model
+
+try:  # the custom-comm interfaces (torch >= 2.9); older torch leaves FSDP2's own comms in place, uncounted
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - depends on the installed torch
+    AllGather = ReduceScatter = None
 
 
-class FSDP2Model:
+class _CountedAllGather(AllGather or object):
+    """FSDP2's all-gather, issued through Comm (so it is counted under our group label)."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        return self.comm.all_gather(output_tensor, input_tensor, self.comm.label(group), async_op=async_op)
+
+
+class _CountedReduceScatter(ReduceScatter or object):
+    """FSDP2's reduce-scatter, issued through Comm."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        return self.comm.reduce_scatter(output_tensor, input_tensor, self.comm.label(group), op=op,
+                                        async_op=async_op)
+
+
+@contextlib.contextmanager
+def count_all_reduces(comm: Comm) -> Iterator[None]:
+    """Count the `dist.all_reduce` calls made inside the block (FSDP2's replica all-reduce has no hook).
+
+    Comm keeps its own reference to the real all_reduce, so our collectives are not counted twice.
+    """
+    real = dist.all_reduce
+
+    @functools.wraps(real)
+    def counted(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+        group = group or dist.group.WORLD
+        comm.count(comm.label(group), "all_reduce", ring_bytes("all_reduce", dist.get_world_size(group), tensor))
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = counted
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
+class FSDP2Engine(Engine):
     """`fully_shard` on every unit over the 2-D mesh: replicate over "sync", shard over "shard"."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, param_dtype: str, reduce_dtype: str) -> None:
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
         for unit in model.units:
             fully_shard(unit, mesh=mesh.device_mesh, mp_policy=policy)
+        # The embedding's backward needs only the token ids: no re-gather, as our engine does.
+        model.units[0].set_unshard_in_backward(False)
         self.module = fully_shard(model, mesh=mesh.device_mesh, mp_policy=policy)
+        if AllGather is not None:
+            for unit in [*model.units, model]:
+                unit.set_custom_all_gather(_CountedAllGather(mesh.comm))
+                unit.set_custom_reduce_scatter(_CountedReduceScatter(mesh.comm))
         self.mesh = mesh
-        # FSDP2 issues its collectives itself; count them too, for the same metrics.
-        self._counting = CountCollectives(mesh.comm)
+        self.policy = NoSync()
+
+    @classmethod
+    def from_config(cls, cfg: Config, mesh: Mesh) -> "FSDP2Engine":
+        model = build_model(cfg.model, cfg.run.seed).to(mesh.device)
+        return cls(model, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype)
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         return self.module(idx)
 
-    @property
-    def reduce_grads(self) -> bool:
-        return True
+    def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
+        with count_all_reduces(self.mesh.comm):
+            return super().forward_backward(batches)
 
-    @reduce_grads.setter
-    def reduce_grads(self, value: bool) -> None:
-        self.module.set_requires_gradient_sync(value)
+    def set_reduce_grads(self, reduce: bool) -> None:
+        self.module.set_requires_gradient_sync(reduce)
 
     def set_grad_sync(self, sync_grads: bool) -> None:
-        assert sync_grads, "fsdp2 always averages grads across replicas"
+        if not sync_grads:
+            raise ValueError("fsdp2 always averages grads across replicas (periodic sync needs mesh.engine=hsdp)")
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.module.named_parameters())
@@ -65,7 +133,7 @@ class FSDP2Model:
         return {n: p.full_tensor().float().cpu() for n, p in self.module.named_parameters()}
 
 
-class DDPModel:
+class DDPEngine(Engine):
     """DistributedDataParallel over all ranks; its all-reduces are counted through Comm."""
 
     def __init__(self, model: nn.Module, mesh: Mesh) -> None:
@@ -73,20 +141,21 @@ class DDPModel:
                                               else None)
         self.mesh = mesh
         self.module.register_comm_hook(mesh.comm, _counted_allreduce_hook)
+        self.policy = NoSync()
+
+    @classmethod
+    def from_config(cls, cfg: Config, mesh: Mesh) -> "DDPEngine":
+        return cls(build_model(cfg.model, cfg.run.seed).to(mesh.device), mesh)
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         return self.module(idx)
 
-    @property
-    def reduce_grads(self) -> bool:
-        return self.module.require_backward_grad_sync
-
-    @reduce_grads.setter
-    def reduce_grads(self, value: bool) -> None:
-        self.module.require_backward_grad_sync = value  # what DDP.no_sync() toggles
+    def set_reduce_grads(self, reduce: bool) -> None:
+        self.module.require_backward_grad_sync = reduce  # what DDP.no_sync() toggles
 
     def set_grad_sync(self, sync_grads: bool) -> None:
-        assert sync_grads, "ddp always averages grads"
+        if not sync_grads:
+            raise ValueError("ddp always averages grads across replicas (periodic sync needs mesh.engine=hsdp)")
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.module.module.named_parameters())
@@ -104,7 +173,7 @@ class DDPModel:
         return {n: p.detach().float().cpu().clone() for n, p in self.module.module.named_parameters()}
 
 
-# No `from __future__ import annotations` here: DDP checks this hook's annotations at runtime.
+# DDP checks this hook's annotations at runtime, so they must be real objects (no postponed evaluation here).
 def _counted_allreduce_hook(comm, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's bucket all-reduce (average), routed through Comm so its bytes are counted."""
     buf = bucket.buffer()
@@ -115,46 +184,3 @@ def _counted_allreduce_hook(comm, bucket: dist.GradBucket) -> torch.futures.Futu
     buf.div_(comm.size("world"))
     work = comm.all_reduce(buf, "world", async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
-
-
-class CountCollectives:
-    """Counts the collectives FSDP2 issues itself, by group, with Comm's ring formula.
-
-    Wraps torch.distributed's collective entry points for the life of the process
-    (only collective calls pay for it, unlike a dispatch mode that sees every
-    op). hsdp.comm captured its own references at import, so our collectives
-    are not counted twice; a thread-local depth guard skips nested calls.
-    """
-
-    OPS = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-           "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-           "all_reduce": "all_reduce"}
-
-    def __init__(self, comm) -> None:
-        self.comm = comm
-        self._depth = threading.local()
-        for name in self.OPS:
-            if hasattr(dist, name):
-                setattr(dist, name, self._wrap(name, getattr(dist, name)))
-
-    def _wrap(self, name: str, fn):
-        op, sig = self.OPS[name], inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            depth = getattr(self._depth, "n", 0)
-            if depth == 0:
-                self._count(op, sig.bind(*args, **kwargs).arguments)
-            self._depth.n = depth + 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth.n = depth
-
-        return counted
-
-    def _count(self, op: str, a: dict) -> None:
-        group = a.get("group") or dist.group.WORLD
-        values = list(a.values())  # (output, input, ...) for the gathers and scatters, (tensor, ...) for all_reduce
-        t = values[1] if op == "all_gather" else values[0]
-        self.comm.count(self.comm.label(group), op, ring_bytes(op, dist.get_world_size(group), t))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 # torch >= 2.13 renames the tensor-in/tensor-out collectives; older torch (GPU boxes) has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_reduce = dist.all_reduce  # captured here, so baselines.CountCollectives never sees (or double-counts) ours
+_all_reduce = dist.all_reduce  # captured here, so baselines.count_all_reduces never sees (or double-counts) ours
 
 
 def ring_bytes(op: str, n: int, t: torch.Tensor) -> int:
@@ -30,7 +30,11 @@ def ring_bytes(op: str, n: int, t: torch.Tensor) -> int:
 
     t is the all_gather input, the reduce_scatter output or the all_reduce tensor.
     """
-    nbytes = t.numel() * t.element_size()
+    return ring_bytes_of(op, n, t.numel() * t.element_size())
+
+
+def ring_bytes_of(op: str, n: int, nbytes: int) -> int:
+    """`ring_bytes` from the tensor's size in bytes."""
     return 2 * (n - 1) * nbytes // n if op == "all_reduce" else (n - 1) * nbytes
 
 
@@ -103,14 +107,15 @@ class Comm:
                          lambda a: _all_gather_single(out, inp, group=self.groups[group], async_op=a),
                          async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False) -> _TimedWork:
-        """out = this rank's chunk of the sum over the group of inp."""
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str,
+                       op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False) -> _TimedWork:
+        """out = this rank's chunk of the reduction (SUM by default) over the group of inp."""
         n = self.sizes[group]
         if n == 1:
             out.copy_(inp)
             return _TimedWork(None, self, (group, "reduce_scatter"))
         return self._run(group, "reduce_scatter", ring_bytes("reduce_scatter", n, out),
-                         lambda a: _reduce_scatter_single(out, inp, group=self.groups[group], async_op=a),
+                         lambda a: _reduce_scatter_single(out, inp, op=op, group=self.groups[group], async_op=a),
                          async_op)
 
     def all_reduce(self, t: torch.Tensor, group: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,

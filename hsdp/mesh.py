@@ -1,4 +1,4 @@
-"""The 2-D `sync × shard` DeviceMesh and its two process groups (DESIGN §1).
+"""The 2-D `sync × shard` DeviceMesh and its two process groups (docs/design.md §1).
 
 Rank r = sync_rank · shard + shard_rank: the shard dimension is innermost, so a
 shard group is a block of neighbouring ranks (one node, fast links) and a sync

@@ -1,6 +1,6 @@
 """The GPT used by experiments, split into units the sharding engine wraps.
 
-Units (DESIGN §1): the embedding, each transformer block, and final norm + head.
+Units (docs/design.md §1): the embedding, each transformer block, and final norm + head.
 `GPT.units` is an `nn.ModuleList` of exactly those; `GPT.forward` runs them in
 order, so any engine that wraps each unit sees the same computation.
 """

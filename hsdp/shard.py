@@ -1,27 +1,23 @@
-"""The HSDP engine: units, held shards, gather/release with prefetch, reduce-scatter.
+"""The eager HSDP engine: units, held shards, gather/release with prefetch, reduce-scatter.
 
-Per unit (DESIGN §1, §4):
+Per unit (docs/design.md §3):
 
-    held_flat  [N]       fp32, this rank's dim-0 shard of every param, padded
-    gather:    pack_shards(held_flat → param_dtype) → all_gather (shard group)
-               → unpack_full into full_flat [S·N] (param-major, padded)
+    held_flat  [N]       fp32, this rank's dim-0 shard of every param, padded (hsdp/layout.py)
+    gather:    pack → all-gather (shard group) → unpack into full_flat [S·N]   (hsdp/collectives.py)
     release:   full_flat's storage is resized to 0 (views keep their identity)
-    backward:  pack_grads(full grads → [S, N] reduce_dtype, pre-divided)
-               → reduce_scatter (shard group) → [warmup] all_reduce (sync group)
-               → accumulate_grad_shards(post-divide, → fp32 grad_flat)
+    backward:  pack grads → reduce-scatter (shard group) → [warmup] all-reduce (sync group)
+               → accumulate into the fp32 grad shard                          (hsdp/collectives.py)
 
 Autograd wiring: `_GatherFn` turns held shards into full params; its backward
-is the reduce-scatter. Saved tensors that alias a unit's full params are
-replaced by a marker in forward (saved_tensors_hooks), so release really frees
-them, and the first unpack in backward re-gathers the unit (and prefetches the
-previous one that saved any). A unit whose backward needs no weights (the
-embedding) is never re-gathered. Everything collective goes through `hsdp.comm.Comm`.
+hands the full grads to the unit's `on_backward` callback (the engine). Saved
+tensors that alias a unit's full params are replaced by a marker in forward
+(saved_tensors_hooks), so release really frees them, and the first unpack in
+backward re-gathers the unit (and prefetches the previous one that saved any).
+A unit whose backward needs no weights (the embedding) is never re-gathered.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
 
@@ -29,94 +25,47 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from hsdp.collectives import (PendingGather, PendingReduce, ReducePlan, gather_full, pack_grads_for_reduce,
+                              reduce_plan, start_gather, start_reduce)
 from hsdp.comm import Comm
+from hsdp.config import Config
+from hsdp.engine import Engine, NoSync
+from hsdp.layout import DTYPES, plan_layout
 from hsdp.mesh import Mesh
-from kernels.pack import pack_shards, unpack_full
-from kernels.reduce import accumulate_grad_shards, pack_grads
+from hsdp.model import build_model, unit_initializer
+from hsdp.sync import SyncPolicy
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# ---------------------------------------------------------------- layout
-@dataclass(frozen=True)
-class ParamSpec:
-    """Where one parameter lives in its unit's shard and full buffers."""
-
-    name: str  # name inside the unit, e.g. "attn.qkv.weight"
-    owner: nn.Module  # the submodule that holds it
-    attr: str  # attribute name on the owner
-    shape: torch.Size
-    rows: int  # dim-0 rows per rank: ceil(d0 / S)
-    row_numel: int  # elements per dim-0 row
-    offset: int  # start in the per-rank shard [N]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def shard_numel(self) -> int:
-        return self.rows * self.row_numel
-
-    def held_rows(self, shard_rank: int) -> int:
-        """Rows of real (unpadded) data on `shard_rank`."""
-        return max(0, min(self.rows, self.shape[0] - shard_rank * self.rows))
-
-
-def plan_layout(module: nn.Module, shard_size: int) -> list[ParamSpec]:
-    """Dim-0 sharding of every param of `module`, padded to equal shards."""
-    specs, offset = [], 0
-    for name, p in module.named_parameters():
-        owner_name, _, attr = name.rpartition(".")
-        shape = p.shape if p.dim() > 0 else torch.Size([1])
-        rows = -(-shape[0] // shard_size)
-        row_numel = math.prod(shape[1:])
-        specs.append(ParamSpec(name, module.get_submodule(owner_name), attr, shape, rows, row_numel, offset))
-        offset += rows * row_numel
-    return specs
-
-
-def divide_factors(divisor: int) -> tuple[float, float]:
-    """Split a gradient divisor into pre- and post-reduction factors (pre·post = divisor).
-
-    Dividing partly before the sum keeps fp16/bf16 sums from overflowing, and
-    partly after keeps small grads from underflowing (as FSDP does).
-    """
-    pre = 1
-    while divisor % pre == 0 and divisor / pre > pre:
-        pre *= 2
-    return float(pre), divisor / pre
+BackwardCallback = Callable[["ShardedUnit", list[Optional[torch.Tensor]]], None]
 
 
 # ---------------------------------------------------------------- one unit
 class ShardedUnit:
-    """One model unit: its held shard, full-param buffer and collectives."""
+    """One model unit: its held shard, full-param buffer, and its gather/release.
 
-    def __init__(self, index: int, prefix: str, module: nn.Module, engine: "HSDPModel",
-                 materialize: Optional[Callable[[int, nn.Module], None]] = None) -> None:
-        mesh = engine.mesh
-        if materialize is not None:  # meta-device unit: create its full params only now, one unit at a time
-            materialize(index, module)
-        self.index, self.prefix, self.module, self.engine = index, prefix, module, engine
-        self.S = mesh.shard_size
+    It knows nothing of the engine: it gets its dtypes, its group (through
+    `comm`) and `on_backward`, which receives its full grads in backward.
+    """
+
+    def __init__(self, index: int, prefix: str, module: nn.Module, mesh: Mesh, param_dtype: torch.dtype,
+                 on_backward: BackwardCallback) -> None:
+        self.index, self.prefix, self.module = index, prefix, module
         self.comm: Comm = mesh.comm
-        self.specs = plan_layout(module, self.S)
-        self.shard_sizes = [s.shard_numel for s in self.specs]
-        self.N = sum(self.shard_sizes)
-        self.param_dtype = engine.param_dtype
+        self.layout = plan_layout(module, mesh.shard_size)
+        self.specs = self.layout.specs
+        self.param_dtype = param_dtype
+        self.on_backward = on_backward
         device = mesh.device
-        self.held_flat = torch.zeros(self.N, dtype=torch.float32, device=device)
-        self.grad_flat = torch.zeros(self.N, dtype=torch.float32, device=device)
-        self.full_flat = torch.empty(self.S * self.N, dtype=self.param_dtype, device=device)
+        N, S = self.layout.N, self.layout.S
+        self.held_flat = torch.zeros(N, dtype=torch.float32, device=device)
+        self.grad_flat = torch.zeros(N, dtype=torch.float32, device=device)
+        self.full_flat = torch.empty(S * N, dtype=param_dtype, device=device)
         self.held_params: list[nn.Parameter] = []
         self._placeholder = torch.empty(0, device=device)
         self._shard_params(mesh.shard_rank)
         self.release()
-        self.gathered = False
         self.saved_full = True  # whether its last forward saved full params for backward (see _pack_saved)
-        self._gather_work = None
-        self._ag_out: Optional[torch.Tensor] = None
-        self._rs_in: Optional[torch.Tensor] = None  # [S, N] grads packed over micro-steps
+        self._pending_gather: Optional[PendingGather] = None
+        self.rs_in: Optional[torch.Tensor] = None  # [S, N] grads packed over micro-steps
         # A leaf that requires grad, so _GatherFn's outputs join the autograd graph.
         self.anchor = torch.empty(0, device=device, requires_grad=True)
 
@@ -135,28 +84,23 @@ class ShardedUnit:
 
     # ------------------------------------------------------------ gather / release
     def start_gather(self) -> None:
-        """Pack the held shard and launch the all-gather (async) unless already under way."""
-        if self.gathered or self._gather_work is not None:
-            return
-        if self.param_dtype == torch.float32:
-            ag_in = self.held_flat  # no cast needed: gather straight from the held shard
-        else:
-            ag_in = torch.empty(self.N, dtype=self.param_dtype, device=self.held_flat.device)
-            pack_shards(self.held_flat, ag_in)
-        self._ag_out = torch.empty(self.S * self.N, dtype=self.param_dtype, device=self.held_flat.device)
-        self._gather_work = self.comm.all_gather(self._ag_out, ag_in, "shard", async_op=True)
+        """Launch the all-gather (async) unless the unit is gathered or already gathering."""
+        if not self.gathered and self._pending_gather is None:
+            self._pending_gather = start_gather(self.comm, self.held_flat, self.layout, self.param_dtype)
 
     def wait_gather(self) -> None:
-        """Finish the all-gather and unpack it into the full params."""
+        """Finish the all-gather into full_flat (starting it first if needed)."""
         if self.gathered:
             return
         self.start_gather()
-        self._gather_work.wait()
-        self._gather_work = None
-        self.full_flat.untyped_storage().resize_(self.S * self.N * self.full_flat.element_size())
-        unpack_full(self._ag_out.view(self.S, self.N), self.shard_sizes, self.full_flat)
-        self._ag_out = None
+        self.full_flat.untyped_storage().resize_(self.full_flat.numel() * self.full_flat.element_size())
+        self._pending_gather.finish(self.full_flat)
+        self._pending_gather = None
         self.gathered = True
+
+    @property
+    def gathering(self) -> bool:
+        return self._pending_gather is not None
 
     def release(self) -> None:
         """Free the full params' storage and unhook them from the module (it holds nothing between uses)."""
@@ -167,59 +111,30 @@ class ShardedUnit:
 
     def full_views(self) -> list[torch.Tensor]:
         """Each param's full tensor: a view into full_flat (dropping the padding)."""
-        return [self.full_flat[self.S * s.offset: self.S * s.offset + s.numel].view(s.shape) for s in self.specs]
+        return self.layout.full_views(self.full_flat)
 
     def aliases_full(self, t: torch.Tensor) -> bool:
         return (self.gathered and t.device == self.full_flat.device
                 and t.untyped_storage().data_ptr() == self.full_flat.untyped_storage().data_ptr())
 
+    def gather_full_fp32(self) -> dict[str, torch.Tensor]:
+        """This replica's full fp32 params of the unit, by the model's names (blocking gather)."""
+        full = gather_full(self.comm, self.held_flat, self.layout, torch.float32)
+        return {self.prefix + s.name: v.clone().cpu() for s, v in zip(self.specs, self.layout.full_views(full))}
+
     # ------------------------------------------------------------ gradients
-    def pack_unit_grads(self, grads: list[Optional[torch.Tensor]]) -> None:
+    def pack_grads(self, grads: list[Optional[torch.Tensor]], plan: ReducePlan) -> None:
         """Add this micro-step's full grads into the [S, N] reduce-scatter input."""
-        first = self._rs_in is None
-        if first:
-            self._rs_in = torch.empty(self.S, self.N, dtype=self.engine.reduce_dtype, device=self.held_flat.device)
-        grads = [None if g is None else g.contiguous() for g in grads]
-        pack_grads(grads, self.shard_sizes, self._rs_in, 1.0 / self.engine.pre_divide, accumulate=not first)
+        self.rs_in = pack_grads_for_reduce(grads, self.layout, plan, self.rs_in)
 
-    def reduce_scatter_grads(self) -> "_PendingReduce":
-        """Launch the reduce-scatter of the packed grads on the shard group."""
-        out = torch.empty(self.N, dtype=self.engine.reduce_dtype, device=self.held_flat.device)
-        work = self.comm.reduce_scatter(out, self._rs_in.view(-1), "shard", async_op=True)
-        return _PendingReduce(self, work, out)
-
-
-class _PendingReduce:
-    """A unit's grad reduction in flight: reduce-scatter, then (warmup) the sync all-reduce.
-
-    Each stage is launched async and only waited on one unit later, so it
-    overlaps with the next unit's backward compute.
-    """
-
-    def __init__(self, unit: ShardedUnit, work, out: torch.Tensor) -> None:
-        self.unit, self.work, self.out = unit, work, out
-        self.in_sync_group = False
-
-    def advance(self) -> bool:
-        """Wait for the current stage and start the next; True once the grad shard holds the result."""
-        engine = self.unit.engine
-        self.work.wait()
-        if not self.in_sync_group:
-            self.unit._rs_in = None  # the reduce-scatter input can go
-            if engine.sync_grads:  # average across replicas (exact HSDP / warmup)
-                self.work = self.unit.comm.all_reduce(self.out, "sync", async_op=True)
-                self.in_sync_group = True
-                return False
-        accumulate_grad_shards(self.out, self.unit.grad_flat, 1.0 / engine.post_divide)
-        return True
-
-    def finish(self) -> None:
-        while not self.advance():
-            pass
+    def start_reduce(self, plan: ReducePlan) -> PendingReduce:
+        """Launch the reduction of the packed grads into grad_flat; the packed input is handed over."""
+        rs_in, self.rs_in = self.rs_in, None
+        return start_reduce(self.comm, rs_in, self.grad_flat, plan)
 
 
 class _GatherFn(torch.autograd.Function):
-    """Forward: the unit's full params (gathered). Backward: reduce-scatter their grads."""
+    """Forward: the unit's full params (gathered). Backward: hand their grads to the unit's callback."""
 
     @staticmethod
     def forward(ctx, unit: ShardedUnit, anchor: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ARG004
@@ -230,13 +145,13 @@ class _GatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[None, None]:
         unit: ShardedUnit = ctx.unit
-        unit.engine.on_unit_backward(unit, list(grads))
+        unit.on_backward(unit, list(grads))
         return None, None
 
 
-# ---------------------------------------------------------------- the model
-class HSDPModel:
-    """Runs a model's units with sharded params. Owns the units and the backward bookkeeping."""
+# ---------------------------------------------------------------- the engine
+class HSDPEngine(Engine):
+    """Runs a model's units with sharded params (eager). Owns the units and the backward bookkeeping."""
 
     def __init__(self, units: nn.ModuleList, mesh: Mesh, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
                  prefetch: bool = True, materialize: Optional[Callable[[int, nn.Module], None]] = None) -> None:
@@ -245,19 +160,32 @@ class HSDPModel:
         self.reduce_dtype = DTYPES[reduce_dtype]
         self.prefetch = prefetch
         # Units are sharded in order, so a meta model's full params exist for one unit at a time.
-        self.units = [ShardedUnit(i, f"units.{i}.", m, self, materialize) for i, m in enumerate(units)]
-        self.sync_grads = True  # average grads across the sync group (exact HSDP / warmup)
+        self.units: list[ShardedUnit] = []
+        for i, m in enumerate(units):
+            if materialize is not None:  # meta-device unit: create its full params only now
+                materialize(i, m)
+            self.units.append(ShardedUnit(i, f"units.{i}.", m, mesh, self.param_dtype, self._on_unit_backward))
         self.reduce_grads = True  # False on non-final micro-steps of gradient accumulation
-        self._pending: list[_PendingReduce] = []
+        self._pending: list[PendingReduce] = []
         self._callback_queued = False
+        self.policy = NoSync()  # from_config installs the configured SyncPolicy
         self.set_grad_sync(True)
+
+    @classmethod
+    def from_config(cls, cfg: Config, mesh: Mesh) -> "HSDPEngine":
+        """The GPT built on meta, materialised and sharded one unit at a time, with its sync policy."""
+        model = build_model(cfg.model, cfg.run.seed, materialize=False)
+        engine = cls(model.units, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype, cfg.mesh.prefetch,
+                     materialize=unit_initializer(cfg.model, cfg.run.seed))
+        engine.policy = SyncPolicy(cfg.sync, engine.held_buffers(), mesh.comm)
+        return engine
 
     # ------------------------------------------------------------ step-level switches
     def set_grad_sync(self, sync_grads: bool) -> None:
-        """Whether this step's grads are averaged across the sync group too (the sync policy's seam)."""
-        self.sync_grads = sync_grads
-        divisor = self.mesh.shard_size * (self.mesh.sync_size if sync_grads else 1)
-        self.pre_divide, self.post_divide = divide_factors(divisor)
+        self.plan = reduce_plan(self.mesh.shard_size, self.mesh.sync_size, sync_grads, self.reduce_dtype)
+
+    def set_reduce_grads(self, reduce: bool) -> None:
+        self.reduce_grads = reduce
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The held (sharded, fp32) params under the model's own names: what the optimizer updates."""
@@ -315,16 +243,16 @@ class HSDPModel:
                 earlier.start_gather()
 
     # ------------------------------------------------------------ backward
-    def on_unit_backward(self, unit: ShardedUnit, grads: list[Optional[torch.Tensor]]) -> None:
-        """All of a unit's full grads are ready: pack, reduce-scatter (on the last micro-step), release."""
+    def _on_unit_backward(self, unit: ShardedUnit, grads: list[Optional[torch.Tensor]]) -> None:
+        """All of a unit's full grads are ready: pack, reduce (on the last micro-step), release."""
         self._queue_final_callback()
-        unit.pack_unit_grads(grads)
+        unit.pack_grads(grads, self.plan)
         unit.release()
         if not self.reduce_grads:
             return
         # Move earlier units' reductions one stage on; this unit's reduce-scatter joins them.
         self._pending = [p for p in self._pending if not p.advance()]
-        self._pending.append(unit.reduce_scatter_grads())
+        self._pending.append(unit.start_reduce(self.plan))
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -337,7 +265,7 @@ class HSDPModel:
             pending.finish()
         self._pending = []
         for unit in self.units:
-            if unit._gather_work is not None:
+            if unit.gathering:
                 unit.wait_gather()
             unit.release()
         self._callback_queued = False
@@ -366,12 +294,4 @@ class HSDPModel:
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 params of this replica (all-gathers on the shard group)."""
-        out = {}
-        for u in self.units:
-            gathered = torch.empty(u.S * u.N, dtype=torch.float32, device=u.held_flat.device)
-            u.comm.all_gather(gathered, u.held_flat, "shard")
-            full = torch.empty(u.S * u.N, dtype=torch.float32, device=u.held_flat.device)
-            unpack_full(gathered.view(u.S, u.N), u.shard_sizes, full)
-            for s in u.specs:
-                out[u.prefix + s.name] = full[u.S * s.offset: u.S * s.offset + s.numel].view(s.shape).clone().cpu()
-        return out
+        return {k: v for u in self.units for k, v in u.gather_full_fp32().items()}

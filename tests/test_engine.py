@@ -47,17 +47,12 @@ def test_baselines_equal_hsdp(tmp_path: Path, engine: str) -> None:
     a, b = np.array(ours.losses), np.array(theirs.losses)
     assert np.max(np.abs(a - b) / np.abs(b)) < 1e-5
     assert max_param_rel_err(ours.params(0), theirs.params(0)) < 1e-5
-    if engine == "fsdp2":  # FSDP2's own collectives, counted at the dispatcher, move the same bytes as ours ...
-        for key in ("shard/reduce_scatter", "sync/all_reduce"):
+    if engine == "fsdp2":
+        # FSDP2's own collectives (counted through its custom-comm hooks) move exactly our bytes, with the
+        # embedding's backward re-gather switched off there (set_unshard_in_backward(False)), as we skip it.
+        for key in ("shard/all_gather", "shard/reduce_scatter", "sync/all_reduce"):
             assert theirs.summary["comm"][key]["bytes"] == ours.summary["comm"][key]["bytes"], key
-        # ... except that FSDP2 re-gathers the embedding in backward, which we skip (it needs no weights).
-        from hsdp.config import load_config
-        from hsdp.model import build_model
-
-        emb = build_model(load_config(None, overrides).model, 0).units[0]
-        n_emb = sum(-(-p.shape[0] // 2) * p[0].numel() for p in emb.parameters())  # per-rank shard elements
-        extra = theirs.summary["comm"]["shard/all_gather"]["bytes"] - ours.summary["comm"]["shard/all_gather"]["bytes"]
-        assert extra == STEPS * (2 - 1) * n_emb * 4
+            assert theirs.summary["comm"][key]["calls"] == ours.summary["comm"][key]["calls"], key
 
 
 def test_fsdp2_bytes_labelled_shard_when_shard_group_is_world(tmp_path: Path) -> None:
@@ -125,15 +120,6 @@ def test_release_frees_full_params(tmp_path: Path) -> None:
             assert own > 0, f"unit {i} ran without its params"
             assert all(b == 0 for b in earlier), f"units before {i} were not released"
         assert r["grad_nonzero"]
-
-
-def test_compiled_unit_matches_eager(tmp_path: Path) -> None:
-    """torch.compile(fullgraph=True) of one sharded unit's forward+backward gives the eager grads."""
-    results = _run_check("compile", 2, tmp_path, timeout=400)  # inductor: the custom ops lowered for real
-    for r in results:
-        assert r["ran"] == {"all_gather": 1, "reduce_scatter": 1}
-        assert r["grad_norm"] > 0
-        assert r["max_abs_err"] < 1e-5 * max(1.0, r["grad_norm"])
 
 
 def test_sharded_peak_memory_below_unsharded(tmp_path: Path) -> None:

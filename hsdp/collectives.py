@@ -1,0 +1,140 @@
+"""The two collective sequences of a unit, each step a small named function (docs/design.md §3).
+
+    gather:  pack_for_gather (cast held → param_dtype) → all-gather on the shard group
+             → unpack_gathered (rank-major [S, N] → param-major full_flat)
+    reduce:  pack_grads_for_reduce (cast → reduce_dtype, pre-divide, accumulate micro-steps)
+             → reduce-scatter on the shard group → [sync_grads] all-reduce on the sync group
+             → accumulate_reduced (post-divide, add into the fp32 grad shard)
+
+Both run asynchronously: `start_gather` / `start_reduce` launch and return a
+pending object that finishes later, so the engine can overlap them with compute.
+The eager engine and `full_state_dict` use these; the compiled path expresses
+the same steps with functional collectives (hsdp/compile/graph.py) and shares
+`ReducePlan`, so both divide and sync grads the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hsdp.comm import Comm
+from hsdp.layout import UnitLayout, divide_factors, grad_divisor
+from kernels.pack import pack_shards, unpack_full
+from kernels.reduce import accumulate_grad_shards, pack_grads
+
+
+# ---------------------------------------------------------------- gather
+def pack_for_gather(held_flat: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
+    """This rank's all-gather input: the held shard itself (fp32) or one cast of it."""
+    if param_dtype == held_flat.dtype:
+        return held_flat
+    ag_in = torch.empty(held_flat.numel(), dtype=param_dtype, device=held_flat.device)
+    pack_shards(held_flat, ag_in)
+    return ag_in
+
+
+def unpack_gathered(ag_out: torch.Tensor, layout: UnitLayout, full_flat: torch.Tensor) -> None:
+    """Gathered [S·N] (rank-major) → full_flat [S·N] (param-major)."""
+    unpack_full(ag_out.view(layout.S, layout.N), layout.shard_sizes, full_flat)
+
+
+class PendingGather:
+    """A unit's all-gather in flight; `finish` waits and unpacks it."""
+
+    def __init__(self, work, ag_out: torch.Tensor, layout: UnitLayout) -> None:
+        self.work, self.ag_out, self.layout = work, ag_out, layout
+
+    def finish(self, full_flat: torch.Tensor) -> None:
+        self.work.wait()
+        unpack_gathered(self.ag_out, self.layout, full_flat)
+
+
+def start_gather(comm: Comm, held_flat: torch.Tensor, layout: UnitLayout, param_dtype: torch.dtype) -> PendingGather:
+    """Pack the held shard and launch its all-gather on the shard group."""
+    ag_in = pack_for_gather(held_flat, param_dtype)
+    ag_out = torch.empty(layout.S * layout.N, dtype=param_dtype, device=held_flat.device)
+    return PendingGather(comm.all_gather(ag_out, ag_in, "shard", async_op=True), ag_out, layout)
+
+
+def gather_full(comm: Comm, held_flat: torch.Tensor, layout: UnitLayout, dtype: torch.dtype) -> torch.Tensor:
+    """Blocking gather into a new param-major buffer (checkpoint export, full_state_dict)."""
+    full = torch.empty(layout.S * layout.N, dtype=dtype, device=held_flat.device)
+    start_gather(comm, held_flat, layout, dtype).finish(full)
+    return full
+
+
+# ---------------------------------------------------------------- reduce
+@dataclass(frozen=True)
+class ReducePlan:
+    """How one step's grads are reduced: dtype, whether replicas average too, and the split divisor."""
+
+    reduce_dtype: torch.dtype
+    sync_grads: bool  # all-reduce the grad shard across the sync group (exact HSDP / warmup)
+    pre: float  # divide before the sum (keeps low-precision sums from overflowing)
+    post: float  # divide after it (keeps small grads from underflowing)
+
+
+def reduce_plan(shard_size: int, sync_size: int, sync_grads: bool, reduce_dtype: torch.dtype) -> ReducePlan:
+    """The mean over the shard group, and over the replicas when they sync grads."""
+    pre, post = divide_factors(grad_divisor(shard_size, sync_size, sync_grads))
+    return ReducePlan(reduce_dtype, sync_grads, pre, post)
+
+
+def pack_grads_for_reduce(grads: list[Optional[torch.Tensor]], layout: UnitLayout, plan: ReducePlan,
+                          rs_in: Optional[torch.Tensor]) -> torch.Tensor:
+    """Add this micro-step's full grads (pre-divided, in reduce_dtype) into the [S, N] reduce-scatter input."""
+    first = rs_in is None
+    if first:
+        rs_in = torch.empty(layout.S, layout.N, dtype=plan.reduce_dtype, device=grads_device(grads))
+    grads = [None if g is None else g.contiguous() for g in grads]
+    pack_grads(grads, layout.shard_sizes, rs_in, 1.0 / plan.pre, accumulate=not first)
+    return rs_in
+
+
+def grads_device(grads: list[Optional[torch.Tensor]]) -> torch.device:
+    return next(g.device for g in grads if g is not None)
+
+
+def accumulate_reduced(reduced: torch.Tensor, grad_flat: torch.Tensor, plan: ReducePlan) -> None:
+    """grad_flat += reduced / post (fp32)."""
+    accumulate_grad_shards(reduced, grad_flat, 1.0 / plan.post)
+
+
+class PendingReduce:
+    """A unit's grad reduction in flight: reduce-scatter, then (sync_grads) the sync all-reduce.
+
+    Each stage is launched async; `advance` waits for the current one and starts
+    the next, so a caller that advances once per unit overlaps every stage with
+    the next unit's backward.
+    """
+
+    def __init__(self, comm: Comm, rs_in: torch.Tensor, grad_flat: torch.Tensor, plan: ReducePlan) -> None:
+        self.comm, self.grad_flat, self.plan = comm, grad_flat, plan
+        self.out = torch.empty(grad_flat.numel(), dtype=plan.reduce_dtype, device=grad_flat.device)
+        self.work = comm.reduce_scatter(self.out, rs_in.view(-1), "shard", async_op=True)
+        self.rs_in: Optional[torch.Tensor] = rs_in  # kept alive until the reduce-scatter is done
+        self.in_sync_group = False
+
+    def advance(self) -> bool:
+        """Wait for the current stage and start the next; True once the grad shard holds the result."""
+        self.work.wait()
+        if not self.in_sync_group:
+            self.rs_in = None
+            if self.plan.sync_grads:
+                self.work = self.comm.all_reduce(self.out, "sync", async_op=True)
+                self.in_sync_group = True
+                return False
+        accumulate_reduced(self.out, self.grad_flat, self.plan)
+        return True
+
+    def finish(self) -> None:
+        while not self.advance():
+            continue
+
+
+def start_reduce(comm: Comm, rs_in: torch.Tensor, grad_flat: torch.Tensor, plan: ReducePlan) -> PendingReduce:
+    """Launch the reduce-scatter of a unit's packed grads; the rest follows as it is advanced."""
+    return PendingReduce(comm, rs_in, grad_flat, plan)

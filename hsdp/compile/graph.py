@@ -1,0 +1,94 @@
+"""The sharded training step in traceable form: what torch.compile captures (docs/design.md §6).
+
+Per unit, in the graph:
+
+    ag_in  = held.to(param_dtype)                                   # pack (cast), visible to inductor
+    full   = wait_tensor(all_gather_into_tensor(ag_in, S, shard))   # _c10d_functional ops
+    params = unpack_params(full, layout)                            # views/copies of the gathered buffer
+    x      = functional_call(unit, params, x)
+
+and in backward (`_GatherShards.backward`), the same reduction as the eager
+engine (`hsdp.collectives.ReducePlan`):
+
+    g = grad.to(reduce_dtype) · (1/pre) → wait(reduce_scatter(sum, shard))
+      → [sync_grads] wait(all_reduce(sum, sync)) → g.float() · (1/post)
+
+The all-gathers and what is unpacked from them are tagged MUST_RECOMPUTE by
+`hsdp.compile.passes.recompute_gathers`, so backward re-gathers instead of
+saving full params (release); a unit whose backward needs no weights (the
+embedding) saves nothing and is not re-gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from hsdp.collectives import ReducePlan
+from hsdp.layout import UnitLayout
+from hsdp.model import loss_fn
+
+C = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups the graph's collectives run on (names are baked into the graph)."""
+
+    shard: str
+    shard_size: int
+    sync: str
+    sync_size: int
+
+
+class _GatherShards(torch.autograd.Function):
+    """Forward: all-gather the cast held shard. Backward: reduce-scatter (+ sync all-reduce) its grad."""
+
+    @staticmethod
+    def forward(ctx, held: torch.Tensor, param_dtype: torch.dtype, groups: Groups, plan: ReducePlan) -> torch.Tensor:
+        ctx.groups, ctx.plan = groups, plan
+        ag_in = held.to(param_dtype)
+        if groups.shard_size == 1:
+            return ag_in
+        return C.wait_tensor(C.all_gather_into_tensor(ag_in, groups.shard_size, groups.shard))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        groups, plan = ctx.groups, ctx.plan
+        g = grad.to(plan.reduce_dtype)
+        if plan.pre != 1:
+            g = g * (1.0 / plan.pre)
+        if groups.shard_size > 1:
+            g = C.wait_tensor(C.reduce_scatter_tensor(g, "sum", groups.shard_size, groups.shard))
+        if plan.sync_grads and groups.sync_size > 1:
+            g = C.wait_tensor(C.all_reduce(g, "sum", groups.sync))
+        g = g.to(torch.float32)
+        if plan.post != 1:
+            g = g * (1.0 / plan.post)
+        return g, None, None, None
+
+
+def unpack_params(gathered: torch.Tensor, layout: UnitLayout) -> list[torch.Tensor]:
+    """Rank-major gathered [S·N] → each param's full tensor (padding rows dropped); traceable torch ops."""
+    columns = gathered.view(layout.S, layout.N).split(layout.shard_sizes, dim=1)
+    return [c.reshape(layout.S * s.rows, *s.shape[1:])[: s.shape[0]] for s, c in zip(layout.specs, columns)]
+
+
+def gather_params(held: torch.Tensor, layout: UnitLayout, param_dtype: torch.dtype, groups: Groups,
+                  plan: ReducePlan) -> list[torch.Tensor]:
+    """One unit's full params from its held shard, inside the graph."""
+    return unpack_params(_GatherShards.apply(held, param_dtype, groups, plan), layout)
+
+
+def sharded_loss(units: list[tuple[nn.Module, UnitLayout]], helds: list[torch.Tensor], x: torch.Tensor,
+                 y: torch.Tensor, param_dtype: torch.dtype, groups: Groups, plan: ReducePlan) -> torch.Tensor:
+    """The whole model's loss from the held shards: the function torch.compile captures."""
+    for (module, layout), held in zip(units, helds):
+        params = gather_params(held, layout, param_dtype, groups, plan)
+        names = [s.name for s in layout.specs]
+        # tie_weights=False: between uses every param of the module points at one empty placeholder.
+        x = functional_call(module, dict(zip(names, params)), (x,), tie_weights=False)
+    return loss_fn(x, y)

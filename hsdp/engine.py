@@ -1,0 +1,127 @@
+"""The engine interface every training engine implements, and `build_engine`.
+
+`train.py` drives any engine the same way (docs/design.md §5):
+
+    engine = build_engine(cfg, mesh)              # model built, sharded/wrapped
+    optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
+    for step ...:
+        engine.begin_step(step)                   # the sync policy decides: grads across replicas?
+        loss = engine.forward_backward(batches)   # micro-batches; grads reduced once, on the last
+        engine.clip_grad_norm_(max_norm)
+        optimizer.step(); engine.zero_grad()
+        synced = engine.end_step(step)            # the sync policy's param sync, if due
+    engine.finish()                               # land a param sync still in flight
+
+Engines: `hsdp` (this project, eager: hsdp/shard.py; compiled: hsdp/compile/),
+`fsdp2` and `ddp` (PyTorch baselines: hsdp/baselines.py). Baselines always
+average grads across every rank, so their policy is `NoSync`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from hsdp.config import Config
+from hsdp.mesh import Mesh
+from hsdp.model import loss_fn
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, targets)
+
+
+class NoSync:
+    """The sync policy of engines whose grads are always averaged over every rank."""
+
+    def grad_sync(self, step: int) -> bool:
+        return True
+
+    def after_step(self, step: int) -> bool:
+        return False
+
+    def finish(self) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+class Engine(ABC):
+    """A model on a mesh: forward/backward over micro-batches, grads reduced, a sync policy's seam."""
+
+    mesh: Mesh
+    policy: Any  # hsdp.sync.SyncPolicy or NoSync
+
+    # ------------------------------------------------------------ what each engine provides
+    @abstractmethod
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits for a batch of token ids (training or eval forward)."""
+
+    @abstractmethod
+    def set_reduce_grads(self, reduce: bool) -> None:
+        """False on non-final micro-steps: grads accumulate locally and are reduced once per step."""
+
+    @abstractmethod
+    def set_grad_sync(self, sync_grads: bool) -> None:
+        """Whether this step's grads are averaged across the sync group too (exact HSDP / warmup)."""
+
+    @abstractmethod
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """What the optimizer updates, under the model's own names (held shards for hsdp)."""
+
+    @abstractmethod
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the global grad norm (0: only measure it); returns the norm before clipping."""
+
+    @abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This replica's full fp32 params on CPU, under `hsdp.model.GPT`'s names."""
+
+    # ------------------------------------------------------------ the step, shared by all engines
+    def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
+        """Forward and backward over the step's micro-batches; returns the step's mean loss (detached)."""
+        total = torch.zeros((), device=self.mesh.device)
+        for i, (x, y) in enumerate(batches):
+            self.set_reduce_grads(i == len(batches) - 1)
+            loss = loss_fn(self(x), y) / len(batches)
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def begin_step(self, step: int) -> None:
+        self.set_grad_sync(self.policy.grad_sync(step))
+
+    def end_step(self, step: int) -> bool:
+        """After the optimizer update of `step`: the policy's param sync; True if one happened."""
+        return self.policy.after_step(step)
+
+    def finish(self) -> None:
+        """End of training: land whatever the policy still has in flight."""
+        getattr(self.policy, "finish", lambda: None)()  # TEMP until SyncPolicy.finish lands
+
+    def stats(self) -> dict[str, Any]:
+        """Engine-specific figures for summary.json (e.g. compile time)."""
+        return {}
+
+
+def build_engine(cfg: Config, mesh: Mesh) -> Engine:
+    """The model, wrapped by the engine the config asks for (eager or compiled)."""
+    if cfg.mesh.engine == "hsdp":
+        from hsdp.shard import HSDPEngine
+
+        if cfg.compile.enabled:
+            from hsdp.compile.engine import CompiledHSDPEngine
+
+            return CompiledHSDPEngine.from_config(cfg, mesh)
+        return HSDPEngine.from_config(cfg, mesh)
+    from hsdp.baselines import DDPEngine, FSDP2Engine
+
+    return {"fsdp2": FSDP2Engine, "ddp": DDPEngine}[cfg.mesh.engine].from_config(cfg, mesh)
