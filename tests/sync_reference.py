@@ -1,4 +1,4 @@
-"""An independent single-process reference for periodic param sync (DESIGN §2).
+"""An independent single-process reference for periodic param sync (docs/design.md §2).
 
 M replicas are simulated in one process, each a full model with its own
 optimizer: no torch.distributed, no hsdp engine (hsdp.shard / hsdp.sync are
@@ -10,7 +10,7 @@ Per step s:
   1. each replica computes grads on its rows (loss = mean over its rows);
   2. if s < warmup_steps (null: always) the grads are averaged over replicas;
   3. per-replica global-norm clipping, optimizer step;
-  4. param sync of the fragments due after step s (DESIGN §2):
+  4. param sync of the fragments due after step s (docs/design.md §2):
      average:  θ_m ← mean_m θ_m
      outer step (diloco, or anything quantized, or non-default η/μ):
        Δ = θ_g − mean_m θ_m   (int8: mean_m dequant(quant(θ_g − θ_m)) per shard)
@@ -18,6 +18,12 @@ Per step s:
        θ_g −= η·(Δ + μ·b) (nesterov) or η·b
        θ_m ← θ_g
      θ_g is snapshotted after step warmup−1 (at init when warmup = 0).
+  5. delay τ > 0 (overlapped sync, docs/design.md §2.6): step 4 is split in two.
+     After step s (fragment due) only the mean Δ = θ_g − mean_m θ_m (int8: as
+     above) is taken, for every method (average: η = 1, μ = 0). After step s+τ,
+     before any sync that starts there, the outer step above runs with that Δ and
+     θ_m ← α·θ_m + (1 − α)·θ_g (θ_m has trained τ more steps). A sync whose s+τ is
+     past the last step lands right after the last step.
 
 int8 follows the engine's layout: each rank quantizes the flat held shard of
 each unit separately; the held shard of a unit on shard rank k is the
@@ -47,14 +53,15 @@ class SyncReferenceResult:
     losses: list[float]  # per step: mean over replicas of each replica's loss
     synced: list[bool]  # per step: some fragment synced params after this step
     params: list[dict[str, torch.Tensor]]  # per replica: final full params, model.named_parameters() names
-    fragment_synced: list[list[int]]  # per step: the fragments that synced after it
+    fragment_synced: list[list[int]]  # per step: the fragments whose sync started after it
+    landed: list[list[int]]  # per step: the fragments whose sync landed after it (τ = 0: = fragment_synced)
     # int8 only, per synced step: name → (quant_step, tie_margin), per element of the param:
     #   quant_step = Σ_m scale_m / M: the most one rounding flip per replica can move mean Δ
     #   tie_margin = min_m | |Δ_m/scale_m| − floor(|Δ_m/scale_m|) − ½ |: how near a rounding tie it was
     int8_trace: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = dataclasses.field(default_factory=dict)
 
 
-# ---------------------------------------------------------------- schedule (DESIGN §2)
+# ---------------------------------------------------------------- schedule (docs/design.md §2)
 def grad_sync_due(step: int, warmup: Optional[int]) -> bool:
     return warmup is None or step < warmup
 
@@ -67,7 +74,7 @@ def fragment_due(step: int, f: int, warmup: Optional[int], every: int, fragments
 
 
 def outer_hparams(method: str, outer_lr: Optional[float], outer_momentum: Optional[float]) -> tuple[float, float]:
-    """η, μ with the defaults of DESIGN §2 (average: 1, 0; diloco: 0.7, 0.9)."""
+    """η, μ with the defaults of docs/design.md §2 (average: 1, 0; diloco: 0.7, 0.9)."""
     lr0, mom0 = (1.0, 0.0) if method == "average" else (0.7, 0.9)
     return (lr0 if outer_lr is None else outer_lr, mom0 if outer_momentum is None else outer_momentum)
 
@@ -185,7 +192,9 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
     warmup, every, P = sc.warmup_steps, sc.every, sc.fragments
     eta, mu = outer_hparams(sc.method, sc.outer_lr, sc.outer_momentum)
     int8 = sc.quantize == "int8"
-    plain_average = sc.method == "average" and not int8 and eta == 1.0 and mu == 0.0
+    delay, alpha = sc.delay, sc.alpha
+    # A delayed sync always takes the outer-step path: Δ is snapshotted against θ_g.
+    plain_average = sc.method == "average" and not int8 and eta == 1.0 and mu == 0.0 and delay == 0
 
     models = [build_model(cfg.model, cfg.run.seed) for _ in range(M)]
     opts = [build_optimizer(list(mdl.named_parameters()), cfg.optim) for mdl in models]
@@ -207,8 +216,18 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
     if warmup == 0:
         theta_g = snapshot()
 
-    losses, synced_flags, frag_log = [], [], []
+    losses, synced_flags, frag_log, land_log = [], [], [], []
+    in_flight: list[tuple[int, int, dict[int, dict[str, torch.Tensor]]]] = []  # (land step, fragment, Δ per unit)
     int8_trace: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def land(entry: tuple[int, int, dict[int, dict[str, torch.Tensor]]], landed: list[int]) -> None:
+        """A delayed sync's outer step and merge, with the mean Δ taken when it started."""
+        _, f, mean_deltas = entry
+        for u in frag_units[f]:
+            _outer_update(unit_names[u], params, theta_g, buf, mean_deltas[u], eta, mu, sc.nesterov, alpha)
+        in_flight.remove(entry)
+        landed.append(f)
+
     for step in range(cfg.run.steps):
         lr = lr_at(step, cfg.optim, cfg.run.steps)
         replica_losses = []
@@ -244,26 +263,41 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
             theta_g = snapshot()  # every replica holds the same params here
 
         due = [f for f in range(P) if fragment_due(step, f, warmup, every, P)]
+        landed: list[int] = []
         with torch.no_grad():
+            for entry in [e for e in in_flight if e[0] == step]:  # delayed syncs landing now, oldest first
+                land(entry, landed)
             for f in due:
+                if delay > 0:  # only the mean Δ now; the outer step after step + delay
+                    mean_deltas = {}
+                    for u in frag_units[f]:
+                        mean_deltas[u], trace = _mean_delta(unit_names[u], params, theta_g, int8, S, sc.quant_block)
+                        if trace:
+                            int8_trace.setdefault(step, {}).update(trace)
+                    in_flight.append((step + delay, f, mean_deltas))
+                    continue
                 for u in frag_units[f]:
                     trace = _sync_unit(unit_names[u], params, theta_g, buf, plain_average, int8, eta, mu,
                                        sc.nesterov, S, sc.quant_block)
                     if trace:
                         int8_trace.setdefault(step, {}).update(trace)
+                landed.append(f)
+            if step == cfg.run.steps - 1:  # the run ends: what is still in flight lands now
+                for entry in list(in_flight):
+                    land(entry, landed)
         synced_flags.append(bool(due))
         frag_log.append(due)
+        land_log.append(landed)
 
     final = [{n: p.detach().clone() for n, p in mdl.named_parameters()} for mdl in models]
-    return SyncReferenceResult(losses, synced_flags, final, frag_log, int8_trace)
+    return SyncReferenceResult(losses, synced_flags, final, frag_log, land_log, int8_trace)
 
 
 def _sync_unit(unit: list[str], params: list[dict[str, torch.Tensor]], theta_g, buf, plain_average: bool,
                int8: bool, eta: float, mu: float, nesterov: bool, shard: int, block: int
                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Sync one unit's params across replicas; int8 returns its trace (name → (quant_step, tie_margin))."""
+    """Sync one unit's params across replicas now; int8 returns its trace (name → (quant_step, tie_margin))."""
     M = len(params)
-    trace = {}
     if plain_average:
         for n in unit:
             acc = params[0][n].detach().clone()
@@ -272,24 +306,38 @@ def _sync_unit(unit: list[str], params: list[dict[str, torch.Tensor]], theta_g, 
             acc /= M
             for m in range(M):
                 params[m][n].copy_(acc)
-        return trace
+        return {}
+    mean_delta, trace = _mean_delta(unit, params, theta_g, int8, shard, block)
+    _outer_update(unit, params, theta_g, buf, mean_delta, eta, mu, nesterov, None)
+    return trace
+
+
+def _mean_delta(unit: list[str], params: list[dict[str, torch.Tensor]], theta_g, int8: bool, shard: int,
+                block: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The mean over replicas of Δ_m = θ_g − θ_m per param of the unit (int8: quantized per shard), and the trace."""
+    M = len(params)
     if int8:
         deltas = [[theta_g[n] - params[m][n].detach() for n in unit] for m in range(M)]
         means, qsteps, margins = quantized_mean_delta(deltas, shard, block)
-        mean_delta = dict(zip(unit, means))
-        trace = {n: (qs, mg) for n, qs, mg in zip(unit, qsteps, margins)}
-    else:
-        mean_delta = {}
-        for n in unit:
-            acc = params[0][n].detach().clone()
-            for m in range(1, M):
-                acc += params[m][n]
-            mean_delta[n] = theta_g[n] - acc / M
+        return dict(zip(unit, means)), {n: (qs, mg) for n, qs, mg in zip(unit, qsteps, margins)}
+    mean_delta = {}
+    for n in unit:
+        acc = params[0][n].detach().clone()
+        for m in range(1, M):
+            acc += params[m][n]
+        mean_delta[n] = theta_g[n] - acc / M
+    return mean_delta, {}
+
+
+def _outer_update(unit: list[str], params: list[dict[str, torch.Tensor]], theta_g, buf,
+                  mean_delta: dict[str, torch.Tensor], eta: float, mu: float, nesterov: bool,
+                  alpha: Optional[float]) -> None:
+    """Outer SGD step on θ_g with Δ; then θ_m ← θ_g (alpha None: blocking) or α·θ_m + (1 − α)·θ_g."""
     for n in unit:
         d = mean_delta[n]
         buf[n] = d.clone() if buf[n] is None else mu * buf[n] + d
         step = d + mu * buf[n] if nesterov else buf[n]
         theta_g[n] -= eta * step
-        for m in range(M):
-            params[m][n].copy_(theta_g[n])
-    return trace
+        for m in range(len(params)):
+            new = theta_g[n] if alpha is None else alpha * params[m][n].detach() + (1 - alpha) * theta_g[n]
+            params[m][n].copy_(new)

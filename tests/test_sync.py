@@ -1,7 +1,8 @@
-"""Sync policies (DESIGN §2) on a 2×2 mesh against the independent reference in sync_reference.py.
+"""Sync policies (docs/design.md §2) on a 2×2 mesh against the independent reference in sync_reference.py.
 
 Every multi-process run goes through `run_train` (with a timeout) and is made once per module
-(`Runs` caches them). Cases:
+(`Runs` caches them). Delayed cases run train.py's worker through this file's `train` entry point,
+which lands in-flight syncs after the last step (what train.py's call of finish() does). Cases:
 
   average   warmup 3, every 4                      16 steps (last step not a sync)
   diloco    warmup 3, every 4, η 0.7, μ 0.9         15 steps (last step 14 is a sync)
@@ -11,6 +12,13 @@ Every multi-process run goes through `run_train` (with a timeout) and is made on
   sgd_w0    average, every 1, sgd, warmup 0        (linear: equals exact HSDP)
   sgd_hsdp  warmup null (exact HSDP)
   sgd_wall  warmup_steps = steps                   (equals sgd_hsdp bit for bit)
+  delay_frag  frag with τ 3, α 0                   16 steps (two fragments in flight at once; one lands at the end)
+  delay_avg   average with τ 1, α 0.5              16 steps (lands after 7, 11, 15)
+  delay_int8  int8 with τ 3, α 0.5                 16 steps (the sync after step 14 lands at the end)
+
+The policy alone (no model) runs on 2 gloo ranks in `python tests/test_sync.py policy OUT`:
+a delayed sync landed at once equals the blocking one bit for bit, and state_dict → load into a
+fresh policy → continue equals not stopping, bit for bit.
 
 Byte formula checked (per rank, sync group of M, shard group of S; N_u = Σ over the unit's
 params of ceil(d0/S)·prod(rest), the unit's held shard):
@@ -21,17 +29,22 @@ params of ceil(d0/S)·prod(rest), the unit's held shard):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 
-from hsdp.config import load_config
+from hsdp.config import Config, SyncConfig, load_config
 from hsdp.model import build_model
 from tests.helpers import REPO, SMALL, max_param_rel_err, rel_err, run_train
-from tests.sync_reference import (SyncReferenceResult, dequantize_int8, fragment_due, quantize_int8,
-                                  sync_reference_run)
+from tests.sync_reference import SyncReferenceResult, dequantize_int8, fragment_due, quantize_int8, sync_reference_run
 
 M, S = 2, 2
 MESH = [f"mesh.sync={M}", f"mesh.shard={S}"]
@@ -49,6 +62,11 @@ CASES: dict[str, list[str]] = {
     "sgd_w0": [*SGD, "sync.warmup_steps=0", "sync.every=1"],
     "sgd_hsdp": [*SGD, "sync.warmup_steps=null"],
     "sgd_wall": [*SGD, "sync.warmup_steps=16", "sync.every=4"],
+    "delay_frag": [*PERIODIC, "run.steps=16", "sync.method=diloco", "sync.fragments=2", "sync.delay=3",
+                   "sync.alpha=0"],
+    "delay_avg": [*PERIODIC, "run.steps=16", "sync.delay=1", "sync.alpha=0.5"],
+    "delay_int8": [*PERIODIC, "run.steps=16", "sync.method=diloco", "sync.quantize=int8", "sync.quant_block=64",
+                   "sync.delay=3", "sync.alpha=0.5"],
 }
 
 
@@ -65,7 +83,10 @@ class Runs:
 
     def run(self, case: str):
         if case not in self._runs:
-            self._runs[case] = run_train(self.out, case, [*overrides(case), *MESH])
+            delayed = case.startswith("delay")
+            self._runs[case] = run_train(self.out, case, [*overrides(case), *MESH],
+                                         script=["tests/test_sync.py", "train"] if delayed else None,
+                                         env={"PYTHONPATH": str(REPO)} if delayed else None)
         return self._runs[case]
 
     def ref(self, case: str) -> SyncReferenceResult:
@@ -91,7 +112,7 @@ def replica_gap(run) -> float:
 
 # ---------------------------------------------------------------- the schedule and the reference itself
 def test_schedule_formula():
-    """DESIGN §2's formula, spelled out for the cases used here (a check of the reference's schedule)."""
+    """docs/design.md §2.2's formula, spelled out for the cases used here (a check of the reference's schedule)."""
     due = lambda f, P, w=3, H=4, steps=16: [s for s in range(steps) if fragment_due(s, f, w, H, P)]  # noqa: E731
     assert due(0, 1) == [6, 10, 14]
     assert due(0, 2) == [4, 8, 12] and due(1, 2) == [6, 10, 14]
@@ -101,7 +122,6 @@ def test_schedule_formula():
 
 def test_steps_after_last_sync():
     """The tail a run trains after its last param sync (train.py warns when it is not 0), worked by hand."""
-    from hsdp.config import SyncConfig
     from hsdp.sync import steps_after_last_sync
 
     assert steps_after_last_sync(600, SyncConfig(warmup_steps=0, every=32)) == 24  # last sync after step 575
@@ -137,7 +157,7 @@ def test_reference_quantizer_rounds_half_away_from_zero():
 
 
 # ---------------------------------------------------------------- distributed run == reference
-@pytest.mark.parametrize("case", ["average", "diloco", "frag"])
+@pytest.mark.parametrize("case", ["average", "diloco", "frag", "delay_frag", "delay_avg"])
 def test_matches_reference(runs: Runs, case: str):
     run, ref = runs.run(case), runs.ref(case)
     assert max_loss_rel_err(run.losses, ref.losses) <= TOL
@@ -153,9 +173,9 @@ def test_int8_first_sync_matches_reference_up_to_rounding_ties(runs: Runs):
     (fp32 reduction order of the sharded grads, as in every other case) rounds to different
     int8 values when x/scale sits within that noise of a .5 tie. Each such flip moves its element
     by one int8 step of one replica (scale_m / M), ~5e-5 abs here, which alone is 3e-5–8e-5 of a
-    whole param's norm (measured: 8 flips in 50400 elements, each at a tie margin < 1e-3). So the check is element-wise: every element agrees to 1e-5 (relative,
-    per param) except a few, and each of those is at most one step off and was at a tie in the
-    reference.
+    whole param's norm (measured: 8 flips in 50400 elements, each at a tie margin < 1e-3). So the
+    check is element-wise: every element agrees to 1e-5 (relative, per param) except a few, and
+    each of those is at most one step off and was at a tie in the reference.
     """
     run, ref = runs.run("int8first"), runs.ref("int8first")
     assert ref.synced == [False] * 6 + [True]
@@ -183,7 +203,8 @@ def check_equal_up_to_int8_ties(params: list[dict[str, torch.Tensor]], ref: Sync
     assert flipped <= 1e-3 * total, f"{flipped} of {total} elements differ by an int8 step"
 
 
-def test_int8_long_run_matches_reference(runs: Runs):
+@pytest.mark.parametrize("case", ["int8", "delay_int8"])
+def test_int8_long_run_matches_reference(runs: Runs, case: str):
     """Losses to 1e-5; params within 1e-3, well below the effect of quantizing at all.
 
     After a rounding-tie flip (see the test above) the two runs' params differ by ~1e-4 relative
@@ -191,10 +212,11 @@ def test_int8_long_run_matches_reference(runs: Runs):
     kernel revisions), so 1e-5 cannot hold for params here.
     The bound is kept meaningful by asserting it is < 0.3× the distance between the int8 and the
     fp32 reference (3.2e-3); quantizing with the wrong shard layout moves params as far (3.4e-3).
+    delay_int8 (τ 3, α 0.5, ending with a sync landed at the end) is held to the same bounds.
     """
-    run, ref = runs.run("int8"), runs.ref("int8")
+    run, ref = runs.run(case), runs.ref(case)
     assert max_loss_rel_err(run.losses, ref.losses) <= TOL
-    fp32 = sync_reference_run([o for o in overrides("int8") if not o.startswith("sync.quant")], M, S)
+    fp32 = sync_reference_run([o for o in overrides(case) if not o.startswith("sync.quant")], M, S)
     effect = max_param_rel_err(ref.params[0], fp32.params[0])
     for m in range(M):
         err = max_param_rel_err(run.params(m), ref.params[m])
@@ -239,7 +261,7 @@ def int8_sync_bytes(n: int, block: int) -> int:
 
 
 def expected_sync_bytes(case: str) -> list[int]:
-    """Bytes this rank sends on the sync group at each step (DESIGN §2 schedule, formula above)."""
+    """Bytes this rank sends on the sync group at each step (docs/design.md §2.2 schedule, formula above)."""
     cfg = load_config(None, overrides(case))
     sc = cfg.sync
     sizes = unit_sizes(case)
@@ -255,8 +277,10 @@ def expected_sync_bytes(case: str) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("case", ["average", "diloco", "frag", "int8", "sgd_w0", "sgd_hsdp"])
+@pytest.mark.parametrize("case", ["average", "diloco", "frag", "int8", "sgd_w0", "sgd_hsdp", "delay_frag",
+                                  "delay_avg", "delay_int8"])
 def test_synced_flags_and_sync_bytes(runs: Runs, case: str):
+    """`synced` marks the steps a sync starts after (τ = 0: also lands); its bytes count on that step."""
     run, ref = runs.run(case), runs.ref(case)
     metrics = run.metrics
     assert [m["step"] for m in metrics] == list(range(len(ref.synced)))
@@ -272,6 +296,18 @@ def test_synced_steps_follow_the_formula(runs: Runs):
     assert steps("average") == [6, 10, 14]
     assert steps("diloco") == [6, 10, 14]
     assert steps("frag") == [4, 6, 8, 10, 12, 14]  # fragment 0 after 4, 8, 12; fragment 1 after 6, 10, 14
+    assert steps("delay_frag") == steps("frag")  # τ moves where a sync lands, not where it starts
+
+
+def test_reference_lands_delayed_syncs_tau_steps_later(runs: Runs):
+    """The reference's landing schedule, by hand: τ after the start, and whatever is in flight at the end."""
+    landed = lambda case: {s: f for s, f in enumerate(runs.ref(case).landed) if f}  # noqa: E731
+    assert landed("frag") == {4: [0], 6: [1], 8: [0], 10: [1], 12: [0], 14: [1]}  # τ = 0: lands where it starts
+    assert landed("delay_frag") == {7: [0], 9: [1], 11: [0], 13: [1], 15: [0, 1]}  # 14 + 3 is past step 15
+    assert landed("delay_avg") == {7: [0], 11: [0], 15: [0]}
+    assert landed("delay_int8") == {9: [0], 13: [0], 15: [0]}
+    # the delay changes the result (so matching the reference checks the delayed path)
+    assert max_param_rel_err(runs.ref("delay_frag").params[0], runs.ref("frag").params[0]) > 1e-3
 
 
 def test_int8_sync_sends_about_a_quarter_of_fp32(runs: Runs):
@@ -293,3 +329,182 @@ def test_replicas_identical_after_sync_and_different_between(runs: Runs):
         run = runs.run(case)
         assert not run.metrics[-1]["synced"]
         assert replica_gap(run) > 1e-4, case
+
+
+def test_delayed_sync_landing_at_the_end_leaves_replicas_identical_only_with_alpha_0(runs: Runs):
+    """delay_frag (α 0): both fragments land after the last step, so every replica holds θ_g.
+    With α 0.5 each replica keeps half of its own τ local steps."""
+    run = runs.run("delay_frag")
+    assert not run.metrics[-1]["synced"]  # the landing is not a start
+    a, b = run.params(0), run.params(1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for case in ("delay_avg", "delay_int8"):
+        assert replica_gap(runs.run(case)) > 1e-4, case
+
+
+# ---------------------------------------------------------------- the policy alone, on 2 gloo ranks
+POLICY_UNITS = [1000, 37, 515]  # held-shard sizes; 37 and 515 are not multiples of the quant block
+
+
+def fake_update(held: list[torch.Tensor], step: int, rank: int, warmup: int) -> None:
+    """Stands in for an optimizer step: replicas move alike during warmup (as with averaged grads), apart after."""
+    for u, h in enumerate(held):
+        g = torch.Generator().manual_seed(1000 * step + 10 * u + (rank if step >= warmup else 0))
+        h.add_(torch.randn(h.numel(), generator=g), alpha=0.01)
+
+
+def initial_held() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n, generator=g) for n in POLICY_UNITS]
+
+
+def policy_tensors(policy) -> list[torch.Tensor]:
+    """θ_m, θ_g and b of every unit (what must agree bit for bit)."""
+    out = list(policy.held)
+    for s in policy.outer:
+        out += [s.global_params, s.momentum] if s.momentum is not None else [s.global_params]
+    return out
+
+
+def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def check_delayed_landed_at_once_equals_blocking(rank: int, comm) -> dict[str, bool]:
+    """τ = 0 is the blocking sync: start_sync + land_sync with nothing in between gives the same bits."""
+    from hsdp.sync import SyncPolicy
+
+    results = {}
+    for name, cfg in {
+        "diloco": SyncConfig(warmup_steps=0, every=4, method="diloco"),
+        "diloco_int8": SyncConfig(warmup_steps=0, every=4, method="diloco", quantize="int8", quant_block=64),
+        "average_int8": SyncConfig(warmup_steps=0, every=4, quantize="int8", quant_block=64),
+    }.items():
+        blocking = SyncPolicy(cfg, initial_held(), comm)
+        delayed = SyncPolicy(dataclasses.replace(cfg, delay=1, alpha=0.0), initial_held(), comm)
+        async_started = True
+        for step in range(2):  # the second sync's momentum is not the first's Δ
+            fake_update(blocking.held, step, rank, 0)
+            fake_update(delayed.held, step, rank, 0)
+            for u in range(len(POLICY_UNITS)):
+                blocking.sync_params(u)
+            delayed.start_sync(0, step)
+            async_started &= all(w.work is not None for r in delayed.in_flight[0].reductions for w in r.works)
+            delayed.land_sync(delayed.in_flight[0])
+        results[f"{name}: bitwise"] = bitwise_equal(policy_tensors(blocking), policy_tensors(delayed))
+        results[f"{name}: reductions launched async"] = async_started
+    return results
+
+
+def check_resume_from_state_dict(rank: int, comm) -> dict[str, bool]:
+    """state_dict → torch.save/load → a fresh policy → continue == never stopping, bit for bit."""
+    import io
+
+    from hsdp.sync import SyncPolicy
+
+    steps, warmup = 14, 2
+    # fragment 0 starts after 3, 7, 11 and lands 3 later; fragment 1 starts after 5, 9, 13
+    results = {}
+    for name, quantize in (("fp32", "none"), ("int8", "int8")):
+        cfg = SyncConfig(warmup_steps=warmup, every=4, fragments=2, method="diloco", quantize=quantize,
+                         quant_block=64, delay=3, alpha=0.5)
+
+        def run(cfg: SyncConfig, stop_after: Optional[int]) -> tuple[list[torch.Tensor], int]:
+            held = initial_held()
+            policy = SyncPolicy(cfg, held, comm)
+            in_flight_at_stop = -1
+            for step in range(steps):
+                fake_update(held, step, rank, warmup)
+                policy.after_step(step)
+                if step == stop_after:
+                    in_flight_at_stop = len(policy.in_flight)
+                    buf = io.BytesIO()
+                    torch.save(policy.state_dict(), buf)
+                    buf.seek(0)
+                    held = [h.clone() for h in held]  # the engine restores its held shards from its own state
+                    policy = SyncPolicy(cfg, held, comm)
+                    policy.load_state_dict(torch.load(buf))  # weights_only: plain containers and tensors
+            policy.finish()
+            assert not policy.in_flight
+            return policy_tensors(policy), in_flight_at_stop
+
+        straight, _ = run(cfg, None)
+        for stop_after, in_flight in ((0, 0), (7, 2), (8, 1)):  # in warmup (no θ_g yet); two / one in flight
+            resumed, n = run(cfg, stop_after)
+            results[f"{name}: stop after {stop_after}: {n} in flight"] = n == in_flight
+            results[f"{name}: stop after {stop_after}: bitwise"] = bitwise_equal(straight, resumed)
+    return results
+
+
+def _policy_worker(rank: int, port: int, out: str) -> None:
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from hsdp.comm import Comm
+    from hsdp.launch import shutdown_process_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        comm = Comm({"sync": dist.group.WORLD})
+        results = {**check_delayed_landed_at_once_equals_blocking(rank, comm),
+                   **check_resume_from_state_dict(rank, comm)}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        shutdown_process_group()
+
+
+def test_policy_delayed_equals_blocking_at_once_and_resumes_exactly(tmp_path: Path):
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests/test_sync.py"), "policy", str(tmp_path)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(results) == 6 + 12 and all(results.values()), (rank, results)
+
+
+# ---------------------------------------------------------------- entry points for the subprocesses above
+def train_worker_landing_at_end(cfg: Config) -> None:
+    """train.train_worker, with what is still in flight after the last step landed before the final eval.
+
+    This is the SyncPolicy.finish() call train.py makes after its last step; doing it here too is
+    harmless (finish is a no-op when nothing is in flight).
+    """
+    import train
+    from hsdp.sync import SyncPolicy
+
+    after_step = SyncPolicy.after_step
+
+    def after_step_then_finish(self: SyncPolicy, step: int) -> bool:
+        synced = after_step(self, step)
+        if step == cfg.run.steps - 1:
+            self.finish()
+        return synced
+
+    SyncPolicy.after_step = after_step_then_finish
+    train.train_worker(cfg)
+
+
+def main(argv: list[str]) -> int:
+    """`train [train.py arguments]`: train.py landing at the end; `policy OUT`: the 2-rank policy checks."""
+    if argv[0] == "train":
+        import train
+
+        return train.main(argv[1:], worker=train_worker_landing_at_end)
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_policy_worker, args=(port, argv[1]), nprocs=2, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
