@@ -1,8 +1,7 @@
 """Sync policies (docs/design.md §2) on a 2×2 mesh against the independent reference in sync_reference.py.
 
 Every multi-process run goes through `run_train` (with a timeout) and is made once per module
-(`Runs` caches them). Delayed cases run train.py's worker through this file's `train` entry point,
-which lands in-flight syncs after the last step (what train.py's call of finish() does). Cases:
+(`Runs` caches them). Cases:
 
   average   warmup 3, every 4                      16 steps (last step not a sync)
   diloco    warmup 3, every 4, η 0.7, μ 0.9         15 steps (last step 14 is a sync)
@@ -41,7 +40,7 @@ from typing import Optional
 import pytest
 import torch
 
-from hsdp.config import Config, SyncConfig, load_config
+from hsdp.config import SyncConfig, load_config
 from hsdp.model import build_model
 from tests.helpers import REPO, SMALL, max_param_rel_err, rel_err, run_train
 from tests.sync_reference import SyncReferenceResult, dequantize_int8, fragment_due, quantize_int8, sync_reference_run
@@ -83,10 +82,7 @@ class Runs:
 
     def run(self, case: str):
         if case not in self._runs:
-            delayed = case.startswith("delay")
-            self._runs[case] = run_train(self.out, case, [*overrides(case), *MESH],
-                                         script=["tests/test_sync.py", "train"] if delayed else None,
-                                         env={"PYTHONPATH": str(REPO)} if delayed else None)
+            self._runs[case] = run_train(self.out, case, [*overrides(case), *MESH])
         return self._runs[case]
 
     def ref(self, case: str) -> SyncReferenceResult:
@@ -469,34 +465,9 @@ def test_policy_delayed_equals_blocking_at_once_and_resumes_exactly(tmp_path: Pa
         assert len(results) == 6 + 12 and all(results.values()), (rank, results)
 
 
-# ---------------------------------------------------------------- entry points for the subprocesses above
-def train_worker_landing_at_end(cfg: Config) -> None:
-    """train.train_worker, with what is still in flight after the last step landed before the final eval.
-
-    This is the SyncPolicy.finish() call train.py makes after its last step; doing it here too is
-    harmless (finish is a no-op when nothing is in flight).
-    """
-    import train
-    from hsdp.sync import SyncPolicy
-
-    after_step = SyncPolicy.after_step
-
-    def after_step_then_finish(self: SyncPolicy, step: int) -> bool:
-        synced = after_step(self, step)
-        if step == cfg.run.steps - 1:
-            self.finish()
-        return synced
-
-    SyncPolicy.after_step = after_step_then_finish
-    train.train_worker(cfg)
-
-
+# ---------------------------------------------------------------- entry point of the policy checks' subprocess
 def main(argv: list[str]) -> int:
-    """`train [train.py arguments]`: train.py landing at the end; `policy OUT`: the 2-rank policy checks."""
-    if argv[0] == "train":
-        import train
-
-        return train.main(argv[1:], worker=train_worker_landing_at_end)
+    """`policy OUT`: the 2-rank policy checks, each rank writing OUT/rank{r}.json."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
