@@ -14,16 +14,19 @@ sends grad_accum × the eager engine's reduce-scatter bytes; results agree.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch._dynamo
 
 from hsdp.collectives import ReducePlan
 from hsdp.compile.graph import Groups, sharded_loss
-from hsdp.compile.passes import CollectiveCensus, recompute_gathers
+from hsdp.compile.passes import (CollectiveCensus, OurPasses, inductor_overlap_options, recompute_gathers,
+                                 schedule_of_code)
 from hsdp.config import CompileConfig, Config
 from hsdp.engine import Batch
 from hsdp.mesh import Mesh
@@ -47,6 +50,7 @@ class CompiledHSDPEngine(HSDPEngine):
         self.census = CollectiveCensus(labels=dict(self.mesh.comm.labels))
         self._compiled: dict[ReducePlan, Any] = {}
         self._frames: dict[ReducePlan, int] = {}
+        self.generated_code: list[str] = []  # inductor's output code of every graph compiled, in order
         self.compile_time_s = 0.0
         self.recompiles = 0
 
@@ -62,15 +66,23 @@ class CompiledHSDPEngine(HSDPEngine):
         if plan not in self._compiled:
             units = [(u.module, u.layout) for u in self.units]
             fn = partial(sharded_loss, units, param_dtype=self.param_dtype, groups=self.groups, plan=plan)
-            self._compiled[plan] = torch.compile(fn, fullgraph=True, options=self._inductor_options())
+            # dynamic=False: both variants trace the same code, and dynamo would otherwise make the
+            # divide factors that differ between them symbolic ("automatic dynamic") on the second compile.
+            self._compiled[plan] = torch.compile(fn, fullgraph=True, dynamic=False, options=self._inductor_options())
         return self._compiled[plan]
 
     def _inductor_options(self) -> dict[str, Any]:
-        return {
-            "joint_custom_pre_pass": recompute_gathers,  # release: backward re-gathers full params
-            # A plain-callable pass also keeps inductor's FX cache out, so the census sees every compile.
-            "post_grad_custom_post_pass": self.census,
-        }
+        """Our joint pass always (release); who schedules the collectives is compile.passes."""
+        options: dict[str, Any] = {"joint_custom_pre_pass": recompute_gathers}
+        # A plain-callable post-grad pass also keeps inductor's FX cache out, so the census sees every compile.
+        if self.compile_cfg.passes == "ours":
+            options["post_grad_custom_post_pass"] = OurPasses(self.census, self.compile_cfg.prefetch)
+            options["reorder_for_peak_memory"] = False  # it would undo our prefetch in the generated code
+        else:
+            options["post_grad_custom_post_pass"] = self.census
+        if self.compile_cfg.passes == "inductor":
+            options.update(inductor_overlap_options(self.compile_cfg.bucket_mb))
+        return options
 
     # ------------------------------------------------------------ the step
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
@@ -83,8 +95,9 @@ class CompiledHSDPEngine(HSDPEngine):
             frames_before = _frames_compiled()
             t0 = time.perf_counter()
             self.census.current = plan
-            loss = fn(self.leaves, x, y) / len(batches)
-            loss.backward()
+            with _capture_generated_code(self.generated_code if first else None):
+                loss = fn(self.leaves, x, y) / len(batches)
+                loss.backward()
             self.census.current = None
             compiled_now = _frames_compiled() - frames_before
             if first:
@@ -104,10 +117,47 @@ class CompiledHSDPEngine(HSDPEngine):
     def set_reduce_grads(self, reduce: bool) -> None:
         """Every micro-step reduces in the compiled path (see the module doc)."""
 
+    def artifacts(self) -> dict[str, str]:
+        """schedule.txt, and inductor's generated code of each graph (what the schedule was read from)."""
+        code = {f"compiled/graph{i}.py": c for i, c in enumerate(self.generated_code)}
+        return {"schedule.txt": schedule_text(self), **code}
+
     def stats(self) -> dict[str, Any]:
-        return {"compile_graphs": sum(len(self.census.graphs.get(p, [])) for p in self._compiled),
-                "compiled_variants": len(self._compiled), "recompiles": self.recompiles,
-                "compile_time_s": round(self.compile_time_s, 2)}
+        """summary.json: graph and recompile counts, compile time, and what each graph does."""
+        graphs = [g for p in self._compiled for g in self.census.graphs.get(p, [])]
+        return {"compile_graphs": len(graphs), "recompiles": self.recompiles,
+                "compile_time_s": round(self.compile_time_s, 2),
+                "compiled": [{"graph": g.kind, "all_gathers": g.count("all_gather"),
+                              "reduce_scatters": g.count("reduce_scatter"), "all_reduces": g.count("all_reduce"),
+                              "saved_full_params": g.saved_gathered} for g in graphs]}
+
+
+def schedule_text(engine: "CompiledHSDPEngine") -> str:
+    """schedule.txt: per compiled graph, its collective starts/waits and compute, as generated."""
+    out = []
+    graphs = [g for p in engine._compiled for g in engine.census.graphs.get(p, [])]
+    for i, code in enumerate(engine.generated_code):
+        kind = graphs[i].kind if i < len(graphs) else "graph"
+        out.append(f"# graph {i} ({kind}), passes={engine.compile_cfg.passes}, prefetch={engine.compile_cfg.prefetch}")
+        out.extend(schedule_of_code(code))
+        out.append("")
+    return "\n".join(out)
+
+
+@contextlib.contextmanager
+def _capture_generated_code(sink: list[str] | None) -> Iterator[None]:
+    """Collect inductor's output code of graphs compiled inside the block (its hook for tests)."""
+    if sink is None:
+        yield
+        return
+    from torch._inductor.graph import GraphLowering
+
+    previous = GraphLowering.save_output_code
+    GraphLowering.save_output_code = sink.append
+    try:
+        yield
+    finally:
+        GraphLowering.save_output_code = previous
 
 
 def _frames_compiled() -> int:

@@ -81,14 +81,30 @@ def recompute_gathers(graph: fx.Graph) -> None:
 
 
 @dataclass
+class GraphCensus:
+    """What one compiled graph (a forward or a backward) does with collectives."""
+
+    kind: str  # "forward" | "backward"
+    collectives: list[tuple[str, str, int]]  # (group label, op, bytes sent by this rank), in graph order
+    saved_gathered: int  # forward only: outputs kept for backward that are (views of) gathered params
+
+    def count(self, op: str) -> int:
+        return sum(1 for _, o, _ in self.collectives if o == op)
+
+
+@dataclass
 class CollectiveCensus:
-    """Collectives per compiled graph, keyed by the variant being compiled (set with `recording`)."""
+    """A post-grad pass recording every compiled graph's collectives, by the variant being compiled.
+
+    The engine sets `current` to the variant (its ReducePlan) around the calls that compile.
+    """
 
     labels: dict[str, str]  # process-group name → our label ("shard", "sync", "world")
-    graphs: dict[object, list[list[tuple[str, str, int]]]] = field(default_factory=lambda: defaultdict(list))
+    graphs: dict[object, list[GraphCensus]] = field(default_factory=lambda: defaultdict(list))
     current: object = None
 
     def __call__(self, graph: fx.Graph) -> None:
+        backward = any(n.op == "placeholder" and "tangent" in n.name for n in graph.nodes)
         found = []
         for n in graph.nodes:
             op = _COLLECTIVES.get(n.target) if n.op == "call_function" else None
@@ -99,14 +115,199 @@ class CollectiveCensus:
             n_ranks = n.args[1] if op == "all_gather" else n.args[2] if op == "reduce_scatter" else _group_size(group)
             nbytes = t.numel() * t.element_size() // (n_ranks if op == "reduce_scatter" else 1)
             found.append((self.labels.get(group, "other"), op, ring_bytes_of(op, n_ranks, nbytes)))
-        self.graphs[self.current].append(found)
+        saved = 0 if backward else len(saved_gathered(graph))
+        self.graphs[self.current].append(GraphCensus("backward" if backward else "forward", found, saved))
 
     def per_call(self, key: object) -> list[tuple[str, str, int]]:
         """What one forward+backward of variant `key` sends: all its graphs' collectives."""
-        return [c for g in self.graphs.get(key, []) for c in g]
+        return [c for g in self.graphs.get(key, []) for c in g.collectives]
+
+
+def saved_gathered(graph: fx.Graph) -> list[fx.Node]:
+    """Forward-graph outputs that are an all-gather's result or a cast/view/copy of it (full params saved)."""
+    gathered: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target == C.all_gather_into_tensor.default or (
+                (n.target is C.wait_tensor.default or n.target in _UNPACK_OPS)
+                and any(i in gathered for i in n.all_input_nodes)):
+            gathered.add(n)
+    output = next(n for n in graph.nodes if n.op == "output")
+    return [n for n in output.all_input_nodes if n in gathered]
 
 
 def _group_size(group_name: str) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name).size()
+
+
+# ---------------------------------------------------------------- scheduling passes (compile.passes=ours)
+def _is(node: fx.Node, target) -> bool:
+    return node.op == "call_function" and node.target == target
+
+
+def _wait_of(node: fx.Node) -> fx.Node:
+    """The wait_tensor of a collective start."""
+    return next(u for u in node.users if _is(u, C.wait_tensor.default))
+
+
+def _index(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _first_user(node: fx.Node) -> fx.Node:
+    pos = _index(node.graph)
+    return min(node.users, key=pos.__getitem__)
+
+
+def _move_before(node: fx.Node, anchor: fx.Node) -> None:
+    """Put `node` right before `anchor`, bringing along any cast/view inputs that sit later (they are cheap);
+    users left above it are pushed down behind it, so the graph stays in topological order."""
+    if node is anchor:
+        return
+    pos = _index(node.graph)
+    for i in node.all_input_nodes:
+        if i.op == "call_function" and pos[i] >= pos[anchor]:
+            _move_before(i, anchor)
+    anchor.prepend(node)
+    _push_users_below(node)
+
+
+def _push_users_below(node: fx.Node) -> None:
+    pos = _index(node.graph)
+    late = sorted((u for u in node.users if pos[u] < pos[node]), key=pos.__getitem__)
+    after = node
+    for u in late:
+        after.append(u)
+        after = u
+        _push_users_below(u)
+
+
+def prefetch_gathers(graph: fx.Graph, prefetch: int) -> None:
+    """Start each all-gather `prefetch` gathers ahead of its use; wait right before the first use.
+
+    Gathers are numbered in graph order (forward: units 0..L-1; backward: the re-gathers,
+    last unit first). With prefetch k, gather i starts right after wait i-k (when unit i-k
+    begins computing), or at the top of the graph for i < k:
+
+        before (k=0):  ag0 w0 compute0  ag1 w1 compute1  ag2 w2 compute2
+        after  (k=1):  ag0 w0 ag1 compute0  w1 ag2 compute1  w2 compute2
+        after  (k=2):  ag0 ag1 w0 ag2 compute0  w1 compute1  w2 compute2
+
+    A gather's input is a cast of a graph input, so it can always move up to there.
+    """
+    gathers = [n for n in graph.nodes if _is(n, C.all_gather_into_tensor.default)]
+    waits = [_wait_of(g) for g in gathers]
+    for w in waits:
+        _move_before(w, _first_user(w))
+    top = next(n for n in graph.nodes if n.op != "placeholder")
+    for i, g in enumerate(gathers):
+        if prefetch == 0:
+            _move_before(g, waits[i])
+        elif i - prefetch < 0:
+            _move_before(g, top)
+        else:
+            _move_before(g, waits[i - prefetch].next)
+
+
+def pipeline_reduce_waits(graph: fx.Graph) -> None:
+    """Wait each reduce-scatter (and its sync all-reduce) late: one unit later, as the eager engine does.
+
+    The wait of reduce-scatter i moves to right before reduce-scatter i+1 starts (so it overlaps
+    unit i+1's backward), the sync all-reduce starts right after it, and the all-reduce's wait and
+    the final cast into the grad shard move to before the next all-reduce starts / the output:
+
+        before:  rs0 w0 [ar0 v0] out0  compute1  rs1 w1 [ar1 v1] out1
+        after:   rs0  compute1  w0 [ar0] rs1  ... [v0] out0 ... w1 [ar1 v1] out1  output
+
+    "As late as the first user allows" is capped at one unit later: a reduce-scatter's input is the
+    unit's full-size grad, which stays alive until the wait, so waiting later piles them up.
+    """
+    reduces = [n for n in graph.nodes if _is(n, C.reduce_scatter_tensor.default)]
+    output = next(n for n in graph.nodes if n.op == "output")
+    all_reduces = []
+    for i, rs in enumerate(reduces):
+        w = _wait_of(rs)
+        _move_before(w, reduces[i + 1] if i + 1 < len(reduces) else output)
+        ar = next((u for u in w.users if _is(u, C.all_reduce.default)), None)
+        if ar is not None:
+            w.append(ar)
+            all_reduces.append(ar)
+    for i, ar in enumerate(all_reduces):
+        _move_before(_wait_of(ar), all_reduces[i + 1] if i + 1 < len(all_reduces) else output)
+
+
+@dataclass
+class OurPasses:
+    """compile.passes=ours: prefetch all-gathers, pipeline reduce waits, then record the census."""
+
+    census: CollectiveCensus
+    prefetch: int
+
+    def __call__(self, graph: fx.Graph) -> None:
+        prefetch_gathers(graph, self.prefetch)
+        pipeline_reduce_waits(graph)
+        graph.lint()  # still in topological order
+        self.census(graph)
+
+
+def inductor_overlap_options(bucket_mb: float) -> dict[str, object]:
+    """compile.passes=inductor: inductor's own comm reordering (and bucketing), the ablation of ours."""
+    options: dict[str, object] = {
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": [
+            "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+            "reorder_communication_preserving_peak_memory"],
+    }
+    if bucket_mb > 0:
+        options.update(bucket_all_gathers_fx="all", bucket_reduce_scatters_fx="all",
+                       bucket_all_gathers_fx_bucket_size_determinator=lambda _: bucket_mb,
+                       bucket_reduce_scatters_fx_bucket_size_determinator=lambda _: bucket_mb)
+    return options
+
+
+# ---------------------------------------------------------------- the schedule, read off the generated code
+_COLLECTIVE_CALLS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                     "all_reduce": "all_reduce"}
+
+
+def schedule_of_code(code: str) -> list[str]:
+    """The order of collective starts/waits and compute in inductor's generated `call` function.
+
+    One line per collective event (`start all_gather buf3 <- primals_3`, `wait buf3`), runs of kernel
+    calls collapsed into `compute ×n`. Comments and asserts of the generated code are skipped.
+    """
+    body = code.split("def call(", 1)[-1].split("\ndef ", 1)[0]
+    lines: list[str] = []
+    run = 0
+    for raw in body.splitlines():
+        line = raw.strip()
+        event = _collective_event(line)
+        if event is None:
+            run += _is_kernel_call(line)
+            continue
+        if run:
+            lines.append(f"compute ×{run}")
+            run = 0
+        lines.append(event)
+    if run:
+        lines.append(f"compute ×{run}")
+    return lines
+
+
+def _collective_event(line: str) -> str | None:
+    if "torch.ops._c10d_functional." not in line or line.startswith(("#", "assert")):
+        return None
+    call = line.split("torch.ops._c10d_functional.", 1)[1]
+    name, args = call.split(".default(", 1)
+    first = args.split(",", 1)[0].split(")", 1)[0]
+    if name == "wait_tensor":
+        return f"wait {first}"
+    out = line.split("=", 1)[0].strip() if "=" in line.split("(", 1)[0] else first
+    return f"start {_COLLECTIVE_CALLS.get(name, name)} {out} <- {first}"
+
+
+def _is_kernel_call(line: str) -> bool:
+    return line.startswith(("cpp_fused", "extern_kernels.", "triton_", "aten.")) or ".run(" in line
