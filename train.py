@@ -143,10 +143,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = None) -> int:
     """The command line: config → run folder → launch `worker` (train_worker; tests pass a wrapper)."""
+    import signal  # here, not at the top of the file: this change is confined to main()
+
+    from hsdp.launch import Interrupted
+    from hsdp.rundir import prepare_run_dir
+
     args = parse_args(argv)
+    cfg = None
     try:
         cfg = load_config(args.config, args.set)
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        prepare_run_dir(cfg)  # refuses to clobber a previous run unless run.overwrite=true
         save_config(cfg, cfg.run_dir / "config.yaml")
         warn_unsynced_end(cfg)
         launch(cfg, worker or train_worker)
@@ -156,6 +162,13 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
     except WorkerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (Interrupted, KeyboardInterrupt) as e:  # launch() has stopped every worker
+        stop = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        workers = f"; stopped {stop.workers} workers" if stop.workers else ""
+        metrics = cfg.run_dir / "metrics.jsonl" if cfg is not None else None
+        kept = f"; metrics so far in {metrics}" if metrics is not None and metrics.is_file() else ""
+        print(f"interrupted by {stop}{workers}{kept}", file=sys.stderr)
+        return stop.exit_code
     return 0
 
 

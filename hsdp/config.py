@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.util
 import math
 import os
 import typing
@@ -142,7 +143,7 @@ class Config:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.run.out_dir) / self.run.name
+        return Path(self.run.out_dir).expanduser() / self.run.name
 
 
 # ---------------------------------------------------------------- validation rules
@@ -266,18 +267,85 @@ def parse_override(text: str) -> tuple[str, str]:
     return key.strip(), raw
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key repeated in one mapping (plain YAML silently keeps the last)."""
+
+    def compose_document(self) -> yaml.Node:
+        self._root = super().compose_document()
+        return self._root
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<:` merges may be overridden by explicit keys, as YAML intends
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                where = ".".join(map(str, [*(_key_path(self._root, node) or []), key]))
+                raise _DuplicateKey(f"duplicate key {where} at {_position(key_node.start_mark)} "
+                                    f"(first at {_position(seen[key].start_mark)})")
+            seen[key] = key_node
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _position(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _key_path(root: yaml.Node, target: yaml.Node) -> Optional[list[str]]:
+    """Keys leading from the document root to the mapping node `target` (for error messages)."""
+    if root is target:
+        return []
+    if isinstance(root, yaml.MappingNode):
+        children = [(k.value, v) for k, v in root.value]
+    elif isinstance(root, yaml.SequenceNode):
+        children = [(str(i), v) for i, v in enumerate(root.value)]
+    else:
+        return None
+    for name, child in children:
+        below = _key_path(child, target)
+        if below is not None:
+            return [name, *below]
+    return None
+
+
+def read_yaml(path: str, key: str = "--config", expected: str = "a mapping of sections") -> Any:
+    """Parse a YAML file strictly; ConfigError (naming `key`, the file, line and column) on any problem.
+
+    An empty file (or one holding only comments) is an error: it is almost always a mistake.
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{key}: file not found: {path}")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}: cannot read {path} ({e})") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{key}: {path}: {e}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{_position(mark)}: " if mark else ""
+        what = f"{e.problem or 'syntax error'}{f' ({e.context})' if e.context else ''}"
+        raise ConfigError(f"{key}: {path} is not valid YAML ({where}{' '.join(what.split())})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: {path} is not valid YAML ({' '.join(str(e).split())})") from None
+    if data is None:
+        raise ConfigError(f"{key}: {path} is empty (expected {expected})")
+    return data
+
+
 def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
     """Defaults ← YAML file ← `--set` overrides, then validate."""
     cfg = Config()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config: file not found: {path}")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
-        _apply_mapping(cfg, data, str(path))
+        _apply_mapping(cfg, read_yaml(path), str(path))
     for text in overrides:
         key, value = parse_override(text)
         _set_value(cfg, key, value)
@@ -291,7 +359,11 @@ def _get(cfg: Config, key: str) -> Any:
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
-    """Range, choice and cross-field checks. `world_size` is the torchrun world, if any."""
+    """Range, choice and cross-field checks, then the machine, the output folder and the data.
+
+    `world_size` is the torchrun world, if any. Everything that can be known before a
+    worker starts is checked here, so that bad input exits 2 before anything is written.
+    """
     for key, choices in CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}: expected one of {' | '.join(choices)}, got {_get(cfg, key)!r}")
@@ -306,8 +378,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         v = _get(cfg, key)
         if v is not None and v <= 0:
             raise ConfigError(f"{key}: expected a value > 0, got {v!r}")
-    if not cfg.run.name or "/" in cfg.run.name:
-        raise ConfigError(f"run.name: expected a non-empty name without '/', got {cfg.run.name!r}")
+    check_run_name(cfg.run.name)
+    if cfg.model.vocab_size < 2:
+        raise ConfigError(f"model.vocab_size: expected at least 2 tokens, got {cfg.model.vocab_size}")
     if cfg.model.d_model % cfg.model.n_head:
         raise ConfigError(
             f"model.n_head: expected a divisor of model.d_model={cfg.model.d_model}, got {cfg.model.n_head}")
@@ -331,8 +404,14 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     s = cfg.sync
     if s.fragments > 1 and s.every % s.fragments:
         raise ConfigError(f"sync.fragments: expected a divisor of sync.every={s.every}, got {s.fragments}")
-    if s.quant_block > 16384:  # kernels.quant.MAX_BLOCK: one block is one register-tile row
-        raise ConfigError(f"sync.quant_block: expected at most 16384, got {s.quant_block}")
+    units = cfg.model.n_layer + 2  # hsdp/model.py: embedding, one unit per block, head
+    if s.fragments > units:
+        raise ConfigError(f"sync.fragments: expected at most the model's {units} units (model.n_layer + 2: "
+                          f"embedding, blocks, head), got {s.fragments}")
+    from kernels.quant import MAX_BLOCK  # lazy: kernels import torch
+
+    if s.quant_block > MAX_BLOCK:  # one block is one register-tile row of the kernel
+        raise ConfigError(f"sync.quant_block: expected at most {MAX_BLOCK}, got {s.quant_block}")
     if s.delay >= s.every and s.delay > 0:
         raise ConfigError(f"sync.delay: expected a value < sync.every={s.every}, got {s.delay}")
     if not 0 <= s.alpha <= 1:
@@ -351,10 +430,59 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                               "the kernels on CPU); use auto or torch here")
     if cfg.sync.method == "average" and (cfg.sync.outer_lr is not None or cfg.sync.outer_momentum is not None):
         raise ConfigError("sync.outer_lr/outer_momentum: only used by sync.method=diloco, got method average")
-    if world_size is not None and world_size != cfg.world_size:
+    if cfg.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"wandb.mode: {cfg.wandb.mode} needs the wandb package (pip install wandb); "
+                          "or set wandb.mode=disabled")
+    if world_size is not None:
+        check_world_size(cfg, world_size)
+    check_mesh_fits(cfg)
+    from hsdp.rundir import check_output_dir  # lazy: rundir imports this module
+    from hsdp.data import check_data  # lazy: data imports torch
+
+    check_output_dir(cfg)
+    check_data(cfg)
+
+
+def check_run_name(name: str) -> None:
+    """run.name is one folder name inside run.out_dir: not empty, `.`, `..`, nor a path."""
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise ConfigError(f"run.name: expected a folder name (not empty, '.', '..', no '/'), got {name!r}")
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """The mesh must match the world torchrun launched."""
+    if world_size != cfg.world_size:
         raise ConfigError(
             f"mesh: sync×shard = {cfg.mesh.sync}×{cfg.mesh.shard} = {cfg.world_size} does not match "
             f"the launched world size {world_size}")
+
+
+def check_mesh_fits(cfg: Config) -> None:
+    """nccl needs CUDA; a locally spawned world must fit this machine (torchrun worlds are its business).
+
+    Local cap: one rank per GPU with nccl (the default on CUDA), else 4 ranks per CPU core
+    (beyond that gloo ranks mostly wait for each other, and memory runs out first).
+    """
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if cfg.mesh.backend != "nccl" and (torchrun or cfg.world_size == 1):
+        return
+    import torch  # lazy: only a multi-rank or nccl config needs to know the machine
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.mesh.backend == "nccl" and not gpus:
+        raise ConfigError("mesh.backend: nccl needs CUDA GPUs and none are available here; use auto or gloo")
+    if torchrun:
+        return
+    mesh = f"mesh.sync×mesh.shard = {cfg.mesh.sync}×{cfg.mesh.shard} = {cfg.world_size} local ranks"
+    if gpus and cfg.mesh.backend != "gloo":
+        if cfg.world_size > gpus:
+            raise ConfigError(f"{mesh}, but this machine has {gpus} GPUs; use torchrun across nodes "
+                              "or mesh.backend=gloo")
+        return
+    cap = (os.cpu_count() or 1) * 4
+    if cfg.world_size > cap:
+        raise ConfigError(f"{mesh}, but this machine runs at most {cap} (4 per CPU core); "
+                          "use a smaller mesh or torchrun across machines")
 
 
 def outer_hyperparams(s: SyncConfig) -> tuple[float, float]:
@@ -379,4 +507,4 @@ def from_dict(data: dict[str, Any]) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "load_config", "validate", "save_config", "from_dict", "to_dict",
-           "outer_hyperparams", "parse_override"]
+           "outer_hyperparams", "parse_override", "read_yaml", "check_world_size", "check_mesh_fits"]

@@ -10,6 +10,7 @@ batch size `world · B` gets.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import sysconfig
@@ -18,7 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsdp.config import Config
+from hsdp.config import Config, ConfigError
+
+SYNTHETIC_TRAIN, SYNTHETIC_VAL = 1 << 20, 1 << 16  # tokens of the synthetic source's splits
+SCAN_CHUNK = 1 << 26  # tokens per slice when scanning a .bin for its largest id (128 MiB of uint16)
 
 
 def stdlib_files() -> list[Path]:
@@ -39,6 +43,16 @@ def _split_files(files: list[Path], val_fraction: float) -> tuple[list[Path], li
     return [f for i, f in enumerate(files) if i % k], [f for i, f in enumerate(files) if i % k == 0]
 
 
+def _text_files(pattern: str) -> list[Path]:
+    return sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern)) if Path(p).is_file())
+
+
+def _val_bin(path: Path) -> Path | None:
+    """`val.bin` beside a tokens file, if there is one (and it is not the file itself)."""
+    val_path = path.with_name("val.bin")
+    return val_path if val_path.is_file() and val_path != path else None
+
+
 def load_tokens(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) token arrays for `cfg.data.source`."""
     d = cfg.data
@@ -46,7 +60,7 @@ def load_tokens(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
         train, val = _split_files(stdlib_files(), d.val_fraction)
         return _bytes_of(train), _bytes_of(val)
     if d.source == "text":
-        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(d.path)) if Path(p).is_file())
+        files = _text_files(d.path)
         if len(files) == 1:  # one file: hold out its tail
             data = _bytes_of(files)
             cut = int(len(data) * (1 - d.val_fraction))
@@ -56,13 +70,98 @@ def load_tokens(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     if d.source == "tokens":
         path = Path(d.path).expanduser()
         data = np.memmap(path, dtype=np.uint16, mode="r")
-        val_path = path.with_name("val.bin")
-        if val_path.is_file() and val_path != path:
+        val_path = _val_bin(path)
+        if val_path is not None:
             return data, np.memmap(val_path, dtype=np.uint16, mode="r")
         cut = int(len(data) * (1 - d.val_fraction))
         return data[:cut], data[cut:]
-    return synthetic_tokens(cfg.model.vocab_size, cfg.run.seed, 1 << 20), synthetic_tokens(
-        cfg.model.vocab_size, cfg.run.seed + 1, 1 << 16)
+    return synthetic_tokens(cfg.model.vocab_size, cfg.run.seed, SYNTHETIC_TRAIN), synthetic_tokens(
+        cfg.model.vocab_size, cfg.run.seed + 1, SYNTHETIC_VAL)
+
+
+# ------------------------------------------------------------------ checks before any worker starts
+def _cut(n: int, val_fraction: float) -> tuple[int, int]:
+    """(train, val) lengths of one array whose tail is held out (as `load_tokens` cuts it)."""
+    cut = int(n * (1 - val_fraction))
+    return cut, n - cut
+
+
+@functools.lru_cache(maxsize=8)
+def _stdlib_split_lengths(val_fraction: float) -> tuple[int, int]:
+    train, val = _split_files(stdlib_files(), val_fraction)
+    return sum(f.stat().st_size for f in train), sum(f.stat().st_size for f in val)
+
+
+def token_count(path: Path) -> int:
+    """Tokens in a uint16 .bin file; ConfigError naming the file if its byte length is odd."""
+    size = path.stat().st_size
+    if size % 2:
+        raise ConfigError(f"data.path: {path} has an odd byte length ({size}); a tokens file holds uint16 "
+                          "ids, 2 bytes each")
+    return size // 2
+
+
+def split_lengths(cfg: Config) -> dict[str, int]:
+    """Tokens in the train and val splits of `cfg.data`, from file sizes (nothing is read)."""
+    d = cfg.data
+    if d.source == "stdlib":
+        train, val = _stdlib_split_lengths(d.val_fraction)
+    elif d.source == "text":
+        files = _text_files(d.path)
+        if len(files) == 1:
+            train, val = _cut(files[0].stat().st_size, d.val_fraction)
+        else:
+            train_files, val_files = _split_files(files, d.val_fraction)
+            train, val = (sum(f.stat().st_size for f in fs) for fs in (train_files, val_files))
+    elif d.source == "tokens":
+        path = Path(d.path).expanduser()
+        n = token_count(path)
+        val_path = _val_bin(path)
+        train, val = (n, token_count(val_path)) if val_path is not None else _cut(n, d.val_fraction)
+    else:
+        train, val = SYNTHETIC_TRAIN, SYNTHETIC_VAL
+    return {"train": train, "val": val}
+
+
+@functools.lru_cache(maxsize=32)
+def _max_token(path: str, size: int, mtime_ns: int) -> int:
+    """Largest id in a uint16 .bin, over the whole file (cached by path, size and mtime)."""
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    # Slices bound the mapped pages touched at once; max over a memmap is vectorised.
+    return max((int(tokens[i:i + SCAN_CHUNK].max()) for i in range(0, len(tokens), SCAN_CHUNK)), default=0)
+
+
+def check_token_ids(path: Path, vocab_size: int) -> None:
+    """ConfigError (naming the file and the first bad position) if any id in `path` is >= vocab_size."""
+    st = path.stat()
+    largest = _max_token(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if largest < vocab_size:
+        return
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    for i in range(0, len(tokens), SCAN_CHUNK):
+        bad = np.flatnonzero(tokens[i:i + SCAN_CHUNK] >= vocab_size)
+        if len(bad):
+            at = i + int(bad[0])
+            raise ConfigError(f"data.path: {path} holds token id {int(tokens[at])} at position {at} (largest "
+                              f"{largest}), >= model.vocab_size={vocab_size}")
+
+
+def check_data(cfg: Config) -> None:
+    """Data problems that would otherwise fail inside every worker: each split must hold one window
+    (model.seq_len + 1 tokens), a tokens file whole uint16 ids all below model.vocab_size."""
+    d = cfg.data
+    window = cfg.model.seq_len + 1
+    for split, n in split_lengths(cfg).items():
+        if n < window:
+            where = f"data.path: the {split} split of {d.path}" if d.source in ("text", "tokens") else \
+                f"model.seq_len: the {split} split of data.source={d.source}"
+            raise ConfigError(f"{where} has {n} tokens, fewer than one window (model.seq_len + 1 = {window}); "
+                              "use more data, a smaller model.seq_len or another data.val_fraction")
+    if d.source == "tokens":
+        path = Path(d.path).expanduser()
+        for f in (path, _val_bin(path)):
+            if f is not None:
+                check_token_ids(f, cfg.model.vocab_size)
 
 
 def synthetic_tokens(vocab: int, seed: int, n: int) -> np.ndarray:
@@ -118,11 +217,8 @@ class Data:
     """Train and val streams for one rank."""
 
     def __init__(self, cfg: Config, rank: int, world: int) -> None:
+        # Sizes and token ids were checked by config validation (check_data), once, before the workers.
         train, val = load_tokens(cfg)
-        for split, tokens in (("train", train), ("val", val)):
-            head = np.asarray(tokens[: 1 << 20])  # a full scan of a large .bin would be slow
-            if len(head) and int(head.max()) >= cfg.model.vocab_size:
-                raise ValueError(f"data: {split} token id {int(head.max())} >= model.vocab_size={cfg.model.vocab_size}")
         self.train = TokenStream(train, cfg.model.seq_len, cfg.run.seed)
         self.val = TokenStream(val, cfg.model.seq_len, cfg.run.seed + 1)
         self.rank, self.world = rank, world

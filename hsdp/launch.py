@@ -5,28 +5,107 @@ world of 1 runs in-process and a larger world is spawned locally (gloo on CPU,
 nccl on CUDA). A crash on any rank terminates every rank (torch.multiprocessing
 does that on the first failure) and `launch` raises `WorkerError` carrying that
 rank's traceback; a hung collective fails after `mesh.timeout_s`.
+
+Stopping: SIGINT or SIGTERM to the launcher stops every local worker (SIGTERM,
+then SIGKILL after `STOP_GRACE_S`) and `launch` raises `Interrupted`, whose
+`exit_code` is 128 + the signal number (130 / 143). A SIGINT that the launcher
+inherited as ignored (a background job of a script) stays ignored. Workers
+ignore SIGINT themselves (a terminal's Ctrl-C reaches the whole process group,
+and the launcher coordinates the stop) and are killed by the kernel if the
+launcher dies without cleaning up (`kill -9`): PR_SET_PDEATHSIG on Linux, a
+parent-pid watchdog elsewhere.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import os
+import signal
 import socket
+import threading
+import time
 import traceback
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hsdp.config import Config, ConfigError, validate
+from hsdp.config import Config, check_world_size
 
 Worker = Callable[[Config], None]
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_GRACE_S = 3.0  # seconds a worker gets to exit after SIGTERM before it is killed
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class WorkerError(RuntimeError):
     """A worker rank failed; the message holds that rank's error."""
+
+
+class Interrupted(BaseException):
+    """The launcher was asked to stop by a signal; its workers are gone when this is raised.
+
+    A BaseException (like KeyboardInterrupt), so that `except Exception` in a worker
+    running in-process does not swallow it.
+    """
+
+    def __init__(self, signum: int, workers: int = 0) -> None:
+        self.signum = signum
+        self.workers = workers
+        super().__init__(f"{signal.Signals(signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StopSignals:
+    """While active, SIGINT/SIGTERM in the main thread become `Interrupted` once armed.
+
+    Before `arm()` a signal is only recorded: raising while torch is still starting
+    processes would lose track of the ones already started. The first signal disarms,
+    so a second Ctrl-C cannot interrupt the cleanup.
+    """
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+        self._armed = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be set from the main thread
+        for sig in STOP_SIGNALS:
+            previous = signal.getsignal(sig)
+            if sig == signal.SIGINT and previous == signal.SIG_IGN:
+                continue  # started as a background job: Ctrl-C is not meant for us
+            self._previous[sig] = previous
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signum
+        if self._armed:
+            self._armed = False
+            raise Interrupted(signum)
+
+    def arm(self) -> None:
+        """Raise `Interrupted` for a signal that came before, and for any later one."""
+        if self.received is not None:
+            raise Interrupted(self.received)
+        self._armed = True
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def __exit__(self, *exc: object) -> None:
+        self._armed = False
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 def _free_port() -> int:
@@ -36,9 +115,11 @@ def _free_port() -> int:
 
 
 def pick_device(local_rank: int) -> torch.device:
+    """This rank's GPU (ranks share GPUs round-robin when a gloo world is larger), else the CPU."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -75,36 +156,88 @@ def shutdown_process_group() -> None:
     gc.collect()
 
 
-def _spawned(local_rank: int, cfg: Config, worker: Worker, port: int, world: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process exit when `parent_pid` (the launcher) dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl failed")
+    except (AttributeError, OSError):  # not Linux: poll the parent instead
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _spawned(local_rank: int, cfg: Config, worker: Worker, port: int, world: int, launcher_pid: int) -> None:
+    die_with_parent(launcher_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides what a Ctrl-C stops
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world))
     _init_and_run(cfg, worker, local_rank, world, local_rank, world)
 
 
+def stop_workers(processes: list, grace_s: float = STOP_GRACE_S) -> int:
+    """SIGTERM every live worker, SIGKILL those still alive after `grace_s`; return how many were alive."""
+    alive = [p for p in processes if p is not None and p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return len(alive)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def launch(cfg: Config, worker: Worker) -> None:
-    """Run `worker(cfg)` on every rank of the mesh; raise WorkerError if any rank fails."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+    """Run `worker(cfg)` on every rank of the mesh.
+
+    Raises WorkerError if any rank fails, Interrupted (after stopping the workers)
+    on SIGINT/SIGTERM. The mesh is assumed validated (`load_config`).
+    """
+    if under_torchrun():  # torchrun's agent owns the workers' lifetime and signals
         world = int(os.environ["WORLD_SIZE"])
-        validate(cfg, world_size=world)
+        check_world_size(cfg, world)
         _init_and_run(cfg, worker, int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", 0)),
                       int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         return
     world = cfg.world_size
-    if torch.cuda.is_available() and world > torch.cuda.device_count() and cfg.mesh.backend != "gloo":
-        raise ConfigError(f"mesh: sync×shard = {world} ranks but only {torch.cuda.device_count()} GPUs here; "
-                          "use torchrun across nodes or mesh.backend=gloo")
     port = _free_port()
-    if world == 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with StopSignals() as stop:
+        if world == 1:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            stop.arm()
+            try:
+                _init_and_run(cfg, worker, 0, 1, 0, 1)
+            except KeyboardInterrupt:  # SIGINT with our handler not installed (not the main thread)
+                raise Interrupted(signal.SIGINT) from None
+            except Exception as e:  # same report as a spawned rank's failure
+                raise WorkerError(f"rank 0 failed:\n{traceback.format_exc()}") from e
+            return
+        context = mp.start_processes(_spawned, args=(cfg, worker, port, world, os.getpid()), nprocs=world,
+                                     join=False, start_method="spawn")
         try:
-            _init_and_run(cfg, worker, 0, 1, 0, 1)
-        except Exception as e:  # same report as a spawned rank's failure
-            raise WorkerError(f"rank 0 failed:\n{traceback.format_exc()}") from e
-        return
-    try:
-        mp.start_processes(_spawned, args=(cfg, worker, port, world), nprocs=world, join=True,
-                           start_method="spawn")
-    except mp.ProcessRaisedException as e:
-        raise WorkerError(f"rank {e.error_index} failed:{str(e).split('following error:', 1)[-1]}") from None
-    except mp.ProcessExitedException as e:
-        raise WorkerError(f"rank {e.error_index} exited with code {e.exit_code}") from None
+            stop.arm()
+            while not context.join(timeout=1.0):
+                pass
+        except Interrupted as e:
+            stop.disarm()
+            raise Interrupted(e.signum, stop_workers(context.processes)) from None
+        except mp.ProcessRaisedException as e:
+            raise WorkerError(f"rank {e.error_index} failed:{str(e).split('following error:', 1)[-1]}") from None
+        except mp.ProcessExitedException as e:
+            raise WorkerError(f"rank {e.error_index} exited with code {e.exit_code}") from None
+        finally:
+            stop.disarm()
+            stop_workers(context.processes)  # no-op after a clean join; never leave a worker behind

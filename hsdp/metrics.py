@@ -1,7 +1,10 @@
 """Run outputs: metrics.jsonl, summary.json, wandb (imported lazily), a tqdm bar.
 
 Only rank 0 writes. wandb is imported only when `wandb.mode != disabled`, so a
-machine without wandb runs with `--set wandb.mode=disabled`.
+machine without wandb runs with `--set wandb.mode=disabled`. wandb never ends a
+run: `wandb.init` is bounded by `HSDP_WANDB_TIMEOUT_S` seconds (default 60;
+online mode without network otherwise retries for a long time), and any wandb
+failure prints one warning line and the run goes on with metrics.jsonl alone.
 """
 
 from __future__ import annotations
@@ -9,13 +12,34 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
+import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from tqdm import tqdm
 
 from hsdp.config import Config, to_dict
+
+WANDB_TIMEOUT_ENV = "HSDP_WANDB_TIMEOUT_S"
+WANDB_TIMEOUT_S = 60.0  # default bound on wandb.init (login + run creation)
+
+
+def wandb_timeout_s() -> float:
+    """The wandb.init bound in seconds: $HSDP_WANDB_TIMEOUT_S if it is a positive number, else the default."""
+    try:
+        value = float(os.environ.get(WANDB_TIMEOUT_ENV, WANDB_TIMEOUT_S))
+    except ValueError:
+        return WANDB_TIMEOUT_S
+    return value if value > 0 else WANDB_TIMEOUT_S
+
+
+def _one_line(e: BaseException) -> str:
+    """The first line of an error's message (wandb's errors append multi-line advice), at most 200 chars."""
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return text if len(text) <= 200 else text[:197] + "..."
+
 
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory of this rank: CUDA allocator peak on GPU, peak RSS of the process on CPU."""
@@ -36,20 +60,48 @@ class MetricsLogger:
             return
         self._file = open(run_dir / "metrics.jsonl", "w")
         if cfg.wandb.mode != "disabled":
-            import wandb  # lazy: a GPU box without wandb can still run with mode=disabled
-
-            self._wandb = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.run.name,
-                                     mode=cfg.wandb.mode, dir=str(run_dir), config=to_dict(cfg))
+            self._wandb = self._init_wandb(cfg, run_dir)
+        # tqdm's default lock is a multiprocessing semaphore, registered with the launcher's resource
+        # tracker: a worker stopped by SIGTERM cannot unregister it and the tracker then warns of a
+        # leak. One bar in one process needs only a thread lock.
+        tqdm.set_lock(threading.RLock())
         self._bar = tqdm(total=cfg.run.steps, desc=cfg.run.name, dynamic_ncols=True,
                          disable=os.environ.get("HSDP_NO_BAR") == "1")
+
+    def _init_wandb(self, cfg: Config, run_dir: Path) -> Any:
+        """A wandb run, or None (with one warning line) if wandb cannot start within the timeout."""
+        timeout = wandb_timeout_s()
+        try:
+            import wandb  # lazy: a GPU box without wandb can still run with mode=disabled
+
+            settings = wandb.Settings(init_timeout=timeout, login_timeout=timeout)
+            return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.run.name,
+                              mode=cfg.wandb.mode, dir=str(run_dir), config=to_dict(cfg), settings=settings)
+        except Exception as e:  # no network, no API key, a broken install: the run matters more
+            print(f"warning: wandb.init ({cfg.wandb.mode}, timeout {timeout:g} s, ${WANDB_TIMEOUT_ENV}) failed: "
+                  f"{type(e).__name__}: {_one_line(e)}; continuing without wandb (metrics in "
+                  f"{run_dir / 'metrics.jsonl'})", file=sys.stderr, flush=True)
+            return None
+
+    def _to_wandb(self, what: str, call: Callable[[], Any]) -> None:
+        """Run one wandb call; on failure warn once and stop using wandb (metrics.jsonl has everything)."""
+        if self._wandb is None:
+            return
+        try:
+            call()
+        except Exception as e:
+            self._wandb = None
+            print(f"warning: wandb {what} failed: {type(e).__name__}: {_one_line(e)}; continuing without wandb",
+                  file=sys.stderr, flush=True)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        run = self._wandb
+        self._to_wandb("log", lambda: run.log({k: v for k, v in record.items() if k != "step"},
+                                              step=record["step"]))
 
     def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         if self._bar is not None:
@@ -61,8 +113,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if self._wandb is not None:
-            self._wandb.summary.update(summary)
+        run = self._wandb
+        self._to_wandb("summary", lambda: run.summary.update(summary))
 
     def close(self) -> None:
         if not self.enabled:
@@ -70,5 +122,5 @@ class MetricsLogger:
         self._file.close()
         if self._bar is not None:
             self._bar.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        run = self._wandb
+        self._to_wandb("finish", lambda: run.finish())

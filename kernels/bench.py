@@ -11,6 +11,7 @@ references are timed.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Callable
 
@@ -93,17 +94,39 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_device(text: str | None) -> torch.device:
+    """--device: cpu, cuda or cuda:N that exists here (default: cuda if available); ValueError otherwise."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device: expected cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device: {text} asked for, but no CUDA GPU is available here; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device: {text} asked for, but there are {torch.cuda.device_count()} GPUs")
+    elif device.type != "cpu":
+        raise ValueError(f"--device: expected cpu, cuda or cuda:N, got {text!r}")
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(UNITS), help="unit size (default: 7b on CUDA, small on CPU)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {','.join(KERNELS)}")
-    parser.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     args = parser.parse_args(argv)
     names = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = [k for k in names if k not in KERNELS]
-    if unknown:
-        parser.error(f"unknown kernels {unknown}; choose from {','.join(KERNELS)}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        if unknown or not names:
+            raise ValueError(f"--kernels: unknown kernels {unknown}; choose from {','.join(KERNELS)}")
+        device = parse_device(args.device)
+    except ValueError as e:  # one line and exit 2, like train.py's config errors
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
     size = args.size or ("7b" if device.type == "cuda" else "small")
     gpu = device.type == "cuda" and backend.HAVE_TRITON
 
@@ -132,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
         gbs = nbytes / ms / 1e6
         print(f"| {k} | {label} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% | {ref_ms:.3f} | {speedup} |")
     backend.set_backend("auto")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

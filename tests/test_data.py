@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from hsdp.config import Config, load_config
-from hsdp.data import Data, TokenStream, load_tokens, stdlib_files, synthetic_tokens
+from hsdp.config import Config, ConfigError, load_config
+from hsdp.data import Data, TokenStream, check_data, load_tokens, stdlib_files, synthetic_tokens
 
 
 def make_cfg(**sections) -> Config:
@@ -275,16 +275,28 @@ def test_tokens_source_uses_val_bin_beside_it(tmp_path):
 def test_tokens_source_rejects_ids_beyond_vocab(tmp_path):
     path = write_bin(tmp_path / "train.bin", np.arange(2000) % 300)
     cfg = make_cfg(model=dict(vocab_size=256, seq_len=8), data=dict(source="tokens", path=str(path)))
-    with pytest.raises(ValueError, match="vocab_size"):
-        Data(cfg, 0, 1)
+    with pytest.raises(ConfigError, match="model.vocab_size=256") as info:
+        check_data(cfg)  # validate() calls it: the error comes before any worker starts
+    assert str(path) in str(info.value) and "token id 256 at position 256" in str(info.value)
 
 
 def test_tokens_source_rejects_val_ids_beyond_vocab(tmp_path):
     path = write_bin(tmp_path / "train.bin", np.arange(2000) % 200)
     write_bin(tmp_path / "val.bin", np.arange(2000) % 300)
     cfg = make_cfg(model=dict(vocab_size=256, seq_len=8), data=dict(source="tokens", path=str(path)))
-    with pytest.raises(ValueError, match="vocab_size"):
-        Data(cfg, 0, 1)
+    with pytest.raises(ConfigError, match="vocab_size") as info:
+        check_data(cfg)
+    assert "val.bin" in str(info.value)
+
+
+def test_token_id_check_scans_the_whole_file(tmp_path):
+    """One bad id after 3M good ones (beyond any head sample) is found, by load_config."""
+    tokens = np.zeros(3_000_001, dtype=np.uint16)
+    tokens[-1] = 300
+    path = write_bin(tmp_path / "train.bin", tokens)
+    with pytest.raises(ConfigError, match="position 3000000"):
+        load_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab_size=256"])
+    assert load_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab_size=301"])
 
 
 def test_synthetic_source_is_in_vocab_and_seeded():
