@@ -93,7 +93,8 @@ class Run:
                 pass
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.communicate()
+        self.proc.wait()
+        self.proc.stderr.close()
 
 
 @pytest.fixture
