@@ -24,7 +24,7 @@ import torch
 import torch._dynamo
 
 from hsdp.collectives import ReducePlan
-from hsdp.compile.graph import Groups, sharded_loss
+from hsdp.compile.graph import Groups, plan_buckets, sharded_loss
 from hsdp.compile.passes import (CollectiveCensus, OurPasses, inductor_overlap_options, recompute_gathers,
                                  schedule_of_code)
 from hsdp.config import CompileConfig, Config
@@ -48,6 +48,7 @@ class CompiledHSDPEngine(HSDPEngine):
         for leaf, u in zip(self.leaves, self.units):
             leaf.grad = u.grad_flat
         self.census = CollectiveCensus(labels=dict(self.mesh.comm.labels))
+        self.buckets = [[u] for u in range(len(self.units))]  # units per all-gather (from_config: bucket_mb)
         self._compiled: dict[ReducePlan, Any] = {}
         self._frames: dict[ReducePlan, int] = {}
         self.generated_code: list[str] = []  # inductor's output code of every graph compiled, in order
@@ -58,6 +59,7 @@ class CompiledHSDPEngine(HSDPEngine):
     def from_config(cls, cfg: Config, mesh: Mesh) -> "CompiledHSDPEngine":
         engine = super().from_config(cfg, mesh)
         engine.compile_cfg = cfg.compile
+        engine.buckets = plan_buckets([u.layout for u in engine.units], engine.param_dtype, cfg.compile.bucket_mb)
         return engine
 
     # ------------------------------------------------------------ compile
@@ -65,7 +67,8 @@ class CompiledHSDPEngine(HSDPEngine):
         """The compiled loss function of this reduce variant (compiled on first use)."""
         if plan not in self._compiled:
             units = [(u.module, u.layout) for u in self.units]
-            fn = partial(sharded_loss, units, param_dtype=self.param_dtype, groups=self.groups, plan=plan)
+            fn = partial(sharded_loss, units, param_dtype=self.param_dtype, groups=self.groups, plan=plan,
+                         buckets=self.buckets)
             # dynamic=False: both variants trace the same code, and dynamo would otherwise make the
             # divide factors that differ between them symbolic ("automatic dynamic") on the second compile.
             self._compiled[plan] = torch.compile(fn, fullgraph=True, dynamic=False, options=self._inductor_options())
@@ -125,11 +128,12 @@ class CompiledHSDPEngine(HSDPEngine):
     def stats(self) -> dict[str, Any]:
         """summary.json: graph and recompile counts, compile time, and what each graph does."""
         graphs = [g for p in self._compiled for g in self.census.graphs.get(p, [])]
-        return {"compile_graphs": len(graphs), "recompiles": self.recompiles,
+        return {"compile_graphs": len(graphs), "recompiles": self.recompiles, "buckets": self.buckets,
                 "compile_time_s": round(self.compile_time_s, 2),
                 "compiled": [{"graph": g.kind, "all_gathers": g.count("all_gather"),
                               "reduce_scatters": g.count("reduce_scatter"), "all_reduces": g.count("all_reduce"),
-                              "saved_full_params": g.saved_gathered} for g in graphs]}
+                              "saved_full_params": g.saved_gathered, "max_full_params_alive": g.max_alive}
+                             for g in graphs]}
 
 
 def schedule_text(engine: "CompiledHSDPEngine") -> str:

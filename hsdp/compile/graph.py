@@ -5,6 +5,7 @@ Per unit, in the graph:
     ag_in  = held.to(param_dtype)                                   # pack (cast), visible to inductor
     full   = wait_tensor(all_gather_into_tensor(ag_in, S, shard))   # _c10d_functional ops
     params = unpack_params(full, layout)                            # views/copies of the gathered buffer
+    (compile.bucket_mb > 0: neighbouring units share one all-gather of their concatenated shards)
     x      = functional_call(unit, params, x)
 
 and in backward (`_GatherShards.backward`), the same reduction as the eager
@@ -72,23 +73,57 @@ class _GatherShards(torch.autograd.Function):
 
 
 def unpack_params(gathered: torch.Tensor, layout: UnitLayout) -> list[torch.Tensor]:
-    """Rank-major gathered [S·N] → each param's full tensor (padding rows dropped); traceable torch ops."""
-    columns = gathered.view(layout.S, layout.N).split(layout.shard_sizes, dim=1)
+    """Rank-major gathered [S, N] (or [S·N]) → each param's full tensor (padding rows dropped); torch ops."""
+    columns = gathered.view(layout.S, -1).split(layout.shard_sizes, dim=1)
     return [c.reshape(layout.S * s.rows, *s.shape[1:])[: s.shape[0]] for s, c in zip(layout.specs, columns)]
 
 
-def gather_params(held: torch.Tensor, layout: UnitLayout, param_dtype: torch.dtype, groups: Groups,
-                  plan: ReducePlan) -> list[torch.Tensor]:
-    """One unit's full params from its held shard, inside the graph."""
-    return unpack_params(_GatherShards.apply(held, param_dtype, groups, plan), layout)
+def plan_buckets(layouts: list[UnitLayout], param_dtype: torch.dtype, bucket_mb: float) -> list[list[int]]:
+    """Consecutive units whose shards together stay ≤ bucket_mb share one all-gather (and reduce-scatter).
+
+    0 means no bucketing (one unit per collective). Never one bucket for the whole model, which
+    would mean every full param alive at once: a bucket that would hold every unit is split in two.
+    """
+    units = list(range(len(layouts)))
+    if bucket_mb <= 0:
+        return [[u] for u in units]
+    cap = bucket_mb * 2**20
+    buckets: list[list[int]] = []
+    size = cap + 1.0
+    for u, layout in zip(units, layouts):
+        nbytes = layout.S * layout.N * param_dtype.itemsize  # the gathered bucket's size
+        if size + nbytes > cap:
+            buckets.append([])
+            size = 0.0
+        buckets[-1].append(u)
+        size += nbytes
+    if len(buckets) == 1 and len(units) > 1:
+        buckets = [units[: len(units) // 2], units[len(units) // 2:]]
+    return buckets
+
+
+def gather_bucket(helds: list[torch.Tensor], layouts: list[UnitLayout], param_dtype: torch.dtype, groups: Groups,
+                  plan: ReducePlan) -> list[list[torch.Tensor]]:
+    """Full params of a bucket of units from one all-gather of their concatenated shards.
+
+    Its backward is one reduce-scatter (+ sync all-reduce) of the bucket; autograd splits the
+    result back into each unit's grad shard.
+    """
+    held = helds[0] if len(helds) == 1 else torch.cat(helds)
+    gathered = _GatherShards.apply(held, param_dtype, groups, plan).view(groups.shard_size, -1)
+    per_unit = gathered.split([layout.N for layout in layouts], dim=1)
+    return [unpack_params(g, layout) for g, layout in zip(per_unit, layouts)]
 
 
 def sharded_loss(units: list[tuple[nn.Module, UnitLayout]], helds: list[torch.Tensor], x: torch.Tensor,
-                 y: torch.Tensor, param_dtype: torch.dtype, groups: Groups, plan: ReducePlan) -> torch.Tensor:
+                 y: torch.Tensor, param_dtype: torch.dtype, groups: Groups, plan: ReducePlan,
+                 buckets: list[list[int]]) -> torch.Tensor:
     """The whole model's loss from the held shards: the function torch.compile captures."""
-    for (module, layout), held in zip(units, helds):
-        params = gather_params(held, layout, param_dtype, groups, plan)
-        names = [s.name for s in layout.specs]
-        # tie_weights=False: between uses every param of the module points at one empty placeholder.
-        x = functional_call(module, dict(zip(names, params)), (x,), tie_weights=False)
+    for bucket in buckets:
+        layouts = [units[u][1] for u in bucket]
+        for u, params in zip(bucket, gather_bucket([helds[u] for u in bucket], layouts, param_dtype, groups, plan)):
+            module, layout = units[u]
+            names = [s.name for s in layout.specs]
+            # tie_weights=False: between uses every param of the module points at one empty placeholder.
+            x = functional_call(module, dict(zip(names, params)), (x,), tie_weights=False)
     return loss_fn(x, y)

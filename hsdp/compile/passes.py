@@ -35,8 +35,10 @@ _UNPACK_OPS = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.split_with_sizes.default,
     aten.split.Tensor, aten.slice.Tensor, aten.clone.default, aten.alias.default, aten.t.default,
     aten.permute.default, aten.transpose.int, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten._to_copy.default, prims.convert_element_type.default, operator.getitem,
+    aten._to_copy.default, prims.convert_element_type.default, operator.getitem, aten.cat.default,
 }
+# A bucket's gathered output is split per unit before the usual unpacking.
+_BUCKET_VIEW_OPS = _UNPACK_OPS | {aten.split_with_sizes_copy.default, aten.narrow.default}
 _COLLECTIVES = {
     C.all_gather_into_tensor.default: "all_gather",
     C.reduce_scatter_tensor.default: "reduce_scatter",
@@ -87,6 +89,7 @@ class GraphCensus:
     kind: str  # "forward" | "backward"
     collectives: list[tuple[str, str, int]]  # (group label, op, bytes sent by this rank), in graph order
     saved_gathered: int  # forward only: outputs kept for backward that are (views of) gathered params
+    max_alive: int  # most units' full params alive at once (FX graph liveness)
 
     def count(self, op: str) -> int:
         return sum(1 for _, o, _ in self.collectives if o == op)
@@ -116,7 +119,8 @@ class CollectiveCensus:
             nbytes = t.numel() * t.element_size() // (n_ranks if op == "reduce_scatter" else 1)
             found.append((self.labels.get(group, "other"), op, ring_bytes_of(op, n_ranks, nbytes)))
         saved = 0 if backward else len(saved_gathered(graph))
-        self.graphs[self.current].append(GraphCensus("backward" if backward else "forward", found, saved))
+        self.graphs[self.current].append(GraphCensus("backward" if backward else "forward", found, saved,
+                                                     max_gathered_alive(graph)))
 
     def per_call(self, key: object) -> list[tuple[str, str, int]]:
         """What one forward+backward of variant `key` sends: all its graphs' collectives."""
@@ -130,7 +134,7 @@ def saved_gathered(graph: fx.Graph) -> list[fx.Node]:
         if n.op != "call_function":
             continue
         if n.target == C.all_gather_into_tensor.default or (
-                (n.target is C.wait_tensor.default or n.target in _UNPACK_OPS)
+                (n.target in _WAITS or n.target in _BUCKET_VIEW_OPS)
                 and any(i in gathered for i in n.all_input_nodes)):
             gathered.add(n)
     output = next(n for n in graph.nodes if n.op == "output")
@@ -148,9 +152,20 @@ def _is(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target == target
 
 
+_WAITS = {C.wait_tensor.default}
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _WAITS
+
+
+def _is_gather(node: fx.Node) -> bool:
+    return _is(node, C.all_gather_into_tensor.default)
+
+
 def _wait_of(node: fx.Node) -> fx.Node:
     """The wait_tensor of a collective start."""
-    return next(u for u in node.users if _is(u, C.wait_tensor.default))
+    return next(u for u in node.users if _is_wait(u))
 
 
 def _index(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -163,15 +178,21 @@ def _first_user(node: fx.Node) -> fx.Node:
 
 
 def _move_before(node: fx.Node, anchor: fx.Node) -> None:
-    """Put `node` right before `anchor`, bringing along any cast/view inputs that sit later (they are cheap);
-    users left above it are pushed down behind it, so the graph stays in topological order."""
+    """Put `node` as close before `anchor` as its inputs allow, bringing along any cast/view inputs that
+    sit later (they are cheap); users left above it are pushed down behind it, so the graph stays in
+    topological order."""
     if node is anchor:
         return
-    pos = _index(node.graph)
     for i in node.all_input_nodes:
+        pos = _index(node.graph)
         if i.op == "call_function" and pos[i] >= pos[anchor]:
             _move_before(i, anchor)
-    anchor.prepend(node)
+    pos = _index(node.graph)
+    latest_input = max(node.all_input_nodes, key=pos.__getitem__, default=None)
+    if latest_input is not None and pos[latest_input] >= pos[anchor]:
+        anchor = latest_input.next  # an input that could not move above the anchor (e.g. it is the anchor)
+    if node is not anchor:
+        anchor.prepend(node)
     _push_users_below(node)
 
 
@@ -185,12 +206,30 @@ def _push_users_below(node: fx.Node) -> None:
         _push_users_below(u)
 
 
+def gathered_nodes(gather: fx.Node) -> set[fx.Node]:
+    """An all-gather and everything that only waits on, views or copies its result (the unit's full params)."""
+    found = {gather}
+    for n in gather.graph.nodes:
+        if n.op == "call_function" and (n.target in _WAITS or n.target in _BUCKET_VIEW_OPS) \
+                and n.all_input_nodes and any(i in found for i in n.all_input_nodes):
+            found.add(n)
+    return found
+
+
+def release_point(gather: fx.Node) -> fx.Node:
+    """The last node that reads the unit's full params: after it, they can be freed."""
+    pos = _index(gather.graph)
+    derived = gathered_nodes(gather)
+    return max((u for n in derived for u in n.users), key=pos.__getitem__)
+
+
 def prefetch_gathers(graph: fx.Graph, prefetch: int) -> None:
     """Start each all-gather `prefetch` gathers ahead of its use; wait right before the first use.
 
     Gathers are numbered in graph order (forward: units 0..L-1; backward: the re-gathers,
     last unit first). With prefetch k, gather i starts right after wait i-k (when unit i-k
-    begins computing), or at the top of the graph for i < k:
+    begins computing), or at the top of the graph for i < k, but never before unit i-k-1's
+    full params are released (its last reader), so at most k+1 units' full params are alive:
 
         before (k=0):  ag0 w0 compute0  ag1 w1 compute1  ag2 w2 compute2
         after  (k=1):  ag0 w0 ag1 compute0  w1 ag2 compute1  w2 compute2
@@ -198,7 +237,10 @@ def prefetch_gathers(graph: fx.Graph, prefetch: int) -> None:
 
     A gather's input is a cast of a graph input, so it can always move up to there.
     """
-    gathers = [n for n in graph.nodes if _is(n, C.all_gather_into_tensor.default)]
+    # Numbered in the order the units use them (the first reader of each wait), not issue order.
+    pos = _index(graph)
+    gathers = sorted((n for n in graph.nodes if _is_gather(n)),
+                     key=lambda g: pos[_first_user(_wait_of(g))])
     waits = [_wait_of(g) for g in gathers]
     for w in waits:
         _move_before(w, _first_user(w))
@@ -206,10 +248,24 @@ def prefetch_gathers(graph: fx.Graph, prefetch: int) -> None:
     for i, g in enumerate(gathers):
         if prefetch == 0:
             _move_before(g, waits[i])
-        elif i - prefetch < 0:
-            _move_before(g, top)
+            continue
+        if i - prefetch < 0:  # the first k gathers go back to back at the top, in order
+            anchor = gathers[i - 1].next if i > 0 else top
         else:
-            _move_before(g, waits[i - prefetch].next)
+            anchor = waits[i - prefetch].next
+        if i - prefetch - 1 >= 0:
+            pos = _index(graph)
+            released = release_point(gathers[i - prefetch - 1])
+            if pos[released] >= pos[anchor]:
+                anchor = released.next
+        _move_before(g, anchor)
+
+
+def max_gathered_alive(graph: fx.Graph) -> int:
+    """Most units' full params alive at once: from a gather's start to its release point."""
+    pos = _index(graph)
+    spans = [(pos[g], pos[release_point(g)]) for g in graph.nodes if _is_gather(g)]
+    return max((sum(1 for a, b in spans if a <= t <= b) for t, _ in spans), default=0)
 
 
 def pipeline_reduce_waits(graph: fx.Graph) -> None:
@@ -241,7 +297,10 @@ def pipeline_reduce_waits(graph: fx.Graph) -> None:
 
 @dataclass
 class OurPasses:
-    """compile.passes=ours: prefetch all-gathers, pipeline reduce waits, then record the census."""
+    """compile.passes=ours: prefetch all-gathers, pipeline reduce waits, then record the census.
+
+    (Bucketing happens before tracing: `hsdp.compile.graph.plan_buckets` gathers a bucket of units
+    with one collective, so the graph the passes see already has one all-gather per bucket.)"""
 
     census: CollectiveCensus
     prefetch: int

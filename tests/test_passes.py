@@ -1,0 +1,102 @@
+"""Our scheduling passes on hand-built FX graphs: exact placement of starts and waits (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from hsdp.compile.passes import max_gathered_alive, pipeline_reduce_waits, prefetch_gathers, schedule_of_code
+
+C = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def _forward_graph(units: int = 4) -> fx.Graph:
+    """held_i → all_gather → wait → view (unpack) → compute_i(x, params), like the compiled forward."""
+    g = fx.Graph()
+    helds = [g.placeholder(f"held{i}") for i in range(units)]
+    x = g.placeholder("x")
+    for i, h in enumerate(helds):
+        ag = g.call_function(C.all_gather_into_tensor.default, (h, 2, "shard"), name=f"ag{i}")
+        w = g.call_function(C.wait_tensor.default, (ag,), name=f"w{i}")
+        p = g.call_function(aten.view.default, (w, [-1]), name=f"p{i}")
+        x = g.call_function(aten.mul.Tensor, (x, p), name=f"c{i}")
+    g.output(x)
+    return g
+
+
+def _order(g: fx.Graph) -> str:
+    return " ".join(n.name for n in g.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize("k,expected", [
+    (0, "ag0 w0 p0 c0 ag1 w1 p1 c1 ag2 w2 p2 c2 ag3 w3 p3 c3"),
+    (1, "ag0 w0 ag1 p0 c0 w1 ag2 p1 c1 w2 ag3 p2 c2 w3 p3 c3"),
+    (2, "ag0 ag1 w0 ag2 p0 c0 w1 ag3 p1 c1 w2 p2 c2 w3 p3 c3"),
+])
+def test_prefetch_places_each_gather_k_ahead(k: int, expected: str) -> None:
+    g = _forward_graph()
+    prefetch_gathers(g, k)
+    g.lint()
+    assert _order(g) == expected
+    assert max_gathered_alive(g) <= k + 1  # at most k+1 units' full params at once
+
+
+def test_prefetch_from_the_unscheduled_order() -> None:
+    """Gathers issued all at the top (what a naive trace can give) are pulled down to k ahead."""
+    g = _forward_graph()
+    top = next(n for n in g.nodes if n.op == "call_function")
+    for n in [n for n in g.nodes if n.name.startswith("ag")][1:]:
+        top.prepend(n)
+    prefetch_gathers(g, 1)
+    assert _order(g) == "ag0 w0 ag1 p0 c0 w1 ag2 p1 c1 w2 ag3 p2 c2 w3 p3 c3"
+
+
+def _backward_graph(units: int = 3, sync: bool = True) -> fx.Graph:
+    """grad_i → reduce_scatter → wait → [all_reduce → wait] → cast → output, like the compiled backward."""
+    g = fx.Graph()
+    dy = g.placeholder("tangents_1")
+    outs = []
+    for i in range(units):
+        gi = g.call_function(aten.mul.Tensor, (dy, float(i + 1)), name=f"g{i}")
+        rs = g.call_function(C.reduce_scatter_tensor.default, (gi, "sum", 2, "shard"), name=f"rs{i}")
+        r = g.call_function(C.wait_tensor.default, (rs,), name=f"r{i}")
+        if sync:
+            ar = g.call_function(C.all_reduce.default, (r, "sum", "sync"), name=f"ar{i}")
+            r = g.call_function(C.wait_tensor.default, (ar,), name=f"a{i}")
+        outs.append(g.call_function(aten._to_copy.default, (r,), name=f"o{i}"))
+    g.output(tuple(outs))
+    return g
+
+
+def test_reduce_waits_pipelined_one_unit_later() -> None:
+    g = _backward_graph(sync=False)
+    pipeline_reduce_waits(g)
+    g.lint()
+    assert _order(g) == "g0 rs0 g1 r0 o0 rs1 g2 r1 o1 rs2 r2 o2"
+
+
+def test_sync_all_reduce_starts_after_its_reduce_scatter_and_waits_late() -> None:
+    g = _backward_graph(sync=True)
+    pipeline_reduce_waits(g)
+    g.lint()
+    assert _order(g) == "g0 rs0 g1 r0 ar0 rs1 g2 r1 a0 o0 ar1 rs2 r2 a1 o1 ar2 a2 o2"
+
+
+def test_schedule_read_from_generated_code() -> None:
+    code = """
+def call(args):
+    primals_1, = args
+    # Topologically Sorted Source Nodes: [all_gather_into_tensor]
+    buf0 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_1, 2, '0')
+    assert_size_stride(buf0, (8, ), (1, ))
+    cpp_fused_add_0(buf1)
+    extern_kernels.mm(buf1, buf2, out=buf3)
+    torch.ops._c10d_functional.wait_tensor.default(buf0)
+    buf4 = torch.ops._c10d_functional.reduce_scatter_tensor.default(buf3, 'sum', 2, '0')
+    torch.ops._c10d_functional.wait_tensor.default(buf4)
+    return (buf4, )
+"""
+    assert schedule_of_code(code) == ["start all_gather buf0 <- primals_1", "compute ×2", "wait buf0",
+                                      "start reduce_scatter buf4 <- buf3", "wait buf4"]
