@@ -11,16 +11,18 @@ all-reduces through a comm hook.
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hsdp.comm import Comm, ring_bytes
 from hsdp.config import Config
-from hsdp.engine import Batch, Engine, NoSync
+from hsdp.engine import Batch, Engine, NoSync, SavedCheckpoint
 from hsdp.layout import DTYPES
 from hsdp.mesh import Mesh
 from hsdp.model import build_model
@@ -81,7 +83,23 @@ def count_all_reduces(comm: Comm) -> Iterator[None]:
         dist.all_reduce = real
 
 
-class FSDP2Engine(Engine):
+class _TorchCheckpoint:
+    """Checkpoints through torch's own state-dict API (keys `model.<name>`, `optim.state.<name>.<state>`,
+    `optim.param_groups...`): FSDP2's DTensors reshard in DCP, DDP's full tensors are written once."""
+
+    module: nn.Module
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.module, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_checkpoint(self, optimizer: torch.optim.Optimizer, saved: SavedCheckpoint) -> None:
+        state = self.checkpoint_state(optimizer)  # creates the optimizer state (a zero-lr step) to load into
+        saved.load(state)
+        set_state_dict(self.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+class FSDP2Engine(_TorchCheckpoint, Engine):
     """`fully_shard` on every unit over the 2-D mesh: replicate over "sync", shard over "shard"."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, param_dtype: str, reduce_dtype: str) -> None:
@@ -101,6 +119,11 @@ class FSDP2Engine(Engine):
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> "FSDP2Engine":
         model = build_model(cfg.model, cfg.run.seed).to(mesh.device)
+        if cfg.compile.enabled:
+            # As torchtitan does: each transformer block compiled (in place, so parameter names stay),
+            # FSDP2's hooks run around the compiled blocks, eagerly.
+            for block in model.units[1:-1]:
+                block.compile(fullgraph=True)
         return cls(model, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype)
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
@@ -133,7 +156,7 @@ class FSDP2Engine(Engine):
         return {n: p.full_tensor().float().cpu() for n, p in self.module.named_parameters()}
 
 
-class DDPEngine(Engine):
+class DDPEngine(_TorchCheckpoint, Engine):
     """DistributedDataParallel over all ranks; its all-reduces are counted through Comm."""
 
     def __init__(self, model: nn.Module, mesh: Mesh) -> None:
@@ -171,6 +194,24 @@ class DDPEngine(Engine):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().cpu().clone() for n, p in self.module.module.named_parameters()}
+
+    def load_checkpoint(self, optimizer: torch.optim.Optimizer, saved: SavedCheckpoint) -> None:
+        super().load_checkpoint(optimizer, saved)
+        self._rebuild_buckets()
+
+    def _rebuild_buckets(self) -> None:
+        """Do DDP's first backward now, so a resumed run's first step uses the buckets of later steps.
+
+        DDP rebuilds its gradient buckets after the first synced backward (in grad-ready order),
+        and gloo's ring all-reduce sums each element in an order set by its offset in the bucket:
+        without this, a resumed run's first step would round differently from an uninterrupted
+        run's (~1e-9). A dummy batch; its grads are dropped and the Comm counters are restored
+        from the checkpoint after this.
+        """
+        idx = torch.zeros(1, 1, dtype=torch.long, device=self.mesh.device)
+        self.set_reduce_grads(True)
+        self.module(idx).float().sum().backward()
+        self.zero_grad()
 
 
 # DDP checks this hook's annotations at runtime, so they must be real objects (no postponed evaluation here).
