@@ -100,16 +100,16 @@ class SyncConfig:
     fragments: int = 1  # P: streaming fragments
     quantize: str = "none"  # none | int8
     quant_block: int = 256  # elements per int8 scale
-    delay: int = 0  # τ: inner steps the param-sync reduction overlaps (0 = blocking sync)
-    alpha: float = 0.0  # α: after a delayed sync, θ_m ← α·θ_m + (1 − α)·θ_g
+    delay: int = 0  # τ: local steps a param sync's reduction overlaps before it lands (0 = blocking sync)
+    alpha: float = 0.0  # α: when a delayed sync lands, θ_m ← α·θ_m + (1 − α)·θ_g (needs delay ≥ 1)
 
 
 @dataclass
 class CompileConfig:
-    enabled: bool = False  # run the hsdp / fsdp2 step as torch.compile graphs
-    passes: str = "none"  # none | ours | inductor: who schedules the graph's collectives
-    prefetch: int = 1  # units of look-ahead for all-gathers (passes=ours)
-    bucket_mb: float = 0.0  # merge adjacent small collectives up to this size (0 = no bucketing)
+    enabled: bool = False  # hsdp: fwd+bwd as torch.compile graphs, collectives inside; fsdp2: compiled per block
+    passes: str = "ours"  # hsdp: who schedules the graph's collectives (ours: prefetch + late waits; inductor's; none)
+    prefetch: int = 1  # passes=ours: all-gathers start this many units ahead of their use
+    bucket_mb: float = 0.0  # hsdp: neighbouring units share one all-gather/reduce-scatter up to this size (0 = off)
 
 
 @dataclass
@@ -416,6 +416,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"sync.delay: expected a value < sync.every={s.every}, got {s.delay}")
     if not 0 <= s.alpha <= 1:
         raise ConfigError(f"sync.alpha: expected a value in [0, 1], got {s.alpha}")
+    if s.alpha > 0 and s.delay == 0:
+        raise ConfigError(f"sync.alpha: only used by an overlapped sync (sync.delay >= 1), got alpha {s.alpha} "
+                          "with delay 0")
+    if cfg.compile.enabled and cfg.mesh.engine == "ddp":
+        raise ConfigError("compile.enabled: the compiled path exists for mesh.engine hsdp and fsdp2, got ddp")
     if s.outer_momentum is not None and s.outer_momentum >= 1:
         raise ConfigError(f"sync.outer_momentum: expected a value in [0, 1), got {s.outer_momentum}")
     periodic = s.warmup_steps is not None and s.warmup_steps < cfg.run.steps

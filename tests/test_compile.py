@@ -14,14 +14,14 @@ import pytest
 from tests.helpers import SMALL, RunResult, max_param_rel_err, run_train
 
 STEPS = 10
-COMPILED = ["compile.enabled=true"]
+COMPILED = ["compile.enabled=true", "compile.passes=none"]
 DILOCO = ["sync.warmup_steps=3", "sync.every=4", "sync.method=diloco", "run.steps=15", "mesh.sync=2", "mesh.shard=2"]
 UNITS_NEEDING_WEIGHTS = 2 + 1  # SMALL's blocks and the head; the embedding's backward needs only the ids
 
 
-def _pair(tmp: Path, name: str, overrides: list[str]) -> tuple[RunResult, RunResult]:
+def _pair(tmp: Path, name: str, overrides: list[str], compiled: list[str] = COMPILED) -> tuple[RunResult, RunResult]:
     eager = run_train(tmp, f"{name}-eager", overrides)
-    compiled = run_train(tmp, f"{name}-compiled", overrides + COMPILED, timeout=900)
+    compiled = run_train(tmp, f"{name}-compiled", overrides + compiled, timeout=900)
     return eager, compiled
 
 
@@ -38,7 +38,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult,
         "1x4": _pair(tmp, "1x4", SMALL + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=4"]),
         "2x2-diloco": _pair(tmp, "diloco", SMALL + DILOCO),
         # bf16 runs with our passes (prefetch 1): the passes do not change numerics (checked below in fp32).
-        "1x2-bf16": _pair(tmp, "bf16", BASE + BF16 + ["compile.passes=ours", "compile.prefetch=1"]),
+        "1x2-bf16": _pair(tmp, "bf16", BASE + BF16, compiled=["compile.enabled=true", "compile.passes=ours",
+                                                             "compile.prefetch=1"]),
     }
 
 
@@ -49,7 +50,8 @@ def scheduled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     variants = {"ours0": ["compile.passes=ours", "compile.prefetch=0"],
                 "ours2": ["compile.passes=ours", "compile.prefetch=2"],
                 "inductor": ["compile.passes=inductor"]}
-    return {name: run_train(tmp, name, BASE + COMPILED + extra, timeout=900) for name, extra in variants.items()}
+    return {name: run_train(tmp, name, BASE + ["compile.enabled=true"] + extra, timeout=900)
+            for name, extra in variants.items()}
 
 
 def _rel(a: list[float], b: list[float]) -> float:
