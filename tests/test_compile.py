@@ -67,14 +67,14 @@ def test_compiled_equals_eager_fp32(runs, case: str) -> None:
     assert _rel(compiled.losses, eager.losses) < 1e-5
     for m in range(2 if case == "2x2-diloco" else 1):
         assert max_param_rel_err(compiled.params(m), eager.params(m)) < 1e-5
-    assert eager.losses[-1] < eager.losses[0] - 0.1  # it trained
+    assert eager.losses[-1] < eager.losses[0] - 0.05  # it trained
 
 
 def test_compiled_bf16_like_eager_bf16(runs) -> None:
     """bf16 params and reductions: within the eager bf16 test's 3% of its reference, and trains."""
     eager, compiled = runs["1x2-bf16"]
     assert _rel(compiled.losses, eager.losses) < 0.03
-    assert compiled.losses[-1] < compiled.losses[0] - 0.1
+    assert compiled.losses[-1] < compiled.losses[0] - 0.05
 
 
 @pytest.mark.parametrize("case", ["1x2", "1x4", "2x2-diloco"])
