@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from hsdp.checkpoint import Checkpoints, check_resume
 from hsdp.config import Config, ConfigError, load_config, save_config
 from hsdp.data import Data
 from hsdp.engine import Batch, Engine, build_engine
@@ -37,12 +38,13 @@ def train_worker(cfg: Config) -> None:
     data = Data(cfg, mesh.rank, mesh.world)
     engine = build_engine(cfg, mesh)
     optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
-    logger = MetricsLogger(cfg, cfg.run_dir, enabled=mesh.rank == 0)
+    checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start)
+    run = checkpoints.resume()  # the checkpoint run.resume names (state, RNG, counters restored), or a fresh start
+    logger = MetricsLogger(cfg, cfg.run_dir, enabled=mesh.rank == 0,
+                           continue_after=run.start_step - 1 if run.resumed_from else None)
     tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
 
-    step_times: list[float] = []
-    loss = val_loss = None
-    for step in range(cfg.run.steps):
+    for step in range(run.start_step, cfg.run.steps):  # batches and LR are functions of the step
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, cfg.run.steps)
         set_lr(optimizer, lr)
@@ -57,32 +59,33 @@ def train_worker(cfg: Config) -> None:
             engine.finish()  # a param sync still in flight lands before the final eval
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
-        step_times.append(time.perf_counter() - t0)
+        run.step_times.append(time.perf_counter() - t0)
 
         eval_now = last or (cfg.run.eval_every > 0 and (step + 1) % cfg.run.eval_every == 0)
-        if not (eval_now or step % cfg.run.log_every == 0):
-            continue
-        record = {"step": step, "loss": world_mean(mesh, step_loss), "lr": lr,
-                  "tokens": (step + 1) * tokens_per_step, "step_time_s": step_times[-1],
-                  "shard_bytes": mesh.comm.group_bytes("shard"), "sync_bytes": mesh.comm.group_bytes("sync"),
-                  "peak_mem_mb": peak_memory_mb(mesh.device), "synced": synced}
-        if eval_now:
-            record["val_loss"] = val_loss = world_mean(mesh, evaluate(engine, data, cfg.run.eval_batches,
-                                                                      mesh.device))
-        loss = record["loss"]
-        logger.log(record)
-        logger.progress(step, loss, tokens_per_step / step_times[-1])
+        if eval_now or step % cfg.run.log_every == 0:
+            record = {"step": step, "loss": world_mean(mesh, step_loss), "lr": lr,
+                      "tokens": (step + 1) * tokens_per_step, "step_time_s": run.step_times[-1],
+                      "shard_bytes": mesh.comm.group_bytes("shard"), "sync_bytes": mesh.comm.group_bytes("sync"),
+                      "peak_mem_mb": peak_memory_mb(mesh.device), "synced": synced}
+            if eval_now:
+                record["val_loss"] = run.val_loss = world_mean(mesh, evaluate(engine, data, cfg.run.eval_batches,
+                                                                              mesh.device))
+            run.loss = record["loss"]
+            logger.log(record)
+            logger.progress(step, run.loss, tokens_per_step / run.step_times[-1])
+        checkpoints.maybe_save(step, run)  # every run.checkpoint_every steps, after the update, sync and log
 
     peak = torch.tensor([peak_memory_mb(mesh.device)], device=mesh.device)  # nccl needs it on the GPU
     mesh.comm.all_reduce(peak, "world", op=dist.ReduceOp.MAX)
-    train_time = sum(step_times)
+    train_time = sum(run.step_times)
     logger.summary({
-        "final_loss": loss, "final_val_loss": val_loss, "steps": cfg.run.steps,
+        "final_loss": run.loss, "final_val_loss": run.val_loss, "steps": cfg.run.steps,
         "tokens": cfg.run.steps * tokens_per_step, "tokens_per_s": cfg.run.steps * tokens_per_step / train_time,
-        "median_step_time_s": statistics.median(step_times), "train_time_s": train_time,
-        "wall_time_s": time.perf_counter() - t_start, "peak_mem_mb": float(peak),
+        "median_step_time_s": statistics.median(run.step_times), "train_time_s": train_time,
+        "wall_time_s": run.prior_wall_s + time.perf_counter() - t_start, "peak_mem_mb": float(peak),
         "shard_bytes": mesh.comm.group_bytes("shard"), "sync_bytes": mesh.comm.group_bytes("sync"),
         "comm": mesh.comm.report(), "engine": cfg.mesh.engine, "world": mesh.world, **engine.stats(),
+        **checkpoints.stats(),
     })
     logger.close()
     if cfg.run.save_model:  # after the summary, so its byte counts are the training traffic only
@@ -157,6 +160,7 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
         warn_unsynced_end(cfg)
         launch(cfg, worker or train_worker)
     except ConfigError as e:
+        check_resume(cfg)  # the checkpoint run.resume names is complete and fits this config
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except WorkerError as e:

@@ -12,6 +12,14 @@
         synced = engine.end_step(step)            # the sync policy's param sync, if due
     engine.finish()                               # land a param sync still in flight
 
+Checkpoints (hsdp/checkpoint.py, docs/design.md §7) go through three methods:
+`checkpoint_state(optimizer)` is this rank's flat state dict for `dcp.save`
+(params, inner optimizer state, sync-policy state; sharded tensors as DTensors
+of their full shape, so DCP reshards on load), `checkpoint_meta()` the
+JSON-able structure a load needs to know beforehand, and
+`load_checkpoint(optimizer, saved)` builds load targets shaped after `saved`,
+has `saved.load` fill them in place (one `dcp.load`) and installs them.
+
 Engines: `hsdp` (this project, eager: hsdp/shard.py; compiled: hsdp/compile/),
 `fsdp2` and `ddp` (PyTorch baselines: hsdp/baselines.py). Baselines always
 average grads across every rank, so their policy is `NoSync`.
@@ -20,7 +28,8 @@ average grads across every rank, so their policy is `NoSync`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -30,6 +39,16 @@ from hsdp.mesh import Mesh
 from hsdp.model import loss_fn
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, targets)
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What an engine's `load_checkpoint` needs to know about the checkpoint it reads."""
+
+    keys: frozenset[str]  # the checkpoint's DCP keys
+    replica: int  # the saved replica this rank's replica loads (0 for all when mesh.sync changed)
+    meta: dict[str, Any]  # the saving engine's checkpoint_meta()
+    load: Callable[[dict[str, Any]], None]  # fills a state dict of targets in place (dcp.load)
 
 
 class NoSync:
@@ -84,6 +103,28 @@ class Engine(ABC):
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This replica's full fp32 params on CPU, under `hsdp.model.GPT`'s names."""
+
+    @abstractmethod
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's state for `dcp.save`: params, inner optimizer state, sync-policy state.
+
+        Tensors alias the live state (save before training on). Sharded state is a
+        DTensor of the full shape, so a checkpoint loads onto another shard layout.
+        """
+
+    @abstractmethod
+    def load_checkpoint(self, optimizer: torch.optim.Optimizer, saved: SavedCheckpoint) -> None:
+        """Restore what `checkpoint_state` saved (possibly from another mesh.shard, or from replica
+        `saved.replica`): build the targets, `saved.load(targets)`, install them."""
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """JSON-able structure of the saved state that a load must know before reading it."""
+        return {}
+
+    def replicas_identical(self, step: int) -> bool:
+        """Whether every replica holds the same params after `step` (then a checkpoint may load
+        onto another mesh.sync). Engines without periodic sync average grads every step."""
+        return True
 
     # ------------------------------------------------------------ the step, shared by all engines
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:

@@ -48,24 +48,46 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def open_metrics(path: Path, continue_after: Optional[int]) -> Any:
+    """metrics.jsonl for writing: fresh, or (resuming) keeping the records of steps <= continue_after."""
+    if continue_after is None or not path.is_file():
+        return open(path, "w")
+    kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of(line) <= continue_after]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)  # a crash here leaves the old file or the new one, never half of one
+    return open(path, "a")
+
+
+def _step_of(line: str) -> float:
+    """A record's step; infinity for a line a killed writer left torn (so it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step; mirrors it to wandb and the progress bar."""
 
-    def __init__(self, cfg: Config, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, continue_after: Optional[int] = None) -> None:
+        """`continue_after`: a resumed run's checkpoint step; records of later steps are dropped and new
+        ones appended, so every step is in metrics.jsonl once."""
         self.enabled = enabled
         self.run_dir = run_dir
         self._wandb = None
         self._bar: Optional[tqdm] = None
         if not enabled:
             return
-        self._file = open(run_dir / "metrics.jsonl", "w")
+        self._file = open_metrics(run_dir / "metrics.jsonl", continue_after)
         if cfg.wandb.mode != "disabled":
             self._wandb = self._init_wandb(cfg, run_dir)
         # tqdm's default lock is a multiprocessing semaphore, registered with the launcher's resource
         # tracker: a worker stopped by SIGTERM cannot unregister it and the tracker then warns of a
         # leak. One bar in one process needs only a thread lock.
         tqdm.set_lock(threading.RLock())
-        self._bar = tqdm(total=cfg.run.steps, desc=cfg.run.name, dynamic_ncols=True,
+        self._bar = tqdm(total=cfg.run.steps, initial=0 if continue_after is None else continue_after + 1,
+                         desc=cfg.run.name, dynamic_ncols=True,
                          disable=os.environ.get("HSDP_NO_BAR") == "1")
 
     def _init_wandb(self, cfg: Config, run_dir: Path) -> Any:

@@ -19,21 +19,22 @@ A unit whose backward needs no weights (the embedding) is never re-gathered.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from hsdp.checkpoint import init_optimizer_state, shard_dtensor
 from hsdp.collectives import (PendingGather, PendingReduce, ReducePlan, gather_full, pack_grads_for_reduce,
                               reduce_plan, start_gather, start_reduce)
 from hsdp.comm import Comm
 from hsdp.config import Config
-from hsdp.engine import Engine, NoSync
-from hsdp.layout import DTYPES, plan_layout
+from hsdp.engine import Engine, NoSync, SavedCheckpoint
+from hsdp.layout import DTYPES, ParamSpec, plan_layout
 from hsdp.mesh import Mesh
 from hsdp.model import build_model, unit_initializer
-from hsdp.sync import SyncPolicy
+from hsdp.sync import STATE_FORMAT, SyncPolicy, fragments_due, grad_sync_due
 
 BackwardCallback = Callable[["ShardedUnit", list[Optional[torch.Tensor]]], None]
 
@@ -295,3 +296,106 @@ class HSDPEngine(Engine):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 params of this replica (all-gathers on the shard group)."""
         return {k: v for u in self.units for k, v in u.gather_full_fp32().items()}
+
+    # ------------------------------------------------------------ checkpoints (hsdp/checkpoint.py)
+    # DCP keys, every tensor a Shard(0) DTensor of the param's full shape over the shard group:
+    #   replica{m}.model.<name>             replica m's params (replicas differ between param syncs)
+    #   replica{m}.optim.<name>.<state>     its inner optimizer state (AdamW exp_avg/exp_avg_sq; `step`
+    #                                       is a plain scalar tensor)
+    #   sync.global.<name>, sync.momentum.<name>, sync.in_flight{i}.<name>
+    #                                       θ_g, b and an in-flight sync's mean Δ, cut from the policy's flat
+    #                                       per-unit buffers into per-param pieces (identical on every
+    #                                       replica, so DCP writes each chunk once)
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        state = self._model_and_optimizer_state(optimizer, self.mesh.sync_rank)
+        state.update(self._sync_pieces(self.policy.state_dict()))
+        return state
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """The sync state's structure: which buffers exist (the load allocates them before reading)."""
+        sync = self.policy.state_dict()
+        return {"sync": {
+            "format": sync.get("format", STATE_FORMAT), "fragments": sync.get("fragments", 1),
+            "has_global": bool(sync.get("has_global", False)),
+            "momentum_units": [u for u, b in enumerate(sync.get("momentum", [])) if b is not None],
+            "in_flight": [{k: s[k] for k in ("fragment", "start", "land")} for s in sync.get("in_flight", [])],
+        }}
+
+    def load_checkpoint(self, optimizer: torch.optim.Optimizer, saved: SavedCheckpoint) -> None:
+        self.zero_grad()  # init_optimizer_state's lr = 0 step needs zero grads
+        init_optimizer_state(optimizer)
+        state = self._model_and_optimizer_state(optimizer, saved.replica)  # views: loaded in place
+        sync = self._empty_sync_state(saved.meta["sync"])
+        state.update(self._sync_pieces(sync))  # views of sync's zeroed flat buffers
+        saved.load(state)
+        if isinstance(self.policy, SyncPolicy):
+            self.policy.load_state_dict(sync)
+
+    def replicas_identical(self, step: int) -> bool:
+        """True after an exact-HSDP (warmup) step, or when every fragment landed θ_m ← θ_g after `step`.
+
+        Only the params: the inner optimizer states are never synced, so they differ after the warmup.
+        """
+        policy = self.policy
+        if self.mesh.sync_size == 1 or not isinstance(policy, SyncPolicy) or grad_sync_due(step, policy.cfg):
+            return True
+        if policy.in_flight or (policy.delay > 0 and policy.alpha > 0):
+            return False
+        # The syncs that landed after `step` started τ steps earlier (τ = 0: blocking, they started now).
+        return len(fragments_due(step - policy.delay, policy.cfg)) == len(policy.fragments)
+
+    def _held_specs(self) -> list[tuple[str, ParamSpec, torch.nn.Parameter]]:
+        return [(u.prefix + s.name, s, p) for u in self.units for s, p in zip(u.specs, u.held_params)]
+
+    def _model_and_optimizer_state(self, optimizer: torch.optim.Optimizer, replica: int) -> dict[str, Any]:
+        shard_mesh = self.mesh.device_mesh["shard"]
+        state: dict[str, Any] = {}
+        for name, spec, p in self._held_specs():
+            state[f"replica{replica}.model.{name}"] = shard_dtensor(p.detach(), spec.shape, shard_mesh)
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value):  # param-shaped state is sharded like the param; `step` is a scalar
+                    sharded = value.shape == p.shape
+                    state[f"replica{replica}.optim.{name}.{key}"] = (
+                        shard_dtensor(value, spec.shape, shard_mesh) if sharded else value)
+        return state
+
+    def _sync_pieces(self, sync: dict[str, Any]) -> dict[str, Any]:
+        """The policy's flat per-unit buffers as per-param DTensors (views: padding rows are left out)."""
+        if not sync:
+            return {}
+        shard_mesh = self.mesh.device_mesh["shard"]
+        pieces: dict[str, Any] = {}
+
+        def add(prefix: str, flats: list[Optional[torch.Tensor]]) -> None:
+            for unit, flat in zip(self.units, flats):
+                if flat is None:
+                    continue
+                for spec in unit.specs:
+                    rows = spec.held_rows(self.mesh.shard_rank)
+                    local = flat[spec.offset: spec.offset + rows * spec.row_numel].view(rows, *spec.shape[1:])
+                    pieces[f"{prefix}.{unit.prefix}{spec.name}"] = shard_dtensor(local, spec.shape, shard_mesh)
+
+        add("sync.global", sync["global_params"])
+        add("sync.momentum", sync["momentum"])
+        for i, s in enumerate(sync["in_flight"]):
+            flats: list[Optional[torch.Tensor]] = [None] * len(self.units)
+            for u, delta in zip(self.policy.fragments[s["fragment"]], s["mean_delta"]):
+                flats[u] = delta
+            add(f"sync.in_flight{i}", flats)
+        return pieces
+
+    def _empty_sync_state(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """SyncPolicy.state_dict()'s shape for the saved structure, zero-filled (padding stays zero)."""
+        if not isinstance(self.policy, SyncPolicy):
+            return {}
+        n = len(self.units)
+        has_global = meta["has_global"]
+        return {
+            "format": meta["format"], "fragments": meta["fragments"], "has_global": has_global,
+            "global_params": [torch.zeros_like(u.held_flat) if has_global else None for u in self.units],
+            "momentum": [torch.zeros_like(self.units[u].held_flat) if u in meta["momentum_units"] else None
+                         for u in range(n)],
+            "in_flight": [{**s, "mean_delta": [torch.zeros_like(self.units[u].held_flat)
+                                               for u in self.policy.fragments[s["fragment"]]]}
+                          for s in meta["in_flight"]],
+        }

@@ -1,0 +1,407 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, validate, resume (with resharding).
+
+A run folder's checkpoints (docs/design.md §7):
+
+    <run_dir>/checkpoints/step_N/         the state after step N (N+1 steps done); resume starts at N+1
+        .metadata, __<rank>_0.distcp       DCP: every rank's tensors and pickled extras
+        meta.json                          step, engine, mesh, replicas_identical, the engine's meta
+        config.yaml                        the run's resolved config at save time
+        .complete                          written last: only a folder with it is a checkpoint
+    <run_dir>/checkpoints/.tmp_step_N/    a save in progress (renamed when every rank is done)
+
+What a rank saves: its engine's `checkpoint_state` (held shards, inner optimizer
+state and sync-policy state, as DTensors of the full shapes so DCP reshards on
+load; see hsdp/shard.py, hsdp/baselines.py), plus `rank{r}.extra`: its RNG
+states, Comm counters and the loop's progress (step times, last losses).
+
+Crash safety: rank 0 renames `.tmp_step_N` to `step_N` only after a barrier that
+every rank reaches once its files are written, then writes `.complete`; older
+checkpoints beyond `run.keep_checkpoints` are deleted only after that. A kill at
+any point leaves the previous complete checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover - torch < 2.5
+    from torch.distributed._tensor import DTensor, Shard
+
+from hsdp.config import Config, ConfigError, from_dict, save_config
+from hsdp.engine import Engine, SavedCheckpoint
+from hsdp.mesh import Mesh
+
+FORMAT = 1  # bump when the layout of meta.json or the DCP keys changes
+CHECKPOINTS = "checkpoints"
+COMPLETE = ".complete"
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+# ---------------------------------------------------------------- helpers the engines use
+def shard_dtensor(local: torch.Tensor, full_shape: torch.Size, shard_mesh: Any) -> DTensor:
+    """`local` (this rank's dim-0 rows, torch.chunk's split) as a Shard(0) DTensor of `full_shape`.
+
+    No communication; DCP reads the global offset from the mesh coordinate, so a
+    checkpoint saved on S ranks loads onto any other number of shard ranks.
+    """
+    stride = torch.empty(full_shape, device="meta").stride()
+    return DTensor.from_local(local, shard_mesh, [Shard(0)], run_check=False, shape=torch.Size(full_shape),
+                              stride=stride)
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (so DCP can load into them) by a step with lr = 0.
+
+    The grads must be zero: AdamW's update is then exactly zero (decay ×(1 − 0·wd),
+    step 0·m/(√v + ε)), so params are bit-for-bit unchanged; the loaded state
+    replaces the moments and step count.
+    """
+    if optimizer.state:
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
+# ---------------------------------------------------------------- finding checkpoints
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def step_of(path: Path) -> Optional[int]:
+    """N for a folder named step_N, else None."""
+    m = _STEP_DIR.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints (with a .complete marker), oldest step first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if step_of(p) is not None and (p / COMPLETE).is_file()]
+    return sorted(found, key=step_of)
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def resolve_resume(cfg: Config) -> Optional[Path]:
+    """The checkpoint `run.resume` asks for: None (start fresh) or a complete checkpoint's folder.
+
+    auto: the latest complete checkpoint of the run folder, if any; never: None; a path:
+    a checkpoint folder, or a run folder (then its latest complete checkpoint).
+    """
+    resume = cfg.run.resume
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(cfg.run_dir)
+    path = Path(resume).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"run.resume: expected auto, never or a checkpoint folder, got {resume!r} (no such folder)")
+    if step_of(path) is None and checkpoints_dir(path).is_dir():  # a run folder
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise ConfigError(f"run.resume: run folder {resume} has no complete checkpoint")
+        return latest
+    return path
+
+
+# ---------------------------------------------------------------- validation (before any worker starts)
+def check_resume(cfg: Config) -> Optional[Path]:
+    """Resolve `run.resume` and check that the checkpoint is complete, readable and fits `cfg`.
+
+    Raises ConfigError (one line naming the key or file that differs); returns the
+    checkpoint folder to resume from, or None to start fresh.
+    """
+    path = resolve_resume(cfg)
+    if path is not None:
+        validate_checkpoint(path, cfg)
+    return path
+
+
+# `key` names what the user gave the path as, for the one-line error (run.resume, or export's argument).
+def read_meta(path: Path, key: str = "run.resume") -> dict[str, Any]:
+    """meta.json of a checkpoint folder (ConfigError if incomplete, missing, unreadable or of another format)."""
+    if not (path / COMPLETE).is_file():
+        raise ConfigError(f"{key}: {path} is not a complete checkpoint (no {COMPLETE} marker)")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {path}/meta.json is missing or corrupt ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ConfigError(f"{key}: {path}/meta.json is not a format-{FORMAT} checkpoint description")
+    return meta
+
+
+def read_saved_config(path: Path, key: str = "run.resume") -> Config:
+    """The config the checkpoint was saved under."""
+    try:
+        return from_dict(yaml.safe_load((path / "config.yaml").read_text()))
+    except (OSError, yaml.YAMLError, ConfigError) as e:
+        raise ConfigError(f"{key}: {path}/config.yaml is missing or corrupt ({type(e).__name__})") from None
+
+
+def read_dcp_metadata(path: Path, key: str = "run.resume") -> Metadata:
+    """DCP's .metadata, after checking that every data file it names exists and is long enough."""
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to read means the same to the user
+        raise ConfigError(f"{key}: {path}/.metadata is missing or corrupt ({type(e).__name__})") from None
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        f = path / name
+        if not f.is_file():
+            raise ConfigError(f"{key}: {path} is missing its data file {name}")
+        if f.stat().st_size < end:
+            raise ConfigError(f"{key}: {path}/{name} is truncated ({f.stat().st_size} of {end} bytes)")
+    return metadata
+
+
+def model_key(engine: str, name: str) -> str:
+    """The DCP key of a model param in replica 0's state (hsdp) or the model's (baselines)."""
+    return f"replica0.model.{name}" if engine == "hsdp" else f"model.{name}"
+
+
+def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
+    """ConfigError unless `path` is a complete, readable checkpoint `cfg` can continue; returns its meta."""
+    from hsdp.model import GPT  # the model module is heavier than this one needs at import
+
+    meta = read_meta(path)
+    saved = read_saved_config(path)
+    for key, old in vars(saved.model).items():
+        new = getattr(cfg.model, key)
+        if old != new:
+            raise ConfigError(f"model.{key}: checkpoint {path} has {old!r}, config has {new!r}")
+    for key, old, new in [("mesh.engine", meta["engine"], cfg.mesh.engine), ("optim.name", saved.optim.name,
+                                                                                 cfg.optim.name)]:
+        if old != new:
+            raise ConfigError(f"{key}: checkpoint {path} was saved with {old!r}, config has {new!r}")
+    if meta["engine"] == "hsdp":
+        _check_hsdp_compatible(path, meta, saved, cfg)
+    metadata = read_dcp_metadata(path)
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    expected = {model_key(meta["engine"], n): tuple(p.shape) or (1,) for n, p in model.named_parameters()}
+    present = {k: tuple(md.size) for k, md in metadata.state_dict_metadata.items()
+               if isinstance(md, TensorStorageMetadata) and k.startswith(model_key(meta["engine"], ""))}
+    for key, shape in expected.items():
+        if key not in present:
+            raise ConfigError(f"model: checkpoint {path} has no tensor {key}")
+        if present[key] != shape:
+            raise ConfigError(f"model: checkpoint {path} has {key} of shape {present[key]}, the config's model "
+                              f"has {shape}")
+    extra = sorted(set(present) - set(expected))
+    if extra:
+        raise ConfigError(f"model: checkpoint {path} has tensor {extra[0]}, which the config's model lacks")
+    return meta
+
+
+def _check_hsdp_compatible(path: Path, meta: dict[str, Any], saved: Config, cfg: Config) -> None:
+    """The mesh and sync-policy rules of an hsdp checkpoint (any mesh.shard loads; mesh.sync needs care)."""
+    m_old, m_new = meta["mesh"]["sync"], cfg.mesh.sync
+    if m_old != m_new and not meta["replicas_identical"]:
+        raise ConfigError(f"mesh.sync: checkpoint {path} holds {m_old} replicas that differ at step {meta['step']} "
+                          f"(between param syncs), config has {m_new}; resume with mesh.sync={m_old}")
+    sync = meta["engine_meta"]["sync"]
+    if sync["fragments"] != cfg.sync.fragments:
+        raise ConfigError(f"sync.fragments: checkpoint {path} was saved with {sync['fragments']}, "
+                          f"config has {cfg.sync.fragments}")
+    if sync["in_flight"] and cfg.sync.delay == 0:
+        raise ConfigError(f"sync.delay: checkpoint {path} has a param sync in flight (saved with sync.delay="
+                          f"{saved.sync.delay}), config has 0")
+    needs_global = cfg.sync.method == "diloco" or cfg.sync.quantize == "int8" or cfg.sync.delay > 0
+    w = cfg.sync.warmup_steps
+    if needs_global and w is not None and meta["step"] >= w - 1 and not sync["has_global"]:
+        raise ConfigError(f"sync.method: checkpoint {path} (step {meta['step']}, past the warmup) has no global "
+                          f"copy θ_g, which this config's sync needs")
+
+
+# ---------------------------------------------------------------- the loop's side
+@dataclass
+class Progress:
+    """What the training loop carries across a resume besides the engine's state."""
+
+    start_step: int = 0  # the first step this process runs
+    step_times: list[float] = field(default_factory=list)
+    loss: Optional[float] = None  # the last logged train loss
+    val_loss: Optional[float] = None
+    prior_wall_s: float = 0.0  # wall time of the run before this process (up to its checkpoint)
+    resumed_from: Optional[Path] = None
+
+
+class Checkpoints:
+    """Saves this rank's state every `run.checkpoint_every` steps and restores it at start."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, engine: Engine, optimizer: torch.optim.Optimizer,
+                 t_start: float) -> None:
+        self.cfg, self.mesh, self.engine, self.optimizer = cfg, mesh, engine, optimizer
+        self.root = checkpoints_dir(cfg.run_dir)
+        self.t_start = t_start
+        self.resumed_from: Optional[Path] = None
+        self.last_load_s: Optional[float] = None  # this rank's seconds in the load, and in all saves
+        self.saves, self.save_s = 0, 0.0
+
+    # ------------------------------------------------------------ resume
+    def resume(self) -> Progress:
+        """Restore the checkpoint `run.resume` names (decided by rank 0 for every rank); else a fresh start."""
+        choice = [str(resolve_resume(self.cfg) or "") if self.mesh.rank == 0 else None]
+        dist.broadcast_object_list(choice, src=0)  # every rank loads the same one, even if a save lands now
+        if not choice[0]:
+            return Progress()
+        path = Path(choice[0])
+        meta = read_meta(path)
+        keys = frozenset(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        same_replicas = meta["mesh"]["sync"] == self.mesh.sync_size
+        # A rank absent from the checkpoint (a bigger world) takes rank 0's RNG and counters.
+        extra_key = f"rank{self.mesh.rank}.extra"
+        extra_key = extra_key if extra_key in keys else "rank0.extra"
+        extras: dict[str, Any] = {}
+
+        def load(targets: dict[str, Any]) -> None:
+            targets[extra_key] = b""
+            dcp.load(targets, storage_reader=FileSystemReader(str(path)))
+            extras.update(pickle.loads(targets.pop(extra_key)))
+
+        saved = SavedCheckpoint(keys=keys, replica=self.mesh.sync_rank if same_replicas else 0,
+                                meta=meta["engine_meta"], load=load)
+        t0 = time.perf_counter()
+        self.engine.load_checkpoint(self.optimizer, saved)
+        self._restore_extras(extras)
+        self.last_load_s = round(time.perf_counter() - t0, 4)
+        self.resumed_from = path
+        p = extras["progress"]
+        return Progress(start_step=meta["step"] + 1, step_times=p["step_times"], loss=p["loss"],
+                        val_loss=p["val_loss"], prior_wall_s=p["wall_s"], resumed_from=path)
+
+    def _restore_extras(self, extras: dict[str, Any]) -> None:
+        rng = extras["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if rng.get("cuda") is not None and self.mesh.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.mesh.device)
+        comm = self.mesh.comm
+        for counter in ("bytes", "seconds", "calls"):
+            getattr(comm, counter).clear()
+            getattr(comm, counter).update(extras["comm"][counter])
+
+    def _extras(self, progress: Progress) -> bytes:
+        comm = self.mesh.comm
+        cuda = torch.cuda.get_rng_state(self.mesh.device) if self.mesh.device.type == "cuda" else None
+        return pickle.dumps({
+            "rng": {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(),
+                    "numpy": np.random.get_state()},
+            "comm": {c: dict(getattr(comm, c)) for c in ("bytes", "seconds", "calls")},
+            "progress": {"step_times": list(progress.step_times), "loss": progress.loss,
+                         "val_loss": progress.val_loss,
+                         "wall_s": progress.prior_wall_s + time.perf_counter() - self.t_start},
+        })
+
+    # ------------------------------------------------------------ save
+    def stats(self) -> dict[str, Any]:
+        """For summary.json: where this run resumed from and this rank's time in checkpoint I/O."""
+        return {"resumed_from": str(self.resumed_from) if self.resumed_from else None,
+                "checkpoint_load_s": self.last_load_s, "checkpoints_saved": self.saves,
+                "checkpoint_save_s": round(self.save_s, 4)}
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.run.checkpoint_every
+        return every > 0 and (step + 1) % every == 0
+
+    def maybe_save(self, step: int, progress: Progress) -> None:
+        """After the update, sync and log of `step`: save if it is a checkpoint step."""
+        if self.due(step):
+            self.save(step, progress)
+
+    def save(self, step: int, progress: Progress) -> Path:
+        """Write `checkpoints/step_{step}` atomically (collective: every rank calls it)."""
+        t0 = time.perf_counter()
+        tmp, final = self.root / f".tmp_step_{step}", self.root / f"step_{step}"
+        rank0 = self.mesh.rank == 0
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        state = self.engine.checkpoint_state(self.optimizer)
+        state[f"rank{self.mesh.rank}.extra"] = self._extras(progress)
+        meta = {"format": FORMAT, "step": step, "engine": self.cfg.mesh.engine,
+                "mesh": {"sync": self.mesh.sync_size, "shard": self.mesh.shard_size},
+                "replicas_identical": self.engine.replicas_identical(step),
+                "engine_meta": self.engine.checkpoint_meta(), "saved_at": time.time()}
+        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+        dist.barrier()  # every rank's files are written (DCP's metadata only on rank 0's side)
+        if rank0:
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            save_config(self.cfg, tmp / "config.yaml")
+            _fsync_files([tmp / "meta.json", tmp / "config.yaml"])  # DCP fsyncs its own files
+            publish(tmp, final)
+            self.prune(keep=final)
+        self.saves += 1
+        self.save_s += time.perf_counter() - t0
+        return final
+
+    def prune(self, keep: Path) -> None:
+        """Delete complete checkpoints beyond run.keep_checkpoints and every other leftover (rank 0)."""
+        done = complete_checkpoints(self.cfg.run_dir)
+        for old in done[:-self.cfg.run.keep_checkpoints]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+        for p in self.root.iterdir():  # crashed saves: temporary folders, renamed but never marked
+            if p != keep and (p.name.startswith(".tmp_step_") or (step_of(p) is not None
+                                                                   and not (p / COMPLETE).is_file())):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename a fully written checkpoint into place, then mark it complete (rank 0)."""
+    if final.exists():  # renamed by a save that crashed before its marker: never loaded, so replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    marker = final / (COMPLETE + ".tmp")
+    marker.write_text(json.dumps({"step": step_of(final)}) + "\n")
+    os.replace(marker, final / COMPLETE)
+    _fsync_dir(final)
+
+
+def _fsync_files(files: list[Path]) -> None:
+    for f in files:
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

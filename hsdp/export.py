@@ -1,0 +1,86 @@
+"""Export a checkpoint as a plain full state dict of `hsdp.model.GPT` (one process, no process group).
+
+    python -m hsdp.export <checkpoint> <out.pt> [--replica m | --global]
+
+Default: θ_g, the global model, if the checkpoint has one (DiLoCo, int8 or a
+delayed sync), else replica 0. `--replica m` picks replica m's own params (they
+differ from θ_g and from each other between param syncs); baselines (fsdp2,
+ddp) have one model. DCP assembles each full tensor from whatever shards the
+checkpoint holds, so the mesh it was saved on does not matter. The output loads
+with `GPT(cfg.model).load_state_dict(torch.load(out))`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from hsdp.checkpoint import read_dcp_metadata, read_meta, read_saved_config
+from hsdp.config import ConfigError
+from hsdp.model import GPT
+
+
+def source_prefix(meta: dict, replica: Optional[int], use_global: bool) -> tuple[str, str]:
+    """(DCP key prefix of the params to export, a description of them)."""
+    if meta["engine"] != "hsdp":
+        if replica not in (None, 0) or use_global:
+            raise ConfigError(f"--replica/--global: a {meta['engine']} checkpoint holds one model")
+        return "model.", f"the {meta['engine']} model"
+    has_global = meta["engine_meta"]["sync"]["has_global"]
+    if use_global or (replica is None and has_global):
+        if not has_global:
+            raise ConfigError("--global: the checkpoint has no global copy θ_g (plain average keeps none, and "
+                              "none exists before the end of the sync warmup); use --replica m")
+        return "sync.global.", "θ_g (the global model)"
+    m = replica or 0
+    if not 0 <= m < meta["mesh"]["sync"]:
+        raise ConfigError(f"--replica: expected 0..{meta['mesh']['sync'] - 1}, got {m}")
+    return f"replica{m}.model.", f"replica {m}"
+
+
+def export(checkpoint: Path, replica: Optional[int] = None, use_global: bool = False) -> tuple[dict, str]:
+    """The full fp32 state dict of GPT from `checkpoint`, and what it is (θ_g or a replica)."""
+    meta = read_meta(checkpoint, key="checkpoint")
+    cfg = read_saved_config(checkpoint, key="checkpoint")
+    read_dcp_metadata(checkpoint, key="checkpoint")  # fails early (ConfigError) on missing or truncated files
+    prefix, what = source_prefix(meta, replica, use_global)
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    # Checkpoint tensors have the held layout's shape (a 0-d param is stored as (1,)).
+    targets = {prefix + n: torch.empty(tuple(p.shape) or (1,), dtype=torch.float32)
+               for n, p in model.named_parameters()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(targets, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)
+    state = {n: targets[prefix + n].reshape(p.shape) for n, p in model.named_parameters()}
+    return state, what
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint", type=Path, help="a checkpoint folder (<run>/checkpoints/step_N)")
+    p.add_argument("out", type=Path, help="output .pt file (torch.save of the state dict)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--replica", type=int, default=None, help="export replica m's own params")
+    which.add_argument("--global", dest="use_global", action="store_true", help="export θ_g (the default if present)")
+    args = p.parse_args(argv)
+    try:
+        state, what = export(args.checkpoint, args.replica, args.use_global)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    torch.save(state, args.out)
+    print(f"wrote {what} from {args.checkpoint} to {args.out} ({sum(t.numel() for t in state.values()):,} params)",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
