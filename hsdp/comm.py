@@ -41,7 +41,7 @@ def ring_bytes_of(op: str, n: int, nbytes: int) -> int:
 class _TimedWork:
     """Wraps an async Work so the time spent waiting on it is counted."""
 
-    def __init__(self, work: Optional[dist.Work], comm: "Comm", key: tuple[str, str]) -> None:
+    def __init__(self, work: Optional[dist.Work], comm: Comm, key: tuple[str, str]) -> None:
         self.work, self.comm, self.key = work, comm, key
 
     def wait(self) -> None:

@@ -441,8 +441,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if world_size is not None:
         check_world_size(cfg, world_size)
     check_mesh_fits(cfg)
-    from hsdp.rundir import check_output_dir  # lazy: rundir imports this module
     from hsdp.data import check_data  # lazy: data imports torch
+    from hsdp.rundir import check_output_dir  # lazy: rundir imports this module
 
     check_output_dir(cfg)
     check_data(cfg)

@@ -27,7 +27,8 @@ import socket
 import threading
 import time
 import traceback
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ class StopSignals:
         self._armed = False
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers can only be set from the main thread
         for sig in STOP_SIGNALS:
@@ -149,10 +150,11 @@ def shutdown_process_group() -> None:
     without the collect they would be freed in the interpreter's final GC. Units no
     longer point at the engine, but each holds the engine's backward callback (a
     bound method), so engine ↔ units is still a cycle; a check after a 1×2 run found
-    the engine, its 4 units, Comm and Mesh among ~550 objects of cyclic garbage. A gloo worker thread that then drops a Work created in
-    backward (it holds a Python object from the autograd TLS) needs the GIL, finds
-    the interpreter finalizing and aborts the process ("terminate called without
-    an active exception").
+    the engine, its 4 units, Comm and Mesh among ~550 objects of cyclic garbage.
+    A gloo worker thread that then drops a Work created in backward (it holds a
+    Python object from the autograd TLS) needs the GIL, finds the interpreter
+    finalizing and aborts the process ("terminate called without an active
+    exception").
     """
     dist.destroy_process_group()
     gc.collect()

@@ -8,7 +8,7 @@ order, so any engine that wraps each unit sees the same computation.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NoReturn, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import torch
 

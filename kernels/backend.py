@@ -14,7 +14,8 @@ even where triton is missing, so ``import kernels`` works on any CPU machine.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

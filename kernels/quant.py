@@ -113,7 +113,7 @@ def _dequantize_mean_kernel(q_ptr, scale_ptr, out_ptr, n, nb, block, M, M_f, BLO
     mask = offs < n
     blk = offs // block
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for m in range(M):  # fixed order m = 0..M-1, as in the reference
+    for _m in range(M):  # fixed order m = 0..M-1, as in the reference
         q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)
         s = tl.load(scale_ptr + blk, mask=mask, other=0.0)
         acc = acc + q * s

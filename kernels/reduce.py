@@ -16,8 +16,17 @@ import math
 import torch
 
 from kernels._triton_helpers import from_fp32, to_fp32
-from kernels._util import (FLOAT_DTYPES, call, check_shard_sizes, check_tensor, fail, no_grad, pow2_divisor,
-                           register_op, unit_items)
+from kernels._util import (
+    FLOAT_DTYPES,
+    call,
+    check_shard_sizes,
+    check_tensor,
+    fail,
+    no_grad,
+    pow2_divisor,
+    register_op,
+    unit_items,
+)
 from kernels.backend import launch, tl, triton, use_triton
 
 _BLOCK = 4096

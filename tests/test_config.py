@@ -11,8 +11,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hsdp.config import (Config, ConfigError, ModelConfig, OptimConfig, RunConfig,
-                         from_dict, load_config, parse_override, save_config, to_dict, validate)
+from hsdp.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    from_dict,
+    load_config,
+    parse_override,
+    save_config,
+    to_dict,
+    validate,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")

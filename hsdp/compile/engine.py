@@ -25,8 +25,13 @@ import torch._dynamo
 
 from hsdp.collectives import ReducePlan
 from hsdp.compile.graph import Groups, plan_buckets, sharded_loss
-from hsdp.compile.passes import (CollectiveCensus, OurPasses, inductor_overlap_options, recompute_gathers,
-                                 schedule_of_code)
+from hsdp.compile.passes import (
+    CollectiveCensus,
+    OurPasses,
+    inductor_overlap_options,
+    recompute_gathers,
+    schedule_of_code,
+)
 from hsdp.config import CompileConfig, Config
 from hsdp.engine import Batch
 from hsdp.mesh import Mesh
@@ -56,7 +61,7 @@ class CompiledHSDPEngine(HSDPEngine):
         self.recompiles = 0
 
     @classmethod
-    def from_config(cls, cfg: Config, mesh: Mesh) -> "CompiledHSDPEngine":
+    def from_config(cls, cfg: Config, mesh: Mesh) -> CompiledHSDPEngine:
         engine = super().from_config(cfg, mesh)
         engine.compile_cfg = cfg.compile
         engine.buckets = plan_buckets([u.layout for u in engine.units], engine.param_dtype, cfg.compile.bucket_mb)
@@ -136,7 +141,7 @@ class CompiledHSDPEngine(HSDPEngine):
                              for g in graphs]}
 
 
-def schedule_text(engine: "CompiledHSDPEngine") -> str:
+def schedule_text(engine: CompiledHSDPEngine) -> str:
     """schedule.txt: per compiled graph, its collective starts/waits and compute, as generated."""
     out = []
     graphs = [g for p in engine._compiled for g in engine.census.graphs.get(p, [])]
