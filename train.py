@@ -66,7 +66,8 @@ def train_worker(cfg: Config) -> None:
             record = {"step": step, "loss": world_mean(mesh, step_loss), "lr": lr,
                       "tokens": (step + 1) * tokens_per_step, "step_time_s": run.step_times[-1],
                       "shard_bytes": mesh.comm.group_bytes("shard"), "sync_bytes": mesh.comm.group_bytes("sync"),
-                      "peak_mem_mb": peak_memory_mb(mesh.device), "synced": synced}
+                      "peak_mem_mb": peak_memory_mb(mesh.device), "synced": synced,
+                      "elapsed_s": run.prior_wall_s + time.perf_counter() - t_start}  # wall-clock, for time-to-loss
             if eval_now:
                 record["val_loss"] = run.val_loss = world_mean(mesh, evaluate(engine, data, cfg.run.eval_batches,
                                                                               mesh.device))
@@ -88,6 +89,10 @@ def train_worker(cfg: Config) -> None:
         **checkpoints.stats(),
     })
     logger.close()
+    for name, text in engine.artifacts().items():
+        if mesh.rank == 0:
+            (cfg.run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            (cfg.run_dir / name).write_text(text)
     if cfg.run.save_model:  # after the summary, so its byte counts are the training traffic only
         save_replicas(cfg, engine, mesh)
 
@@ -156,11 +161,11 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
     try:
         cfg = load_config(args.config, args.set)
         prepare_run_dir(cfg)  # refuses to clobber a previous run unless run.overwrite=true
+        check_resume(cfg)  # the checkpoint run.resume names is complete and fits this config
         save_config(cfg, cfg.run_dir / "config.yaml")
         warn_unsynced_end(cfg)
         launch(cfg, worker or train_worker)
     except ConfigError as e:
-        check_resume(cfg)  # the checkpoint run.resume names is complete and fits this config
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except WorkerError as e:
