@@ -9,10 +9,12 @@ Outputs go to <run.out_dir>/<run.name>/: config.yaml, metrics.jsonl, summary.jso
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,11 +23,12 @@ from hsdp.checkpoint import Checkpoints, check_resume
 from hsdp.config import Config, ConfigError, load_config, save_config
 from hsdp.data import Data
 from hsdp.engine import Batch, Engine, build_engine
-from hsdp.launch import WorkerError, launch
+from hsdp.launch import Interrupted, WorkerError, launch
 from hsdp.mesh import Mesh, build_mesh
 from hsdp.metrics import MetricsLogger, peak_memory_mb
 from hsdp.model import loss_fn
 from hsdp.optim import build_optimizer, lr_at, set_lr
+from hsdp.rundir import prepare_run_dir
 from hsdp.sync import steps_after_last_sync
 from kernels.backend import set_backend
 
@@ -151,11 +154,6 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = None) -> int:
     """The command line: config → run folder → launch `worker` (train_worker; tests pass a wrapper)."""
-    import signal  # here, not at the top of the file: this change is confined to main()
-
-    from hsdp.launch import Interrupted
-    from hsdp.rundir import prepare_run_dir
-
     args = parse_args(argv)
     cfg = None
     try:
