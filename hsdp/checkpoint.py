@@ -364,21 +364,24 @@ class Checkpoints:
             save_config(self.cfg, tmp / "config.yaml")
             _fsync_files([tmp / "meta.json", tmp / "config.yaml"])  # DCP fsyncs its own files
             publish(tmp, final)
-            self.prune(keep=final)
+            prune(self.cfg.run_dir, final, self.cfg.run.keep_checkpoints)
         self.saves += 1
         self.save_s += time.perf_counter() - t0
         return final
 
-    def prune(self, keep: Path) -> None:
-        """Delete complete checkpoints beyond run.keep_checkpoints and every other leftover (rank 0)."""
-        done = complete_checkpoints(self.cfg.run_dir)
-        for old in done[:-self.cfg.run.keep_checkpoints]:
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
-        for p in self.root.iterdir():  # crashed saves: temporary folders, renamed but never marked
-            if p != keep and (p.name.startswith(".tmp_step_") or (step_of(p) is not None
-                                                                   and not (p / COMPLETE).is_file())):
-                shutil.rmtree(p, ignore_errors=True)
+
+def prune(run_dir: Path, newest: Path, keep: int) -> None:
+    """After `newest` is complete: delete older complete checkpoints beyond the `keep` newest, later ones
+    (an abandoned continuation, after resuming from an earlier checkpoint) and crashed saves (rank 0)."""
+    done = complete_checkpoints(run_dir)
+    older = [p for p in done if step_of(p) <= step_of(newest)]
+    for old in older[:-keep] + [p for p in done if step_of(p) > step_of(newest)]:
+        if old != newest:
+            shutil.rmtree(old, ignore_errors=True)
+    for p in checkpoints_dir(run_dir).iterdir():  # crashed saves: temporary folders, renamed but never marked
+        if p != newest and (p.name.startswith(".tmp_step_") or (step_of(p) is not None
+                                                                 and not (p / COMPLETE).is_file())):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def publish(tmp: Path, final: Path) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsdp.checkpoint import check_resume, latest_checkpoint, read_meta
+from hsdp.checkpoint import check_resume, latest_checkpoint, prune, read_meta
 from hsdp.config import ConfigError, load_config
 from hsdp.export import main as export_main
 from hsdp.model import GPT
@@ -314,6 +314,19 @@ def test_auto_takes_the_latest_complete_checkpoint(out: Path, diloco_ref: RunRes
     assert check_resume(cfg) == run_dir / "checkpoints" / "step_19"
     assert check_resume(config_for(DILOCO + [f"run.out_dir={out}", "run.name=auto", "run.resume=never"])) is None
     assert check_resume(config_for(DILOCO + [f"run.resume={run_dir}"])) == run_dir / "checkpoints" / "step_19"
+
+
+def test_prune_keeps_the_newest_and_drops_leftovers(tmp_path: Path) -> None:
+    """After step 20 is complete (keep 2): 15 and 20 stay; 5, 10, crashed saves and an abandoned later
+    continuation (25: the run resumed from 15) go."""
+    root = tmp_path / "checkpoints"
+    for step in (5, 10, 15, 20, 25):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / ".complete").write_text("{}")
+    (root / "step_30").mkdir()  # renamed, never marked
+    (root / ".tmp_step_35").mkdir()
+    prune(tmp_path, root / "step_20", keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_15", "step_20"]
 
 
 # ---------------------------------------------------------------- export
