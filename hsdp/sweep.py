@@ -1,6 +1,6 @@
 """Run an ablation sweep and print its results as a markdown table.
 
-    python -m hsdp.sweep configs/ablations/sync.yaml [--set key=value ...] [--only run,run]
+    python -m hsdp.sweep configs/ablations/sync.yaml [--set key=value ...] [--only run,run] [--plot] [--no-run]
 
 A sweep file names a base config, overrides shared by every run, and one list
 of overrides per run:
@@ -20,6 +20,14 @@ its outputs land in `<out_dir>/<sweep>-<run>/` as usual. A relative `base:`
 is looked up beside the sweep file first, then in the checkout. The table is
 printed and written to `<out_dir>/<sweep>.md` (the first run's out_dir).
 
+`--plot` also writes, next to the table, `<sweep>-tokens.png`, `<sweep>-sync_bytes.png`
+and `<sweep>-wall.png`: each run's val loss (metrics.jsonl's evals) against tokens,
+against sync bytes sent per rank (log x) and against training wall-clock, the
+cumulative `step_time_s` (evals excluded; only runs that logged every step,
+`run.log_every=1`, get a wall-clock curve). matplotlib is the optional `plot` extra
+(`pip install -e ".[plot]"`) and is imported only then. `--no-run` runs nothing and
+makes the table (and plots) from the run folders already there.
+
 Bad input (missing, empty or malformed sweep file, unknown keys, a bad run
 config) exits 2 with one line before any run starts; SIGINT/SIGTERM stops the
 current run (and its workers) and exits 130/143.
@@ -32,7 +40,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from hsdp.config import ConfigError, load_config, read_yaml
 from hsdp.launch import Interrupted, StopSignals
@@ -136,13 +144,116 @@ def table(name: str, spec: dict, summaries: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- plots (--plot)
+
+PLOTS = ("tokens", "sync_bytes", "wall")
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl of a run folder (a torn last line is skipped); [] if there is none."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pass
+    return records
+
+
+def wall_clock(records: list[dict]) -> Optional[dict[int, float]]:
+    """step → cumulative step_time_s (training seconds, evals excluded), if every step from 0 was logged."""
+    if [r["step"] for r in records] != list(range(len(records))):
+        return None  # run.log_every > 1: the unlogged steps' times are not in metrics.jsonl
+    total, out = 0.0, {}
+    for r in records:
+        total += r["step_time_s"]
+        out[r["step"]] = total
+    return out
+
+
+def plot_runs(run_dirs: dict[str, Path], out_dir: Path, prefix: str, title: str = "",
+              target: Optional[float] = None) -> list[Path]:
+    """Val-loss curves of run folders → `<out_dir>/<prefix>-{tokens,sync_bytes,wall}.png`; the paths written.
+
+    From each run's metrics.jsonl, the val loss at its evals against: tokens; sync bytes sent per
+    rank so far (log x; evals before the first sync, at 0 bytes, have no point); training
+    wall-clock = cumulative `step_time_s`, which excludes evals and is complete only when every
+    step was logged (`run.log_every=1`): other runs get no wall-clock curve and are named on
+    stdout. `target` (a val loss) is drawn as a dashed line. matplotlib is imported here only.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {}
+    no_wall = []
+    for run, run_dir in run_dirs.items():
+        records = read_records(run_dir)
+        evals = [r for r in records if "val_loss" in r]
+        if not evals:
+            continue
+        wall = wall_clock(records)
+        if wall is None:
+            no_wall.append(run)
+        curves[run] = {
+            "tokens": [(r["tokens"], r["val_loss"]) for r in evals],
+            "sync_bytes": [(r["sync_bytes"], r["val_loss"]) for r in evals if r.get("sync_bytes", 0) > 0],
+            "wall": [(wall[r["step"]], r["val_loss"]) for r in evals] if wall else [],
+        }
+    if no_wall:
+        print(f"note: no wall-clock curve for {', '.join(no_wall)} (not every step in metrics.jsonl; "
+              "set run.log_every=1)")
+    labels = {"tokens": "tokens", "sync_bytes": "sync bytes sent per rank (log scale)",
+              "wall": "training time, s (Σ step_time_s, evals excluded)"}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind in PLOTS:
+        if not any(c[kind] for c in curves.values()):
+            continue
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        for run, c in curves.items():
+            if not c[kind]:
+                continue
+            xs, ys = zip(*c[kind])
+            (line,) = ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.4, label=run)
+            ax.plot(xs[-1], ys[-1], marker="o", markersize=7, color=line.get_color())  # where the run ended
+        if target is not None:
+            ax.axhline(target, color="0.4", linestyle="--", linewidth=1, label=f"target {target:.4f}")
+        if kind == "sync_bytes":
+            ax.set_xscale("log")
+        ax.set_xlabel(labels[kind])
+        ax.set_ylabel("val loss")
+        ax.set_title(title or prefix, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{prefix}-{kind}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run an ablation sweep")
     p.add_argument("sweep")
     p.add_argument("--set", action="append", default=[], help="extra override for every run")
     p.add_argument("--only", default="", help="comma-separated runs to (re)run; the others' existing "
                                               "summaries are reused in the table")
+    p.add_argument("--plot", action="store_true", help="also write PNGs of val loss vs tokens, sync bytes and "
+                                                       "wall-clock next to the table (needs matplotlib)")
+    p.add_argument("--no-run", action="store_true", help="run nothing: table (and plots) from existing run folders")
     args = p.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (fail before the runs, not after them)
+        except ImportError:
+            print("--plot: needs matplotlib (pip install -e '.[plot]')", file=sys.stderr)
+            return 2
     try:
         spec = load_sweep(args.sweep)
         name = Path(args.sweep).stem
@@ -152,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--only: unknown runs {sorted(only - set(spec['runs']))} "
                               f"(expected: {', '.join(spec['runs'])})")
         plans = {run: [*shared, *extra, f"run.name={name}-{run}"] for run, extra in spec["runs"].items()}
-        runs = [run for run in plans if not only or run in only]
+        runs = [] if args.no_run else [run for run in plans if not only or run in only]
         for run in runs:  # a sweep re-runs its runs: replace their previous outputs
             plans[run].append("run.overwrite=true")
         cfgs = {run: load_config(spec["base"], o) for run, o in plans.items()}  # validate all before running any
@@ -178,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(md + "\n")
     print(md)
+    if args.plot:
+        dirs = {run: cfgs[run].run_dir.resolve() for run in plans}
+        for path in plot_runs(dirs, out.parent, name, title=f"{name} ({Path(spec['base']).name})"):
+            print(f"wrote {path}")
     return 0 if all(summaries.values()) else 1
 
 

@@ -1,0 +1,196 @@
+"""hsdp.slowlink: namespaces + shaped veths, a probe through them, a 2-replica run, and --plot from run folders.
+
+Namespace tests need root and iproute2 (CI here has both) and are skipped otherwise. Every
+subprocess has a timeout, and every test removes what it (or the slowlink it started) created,
+also when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hsdp import slowlink
+
+REPO = Path(__file__).resolve().parents[1]
+needs_netns = pytest.mark.skipif(slowlink.missing_requirements() is not None,
+                                 reason=slowlink.missing_requirements() or "")
+# A small job: 2 replicas x 1 shard, synthetic data, a 2-layer GPT (a step is ~10 ms of compute).
+SMOKE = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.seq_len=64", "data.source=synthetic",
+         "data.batch_size=4", "mesh.sync=2", "mesh.shard=1", "run.steps=10", "run.log_every=1",
+         "run.eval_every=5", "run.eval_batches=1", "wandb.mode=disabled", "mesh.timeout_s=60"]
+
+
+@pytest.fixture
+def removes_leftovers():
+    """Yields a list; every prefix appended to it has its namespaces removed at the end, pass or fail."""
+    prefixes: list[str] = []
+    yield prefixes
+    for prefix in prefixes:
+        for ns in slowlink.list_namespaces():
+            if ns.startswith(prefix) and ns[len(prefix):][:1].isalpha():  # hsl<pid> must not match hsl<pid>7...
+                for pid in slowlink.namespace_pids(ns):
+                    try:
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
+                        pass
+                subprocess.run(["ip", "netns", "del", ns], timeout=30)
+
+
+def test_parse_rate():
+    assert slowlink.parse_rate("20mbit") == ("20mbit", 20_000_000)
+    assert slowlink.parse_rate("1gbit") == ("1gbit", 10**9)
+    assert slowlink.parse_rate("unshaped") == ("unshaped", None)
+    for bad in ("20", "fast", "-1mbit", "0mbit"):
+        with pytest.raises(slowlink.ConfigError):
+            slowlink.parse_rate(bad)
+
+
+def test_time_to_target_uses_cumulative_step_times():
+    records = [{"step": s, "step_time_s": 0.5, "tokens": (s + 1) * 10, "sync_bytes": s} for s in range(6)]
+    records[2]["val_loss"], records[5]["val_loss"] = 3.0, 2.0
+    assert slowlink.time_to_target(records, 6, 2.5) == {
+        "step_to_target": 5, "tokens_to_target": 60, "sync_bytes_to_target": 5, "time_to_target_s": 3.0}
+    assert slowlink.time_to_target(records, 6, 1.0)["step_to_target"] is None
+    assert slowlink.time_to_target(records[::2], 6, 2.5)["time_to_target_s"] is None  # not every step logged
+
+
+def test_exit_2_without_ip_or_tc(tmp_path):
+    """No `ip`/`tc` on PATH (or no root): one line on stderr, exit 2, nothing started."""
+    env = {**os.environ, "PATH": str(tmp_path)}  # an empty folder: neither ip nor tc
+    proc = subprocess.run([sys.executable, "-m", "hsdp.slowlink", "--rate", "20mbit", "--runs", "a="],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "iproute2" in proc.stderr
+    assert proc.stdout == ""
+
+
+@needs_netns
+def test_namespaces_shaping_probe_and_teardown(tmp_path, removes_leftovers):
+    """Build the network, see the qdisc, time an all_reduce through it (within 30% of bytes/rate), remove it all."""
+    link = slowlink.SlowLink(2, 40_000_000)
+    removes_leftovers.append(link.prefix)
+    try:
+        link.up()
+        assert set(link.namespaces) <= set(slowlink.list_namespaces())
+        assert "tbf" in link.qdiscs() and "40Mbit" in link.qdiscs()
+        probe = slowlink.run_probe(link, shard=1, seconds=0.4, reps=2, port=29391, log_dir=tmp_path, label="40mbit",
+                                   timeout_s=90)
+        assert probe["expected_s"] == pytest.approx(probe["ring_bytes"] * 8 / 40e6)
+        assert 0.7 <= probe["measured_over_expected"] <= 1.3, probe
+    finally:
+        left = link.down()
+    assert left == []
+    assert not [ns for ns in slowlink.list_namespaces() if ns.startswith(link.prefix)]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+    assert link.prefix not in links
+
+
+@needs_netns
+def test_smoke_run_through_shaped_link(tmp_path, removes_leftovers):
+    """2 replicas x 1 shard, 10 steps, through a 100 Mbit/s link: slowlink.json with the run, no namespace left."""
+    cmd = [sys.executable, "-m", "hsdp.slowlink", "--rate", "100mbit", "--no-probe", "--timeout-s", "120",
+           "--set", f"run.out_dir={tmp_path / 'runs'}", "--out", str(tmp_path / "out"), "--name", "smoke",
+           "--runs", "hsdp=", "periodic=sync.warmup_steps=0,sync.every=5"]
+    for o in SMOKE:
+        cmd[3:3] = ["--set", o]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    removes_leftovers.append(f"{slowlink.PREFIX}{proc.pid}")  # (a pid prefix: only its own names match)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # its handler removes the namespaces; the fixture makes sure
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:]
+    report = json.loads((tmp_path / "out" / "slowlink.json").read_text())
+    runs = {r["run"]: r for r in report["runs"]}
+    assert set(runs) == {"hsdp", "periodic"}
+    for r in runs.values():
+        assert r["rate"] == "100mbit" and r["steps"] == 10 and r["final_val_loss"] > 0
+        assert r["sync_bytes"] > 0 and r["mean_step_s"] > 0
+        # everything the sync group sent crossed the veths (plus headers, rendezvous and logging)
+        assert 1.0 <= r["link_over_sync"] < 1.5, r
+    assert runs["periodic"]["sync_bytes"] < runs["hsdp"]["sync_bytes"] / 4
+    assert runs["hsdp"]["time_to_target_s"] == pytest.approx(runs["hsdp"]["train_time_s"], rel=1e-6)
+    assert (tmp_path / "runs" / "smoke-hsdp-100mbit" / "summary.json").is_file()
+    assert "| hsdp | 100 Mbit/s | 10 |" in out
+    assert slowlink.names_of_pid(proc.pid) == []
+
+
+def _fake_run(run_dir: Path, steps: int, sync_per_step: int, loss0: float, log_every: int = 1) -> None:
+    """A run folder as train.py leaves it (config.yaml, metrics.jsonl, summary.json), without training."""
+    from hsdp.config import load_config, save_config
+
+    run_dir.mkdir(parents=True)
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [f"run.steps={steps}", f"run.log_every={log_every}",
+                                                            "run.eval_every=4", f"run.name={run_dir.name}"])
+    save_config(cfg, run_dir / "config.yaml")
+    records = []
+    for s in range(steps):
+        if s % log_every and (s + 1) % 4 and s != steps - 1:
+            continue
+        r = {"step": s, "loss": loss0 - 0.1 * s, "tokens": (s + 1) * 4096, "step_time_s": 0.25,
+             "sync_bytes": (s + 1) * sync_per_step}
+        if (s + 1) % 4 == 0 or s == steps - 1:
+            r["val_loss"] = loss0 - 0.1 * s
+        records.append(r)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "summary.json").write_text(json.dumps({
+        "final_val_loss": records[-1]["val_loss"], "sync_bytes": steps * sync_per_step, "steps": steps,
+        "tokens": steps * 4096, "median_step_time_s": 0.25, "train_time_s": 0.25 * steps, "wall_time_s": 3.0,
+        "shard_bytes": 0, "comm": {}}))
+
+
+def test_sweep_plot_from_existing_run_folders(tmp_path):
+    """`python -m hsdp.sweep SPEC --plot --no-run` draws the three PNGs from run folders already there."""
+    pytest.importorskip("matplotlib")
+    runs = tmp_path / "runs"
+    _fake_run(runs / "s-hsdp", 8, 1000, 5.0)
+    _fake_run(runs / "s-periodic", 16, 50, 5.2)
+    _fake_run(runs / "s-sparse", 16, 50, 5.3, log_every=4)  # no wall-clock curve: not every step logged
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"base: {REPO / 'configs' / 'tiny.yaml'}\nset: [run.out_dir={runs}]\n"
+                    "columns: [final_val_loss, sync_bytes]\nruns:\n  hsdp: []\n  periodic: []\n  sparse: []\n")
+    proc = subprocess.run([sys.executable, "-m", "hsdp.sweep", str(spec), "--plot", "--no-run"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    pngs = sorted(p.name for p in runs.glob("*.png"))
+    assert pngs == ["s-sync_bytes.png", "s-tokens.png", "s-wall.png"], (pngs, proc.stdout)
+    for name in pngs:
+        assert (runs / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "sparse" in proc.stdout  # named as left out of the wall-clock plot
+    assert "| hsdp |" in proc.stdout  # the table is still printed
+
+
+def test_slowlink_plots_from_results(tmp_path):
+    """The slowlink tool's plots: one set per rate, from its run folders."""
+    pytest.importorskip("matplotlib")
+    _fake_run(tmp_path / "sl-hsdp-20mbit", 8, 1000, 5.0)
+    _fake_run(tmp_path / "sl-periodic-20mbit", 16, 50, 5.2)
+    plan = slowlink.Plan(name="sl", base="", shared=[], rates=[("20mbit", 20_000_000)], default_rates=["20mbit"],
+                         delay_ms=0, target="hsdp", timeout_s=1, probe_s=1,
+                         runs={"hsdp": ([], None), "periodic": ([], None)}, out=tmp_path / "out",
+                         out_dir=tmp_path, mesh=(2, 2))
+    results = [{"run": run, "rate": "20mbit", "rate_bps": 20_000_000, "rate_mbit": 20.0,
+                "dir": str(tmp_path / f"sl-{run}-20mbit"), **slowlink.summarize(tmp_path / f"sl-{run}-20mbit")}
+               for run in ("hsdp", "periodic")]
+    slowlink.evaluate_results(plan, results)
+    # target 5.0 - 0.7 = 4.3 (hsdp, 8 steps); periodic: 5.2 - 0.1·s <= 4.3 from s = 9, first eval there at s = 11
+    assert results[1]["step_to_target"] == 11 and results[1]["time_to_target_s"] == pytest.approx(12 * 0.25)
+    written = slowlink.make_plots(plan, results)
+    assert sorted(p.name for p in written) == ["sl-20mbit-sync_bytes.png", "sl-20mbit-tokens.png",
+                                               "sl-20mbit-wall.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+@pytest.mark.skipif(shutil.which("ip") is None, reason="needs iproute2")
+def test_no_leftovers_from_this_module():
+    """Nothing named by this test process is left (the fixtures above clean up on failure too)."""
+    assert slowlink.names_of_pid(os.getpid()) == []
