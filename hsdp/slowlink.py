@@ -3,6 +3,7 @@
     python -m hsdp.slowlink --rate 20mbit[,100mbit,...] [--delay-ms 5] [--config C] [--set k=v ...]
                             --runs NAME=override,override ... [--out DIR] [--plot]
     python -m hsdp.slowlink configs/ablations/slowlink.yaml [--only run,run] [--rate ...] [--plot]
+    python -m hsdp.slowlink SPEC --no-run --plot   # tables and plots again from the outputs (no root needed)
     python -m hsdp.slowlink --cleanup        # remove namespaces left by a slowlink that was SIGKILLed
 
 Needs root and iproute2 (`ip`, `tc`); without them it exits 2 with one line.
@@ -51,7 +52,9 @@ config.yaml, metrics.jsonl, summary.json), node logs in `<out>/logs/`, and in
 step time, train and wall time, final val loss, sync and link bytes, rate, time
 to the target val loss; the probes; the crossover rates), `slowlink.md` (the
 tables, also printed) and with `--plot` the PNGs of hsdp.sweep's `--plot` for each
-rate (val loss vs tokens, vs sync bytes, vs wall-clock).
+rate (val loss vs tokens, vs sync bytes, vs wall-clock). slowlink.json/.md are rewritten
+after every run, so an interrupted sweep keeps what it measured; `--only run,run` re-runs
+those runs and keeps the other entries of the earlier slowlink.json.
 
 Target: the final val loss of the `--target` run (default: the first run) at each
 rate; a run's time to target is the cumulative step time (metrics.jsonl's
@@ -902,55 +905,87 @@ def make_plots(plan: Plan, results: list[dict]) -> list[Path]:
 
 # ------------------------------------------------------------------ main
 
-def execute(plan: Plan, only: set[str], stop: StopOnSignal, rdzv_timeout_s: int, probe_reps: int,
-            skip_probe: bool) -> tuple[list[dict], list[dict]]:
-    results: list[dict] = []
-    probes: list[dict] = []
+def previous_report(plan: Plan) -> tuple[dict[tuple[str, str], dict], dict[str, dict]]:
+    """Records and probes of an earlier slowlink.json in `plan.out` (reused for what is not re-run)."""
+    try:
+        report = json.loads((plan.out / "slowlink.json").read_text())
+    except (OSError, ValueError):
+        return {}, {}
+    runs = {(r["run"], r["rate"]): r for r in report.get("runs", []) if "run" in r and "rate" in r}
+    return runs, {p["rate"]: p for p in report.get("probes", []) if "rate" in p}
+
+
+def record(plan: Plan, run: str, label: str, bps: Optional[int], measured: Optional[dict] = None) -> dict:
+    """A run's entry: where and how it ran, what slowlink measured around it, and its summary.json."""
+    rec = {"run": run, "rate": label, "rate_bps": bps, "rate_mbit": rate_mbit(bps), "delay_ms": plan.delay_ms,
+           "dir": str(plan.out_dir / run_name(plan, run, label))}
+    for key in ("cmd_wall_s", "returncode", "link_bytes"):
+        if measured and key in measured:
+            rec[key] = measured[key]
+    summary = summarize(Path(rec["dir"])) if rec.get("returncode", 0) == 0 else None
+    if summary:
+        rec.update(summary)
+    return rec
+
+
+def write_report(plan: Plan, results: dict[tuple[str, str], dict], probes: dict[str, dict]) -> str:
+    """slowlink.json and slowlink.md from what is known so far (written after every run); returns the tables."""
+    ordered = [results[k] for k in plan_items(plan) if k in results]
+    probe_list = [probes[label] for label, _ in plan.rates if label in probes]
+    evaluate_results(plan, ordered)
+    cross = crossovers(plan, ordered)
+    md = tables(plan, ordered, probe_list, cross)
+    report = {"name": plan.name, "base": plan.base, "set": plan.shared, "mesh": list(plan.mesh),
+              "delay_ms": plan.delay_ms, "target_run": plan.target, "runs": ordered, "probes": probe_list,
+              "crossover": cross}
+    (plan.out / "slowlink.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (plan.out / "slowlink.md").write_text(md + "\n")
+    return md
+
+
+def execute(plan: Plan, todo: set[tuple[str, str]], stop: StopOnSignal, rdzv_timeout_s: int, probe_reps: int,
+            skip_probe: bool) -> tuple[dict[tuple[str, str], dict], dict[str, dict]]:
+    """Run the (run, rate) pairs in `todo`, one network per rate; the others come from earlier outputs."""
+    prev_runs, probes = previous_report(plan)
+    results = {(run, label): record(plan, run, label, dict(plan.rates)[label], prev_runs.get((run, label)))
+               for run, label in plan_items(plan) if (run, label) not in todo}
     logs = plan.out / "logs"
     port = BASE_PORT
     M, S = plan.mesh
     for label, bps in plan.rates:
-        todo = [run for run, lab in plan_items(plan) if lab == label and (not only or run in only)]
+        here = [run for run, lab in plan_items(plan) if lab == label and (run, lab) in todo]
+        if not here:
+            continue
         link = None
         try:
-            if todo or not skip_probe:
-                link = SlowLink(M, bps, plan.delay_ms)
-                link.up()  # after the assignment: a failure half-way is still torn down below
-                print(f"[slowlink] {label}: namespaces {', '.join(link.namespaces)}; {link.qdiscs() or 'no qdisc'}",
-                      flush=True)
-            if link is not None and not skip_probe:
+            link = SlowLink(M, bps, plan.delay_ms)
+            link.up()  # after the assignment: a failure half-way is still torn down below
+            print(f"[slowlink] {label}: namespaces {', '.join(link.namespaces)}; {link.qdiscs() or 'no qdisc'}",
+                  flush=True)
+            if not skip_probe:
                 port += 1
-                p = run_probe(link, S, plan.probe_s, probe_reps, port, logs, label)
-                probes.append(p)
+                p = probes[label] = run_probe(link, S, plan.probe_s, probe_reps, port, logs, label)
                 print(f"[slowlink] probe {label}: {p['tensor_bytes'] / 2**20:.1f} MiB all_reduce in "
                       f"{p['sync_s_median']:.3f} s (expected {_s(p.get('expected_s'))}), "
                       f"shard group {_s(p.get('shard_s_median'))}", flush=True)
-            for run, lab in plan_items(plan):
-                if lab != label:
-                    continue
-                rec = {"run": run, "rate": label, "rate_bps": bps, "rate_mbit": rate_mbit(bps),
-                       "delay_ms": plan.delay_ms, "dir": str(plan.out_dir / run_name(plan, run, label))}
-                if run in todo:
-                    port += 1
-                    args = [str(REPO / "train.py"), "--config", plan.base]
-                    for o in overrides(plan, run, label):
-                        args += ["--set", o]
-                    print(f"[slowlink] {run} @ {label}: {' '.join(args[3:])}", flush=True)
-                    before = link.tx_bytes()
-                    t0 = time.perf_counter()
-                    job = Job(link, S, args, port, logs, f"{run}-{label}", rdzv_timeout_s).start()
-                    rc = job.wait(plan.timeout_s)
-                    rec["cmd_wall_s"] = time.perf_counter() - t0
-                    rec["returncode"] = rc
-                    rec["link_bytes"] = sum(link.tx_bytes()) - sum(before)
-                    if rc != 0:
-                        why = "timed out" if rc == 124 else f"exit {rc}"
-                        print(f"[slowlink] {run} @ {label} {why}; logs:\n{job.log_tail()}", file=sys.stderr,
-                              flush=True)
-                summary = summarize(Path(rec["dir"])) if rec.get("returncode", 0) == 0 else None
-                if summary:
-                    rec.update(summary)
-                results.append(rec)
+            for run in here:
+                port += 1
+                args = [str(REPO / "train.py"), "--config", plan.base]
+                for o in overrides(plan, run, label):
+                    args += ["--set", o]
+                print(f"[slowlink] {run} @ {label}: {' '.join(args[3:])}", flush=True)
+                before = link.tx_bytes()
+                t0 = time.perf_counter()
+                job = Job(link, S, args, port, logs, f"{run}-{label}", rdzv_timeout_s).start()
+                rc = job.wait(plan.timeout_s)
+                measured = {"cmd_wall_s": time.perf_counter() - t0, "returncode": rc,
+                            "link_bytes": sum(link.tx_bytes()) - sum(before)}
+                if rc != 0:
+                    why = "timed out" if rc == 124 else f"exit {rc}"
+                    print(f"[slowlink] {run} @ {label} {why}; logs:\n{job.log_tail()}", file=sys.stderr,
+                          flush=True)
+                results[(run, label)] = record(plan, run, label, bps, measured)
+                write_report(plan, results, probes)  # an interrupted sweep keeps what it measured
         finally:
             if link is not None:
                 with stop.shielded():
@@ -979,6 +1014,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--probe-reps", type=int, default=3)
     p.add_argument("--no-probe", action="store_true")
     p.add_argument("--plot", action="store_true", help="also write PNGs (needs matplotlib: pip install -e .[plot])")
+    p.add_argument("--no-run", action="store_true",
+                   help="run nothing (no root needed): tables and plots from the run folders and slowlink.json")
     p.add_argument("--cleanup", action="store_true", help="remove namespaces left by slowlink processes that died")
     return p.parse_args(argv)
 
@@ -990,7 +1027,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     args = parse_args(argv)
     why = missing_requirements()
-    if why:
+    if why and not args.no_run:
         print(why, file=sys.stderr)
         return 2
     if args.cleanup:
@@ -1010,29 +1047,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError:
         print("slowlink: --plot needs matplotlib (pip install -e '.[plot]')", file=sys.stderr)
         return 2
+    todo = set() if args.no_run else {(run, label) for run, label in plan_items(plan) if not only or run in only}
     plan.out.mkdir(parents=True, exist_ok=True)
     with StopOnSignal() as stop:
         try:
-            results, probes = execute(plan, only, stop, args.rdzv_timeout_s, args.probe_reps, args.no_probe)
+            results, probes = execute(plan, todo, stop, args.rdzv_timeout_s, args.probe_reps, args.no_probe)
         except Interrupted as e:
-            print(f"interrupted by {e}: stopped the runs and removed the namespaces", file=sys.stderr)
+            print(f"interrupted by {e}: stopped the runs and removed the namespaces (results so far in "
+                  f"{plan.out / 'slowlink.json'})", file=sys.stderr)
             return e.exit_code
         except SlowLinkError as e:
             print(f"slowlink: {e}", file=sys.stderr)
             return 2 if isinstance(e, MissingRequirement) else 1
-    evaluate_results(plan, results)
-    cross = crossovers(plan, results)
-    md = tables(plan, results, probes, cross)
-    report = {"name": plan.name, "base": plan.base, "set": plan.shared, "mesh": list(plan.mesh),
-              "delay_ms": plan.delay_ms, "target_run": plan.target, "runs": results, "probes": probes,
-              "crossover": cross}
-    (plan.out / "slowlink.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (plan.out / "slowlink.md").write_text(md + "\n")
-    print(md)
+    print(write_report(plan, results, probes))
     if args.plot:
-        for path in make_plots(plan, results):
+        ordered = [results[k] for k in plan_items(plan) if k in results]
+        for path in make_plots(plan, ordered):
             print(f"wrote {path}")
-    return 0 if all(r.get("final_val_loss") is not None for r in results) else 1
+    return 0 if all(r.get("final_val_loss") is not None for r in results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -190,6 +190,28 @@ def test_slowlink_plots_from_results(tmp_path):
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
 
 
+def test_slowlink_no_run_tables_and_plots_from_outputs(tmp_path):
+    """`--no-run --plot` (no root needed): slowlink.json/.md and the PNGs from run folders already there."""
+    pytest.importorskip("matplotlib")
+    runs = tmp_path / "runs"
+    _fake_run(runs / "sl-hsdp-20mbit", 8, 1000, 5.0)
+    _fake_run(runs / "sl-periodic-20mbit", 16, 50, 5.2)
+    spec = tmp_path / "sl.yaml"
+    spec.write_text(f"base: {REPO / 'configs' / 'tiny.yaml'}\nset: [run.out_dir={runs}]\nrates: [20mbit]\n"
+                    "runs:\n  hsdp: []\n  periodic: [sync.warmup_steps=0, sync.every=4]\n")
+    env = {**os.environ, "PATH": str(tmp_path)}  # no ip/tc: --no-run does not need them
+    proc = subprocess.run([sys.executable, "-m", "hsdp.slowlink", str(spec), "--no-run", "--plot"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((runs / "sl" / "slowlink.json").read_text())
+    periodic = report["runs"][1]
+    assert periodic["run"] == "periodic" and periodic["step_to_target"] == 11
+    assert periodic["sync_bytes_to_target"] == 12 * 50
+    assert sorted(p.name for p in (runs / "sl").glob("*.png")) == [
+        "sl-20mbit-sync_bytes.png", "sl-20mbit-tokens.png", "sl-20mbit-wall.png"]
+    assert "| periodic | 20 Mbit/s | 16 |" in proc.stdout
+
+
 @pytest.mark.skipif(shutil.which("ip") is None, reason="needs iproute2")
 def test_no_leftovers_from_this_module():
     """Nothing named by this test process is left (the fixtures above clean up on failure too)."""
