@@ -146,10 +146,14 @@ class Engine(ABC):
 
     def finish(self) -> None:
         """End of training: land whatever the policy still has in flight."""
-        getattr(self.policy, "finish", lambda: None)()  # TEMP until SyncPolicy.finish lands
+        self.policy.finish()
 
     def stats(self) -> dict[str, Any]:
         """Engine-specific figures for summary.json (e.g. compile time)."""
+        return {}
+
+    def artifacts(self) -> dict[str, str]:
+        """Extra files for the run folder, name → text (e.g. the compiled schedule.txt)."""
         return {}
 
 
