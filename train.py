@@ -28,7 +28,7 @@ from hsdp.mesh import Mesh, build_mesh
 from hsdp.metrics import MetricsLogger, peak_memory_mb
 from hsdp.model import loss_fn
 from hsdp.optim import build_optimizer, lr_at, set_lr
-from hsdp.rundir import prepare_run_dir
+from hsdp.rundir import owns_run_dir, prepare_run_dir
 from hsdp.sync import steps_after_last_sync
 from kernels.backend import set_backend
 
@@ -160,7 +160,8 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
         cfg = load_config(args.config, args.set)
         prepare_run_dir(cfg)  # refuses to clobber a previous run unless run.overwrite=true
         check_resume(cfg)  # the checkpoint run.resume names is complete and fits this config
-        save_config(cfg, cfg.run_dir / "config.yaml")
+        if owns_run_dir():  # under torchrun, rank 0 only: another rank's copy would look like an old run
+            save_config(cfg, cfg.run_dir / "config.yaml")
         warn_unsynced_end(cfg)
         launch(cfg, worker or train_worker)
     except ConfigError as e:

@@ -63,7 +63,7 @@ def prepare_run_dir(cfg: Config) -> None:
     model.replica{m}.pt need.
     """
     run_dir = cfg.run_dir
-    if os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:
+    if not owns_run_dir():
         _mkdir(run_dir)
         return
     found = previous_outputs(run_dir)
@@ -77,6 +77,12 @@ def prepare_run_dir(cfg: Config) -> None:
         raise ConfigError(f"run.name: {run_dir} already holds a run ({', '.join(found)}); set run.overwrite=true "
                           "to replace it or choose another run.name")
     _mkdir(run_dir)
+
+
+def owns_run_dir() -> bool:
+    """Whether this process checks and writes the run folder's own files (config.yaml): the launcher,
+    or global rank 0 under torchrun, where every rank runs train.py's main()."""
+    return os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ
 
 
 def _mkdir(run_dir: Path) -> None:
