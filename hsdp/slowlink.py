@@ -1053,8 +1053,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             results, probes = execute(plan, todo, stop, args.rdzv_timeout_s, args.probe_reps, args.no_probe)
         except Interrupted as e:
-            print(f"interrupted by {e}: stopped the runs and removed the namespaces (results so far in "
-                  f"{plan.out / 'slowlink.json'})", file=sys.stderr)
+            report = plan.out / "slowlink.json"
+            kept = f" (results so far in {report})" if report.is_file() else ""
+            print(f"interrupted by {e}: stopped the runs and removed the namespaces{kept}", file=sys.stderr)
             return e.exit_code
         except SlowLinkError as e:
             print(f"slowlink: {e}", file=sys.stderr)
