@@ -491,7 +491,7 @@ def check_mesh_fits(cfg: Config) -> None:
 
 
 def outer_hyperparams(s: SyncConfig) -> tuple[float, float]:
-    """(outer lr η, outer momentum μ) with the method's defaults (DESIGN §2)."""
+    """(outer lr η, outer momentum μ) with the method's defaults (docs/design.md §2.4)."""
     if s.method == "average":
         return (1.0 if s.outer_lr is None else s.outer_lr, 0.0 if s.outer_momentum is None else s.outer_momentum)
     return (0.7 if s.outer_lr is None else s.outer_lr, 0.9 if s.outer_momentum is None else s.outer_momentum)
