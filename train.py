@@ -43,8 +43,9 @@ def train_worker(cfg: Config) -> None:
     optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
     checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start)
     run = checkpoints.resume()  # the checkpoint run.resume names (state, RNG, counters restored), or a fresh start
-    logger = MetricsLogger(cfg, cfg.run_dir, enabled=mesh.rank == 0,
-                           continue_after=run.start_step - 1 if run.resumed_from else None)
+    logger = MetricsLogger(
+        cfg, cfg.run_dir, enabled=mesh.rank == 0, continue_after=run.start_step - 1 if run.resumed_from else None
+    )
     tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
 
     for step in range(run.start_step, cfg.run.steps):  # batches and LR are functions of the step
@@ -66,14 +67,22 @@ def train_worker(cfg: Config) -> None:
 
         eval_now = last or (cfg.run.eval_every > 0 and (step + 1) % cfg.run.eval_every == 0)
         if eval_now or step % cfg.run.log_every == 0:
-            record = {"step": step, "loss": world_mean(mesh, step_loss), "lr": lr,
-                      "tokens": (step + 1) * tokens_per_step, "step_time_s": run.step_times[-1],
-                      "shard_bytes": mesh.comm.group_bytes("shard"), "sync_bytes": mesh.comm.group_bytes("sync"),
-                      "peak_mem_mb": peak_memory_mb(mesh.device), "synced": synced,
-                      "elapsed_s": run.prior_wall_s + time.perf_counter() - t_start}  # wall-clock, for time-to-loss
+            record = {
+                "step": step,
+                "loss": world_mean(mesh, step_loss),
+                "lr": lr,
+                "tokens": (step + 1) * tokens_per_step,
+                "step_time_s": run.step_times[-1],
+                "shard_bytes": mesh.comm.group_bytes("shard"),
+                "sync_bytes": mesh.comm.group_bytes("sync"),
+                "peak_mem_mb": peak_memory_mb(mesh.device),
+                "synced": synced,
+                "elapsed_s": run.prior_wall_s + time.perf_counter() - t_start,
+            }  # wall-clock, for time-to-loss
             if eval_now:
-                record["val_loss"] = run.val_loss = world_mean(mesh, evaluate(engine, data, cfg.run.eval_batches,
-                                                                              mesh.device))
+                record["val_loss"] = run.val_loss = world_mean(
+                    mesh, evaluate(engine, data, cfg.run.eval_batches, mesh.device)
+                )
             run.loss = record["loss"]
             logger.log(record)
             logger.progress(step, run.loss, tokens_per_step / run.step_times[-1])
@@ -82,15 +91,26 @@ def train_worker(cfg: Config) -> None:
     peak = torch.tensor([peak_memory_mb(mesh.device)], device=mesh.device)  # nccl needs it on the GPU
     mesh.comm.all_reduce(peak, "world", op=dist.ReduceOp.MAX)
     train_time = sum(run.step_times)
-    logger.summary({
-        "final_loss": run.loss, "final_val_loss": run.val_loss, "steps": cfg.run.steps,
-        "tokens": cfg.run.steps * tokens_per_step, "tokens_per_s": cfg.run.steps * tokens_per_step / train_time,
-        "median_step_time_s": statistics.median(run.step_times), "train_time_s": train_time,
-        "wall_time_s": run.prior_wall_s + time.perf_counter() - t_start, "peak_mem_mb": float(peak),
-        "shard_bytes": mesh.comm.group_bytes("shard"), "sync_bytes": mesh.comm.group_bytes("sync"),
-        "comm": mesh.comm.report(), "engine": cfg.mesh.engine, "world": mesh.world, **engine.stats(),
-        **checkpoints.stats(),
-    })
+    logger.summary(
+        {
+            "final_loss": run.loss,
+            "final_val_loss": run.val_loss,
+            "steps": cfg.run.steps,
+            "tokens": cfg.run.steps * tokens_per_step,
+            "tokens_per_s": cfg.run.steps * tokens_per_step / train_time,
+            "median_step_time_s": statistics.median(run.step_times),
+            "train_time_s": train_time,
+            "wall_time_s": run.prior_wall_s + time.perf_counter() - t_start,
+            "peak_mem_mb": float(peak),
+            "shard_bytes": mesh.comm.group_bytes("shard"),
+            "sync_bytes": mesh.comm.group_bytes("sync"),
+            "comm": mesh.comm.report(),
+            "engine": cfg.mesh.engine,
+            "world": mesh.world,
+            **engine.stats(),
+            **checkpoints.stats(),
+        }
+    )
     logger.close()
     for name, text in engine.artifacts().items():
         if mesh.rank == 0:
@@ -140,15 +160,19 @@ def warn_unsynced_end(cfg: Config) -> None:
     if tail:
         of = " of a fragment" if cfg.sync.fragments > 1 else ""
         hint = "" if of else " (run.steps = warmup_steps + a multiple of sync.every ends on a sync)"
-        print(f"note: the last {tail} steps come after the last param sync{of}, so the final val loss is the "
-              f"mean of the replicas' local models, not θ_g{hint}", file=sys.stderr)
+        print(
+            f"note: the last {tail} steps come after the last param sync{of}, so the final val loss is the "
+            f"mean of the replicas' local models, not θ_g{hint}",
+            file=sys.stderr,
+        )
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", help="YAML config (default: built-in defaults)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (repeatable)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config value (repeatable)"
+    )
     return p.parse_args(argv)
 
 

@@ -42,8 +42,9 @@ class _CountedAllGather(AllGather or object):
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False):
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ):
         return self.comm.all_gather(output_tensor, input_tensor, self.comm.label(group), async_op=async_op)
 
 
@@ -56,10 +57,15 @@ class _CountedReduceScatter(ReduceScatter or object):
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False):
-        return self.comm.reduce_scatter(output_tensor, input_tensor, self.comm.label(group), op=op,
-                                        async_op=async_op)
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        async_op: bool = False,
+    ):
+        return self.comm.reduce_scatter(output_tensor, input_tensor, self.comm.label(group), op=op, async_op=async_op)
 
 
 @contextlib.contextmanager
@@ -160,8 +166,9 @@ class DDPEngine(_TorchCheckpoint, Engine):
     """DistributedDataParallel over all ranks; its all-reduces are counted through Comm."""
 
     def __init__(self, model: nn.Module, mesh: Mesh) -> None:
-        self.module = DistributedDataParallel(model, device_ids=[mesh.device.index] if mesh.device.type == "cuda"
-                                              else None)
+        self.module = DistributedDataParallel(
+            model, device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None
+        )
         self.mesh = mesh
         self.module.register_comm_hook(mesh.comm, _counted_allreduce_hook)
         self.policy = NoSync()
@@ -188,8 +195,9 @@ class DDPEngine(_TorchCheckpoint, Engine):
             p.grad = None
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(),
-                                                    max_norm if max_norm > 0 else float("inf")))
+        return float(
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm if max_norm > 0 else float("inf"))
+        )
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

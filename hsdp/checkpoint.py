@@ -64,8 +64,9 @@ def shard_dtensor(local: torch.Tensor, full_shape: torch.Size, shard_mesh: Any) 
     checkpoint saved on S ranks loads onto any other number of shard ranks.
     """
     stride = torch.empty(full_shape, device="meta").stride()
-    return DTensor.from_local(local, shard_mesh, [Shard(0)], run_check=False, shape=torch.Size(full_shape),
-                              stride=stride)
+    return DTensor.from_local(
+        local, shard_mesh, [Shard(0)], run_check=False, shape=torch.Size(full_shape), stride=stride
+    )
 
 
 @torch.no_grad()
@@ -201,8 +202,10 @@ def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
         new = getattr(cfg.model, key)
         if old != new:
             raise ConfigError(f"model.{key}: checkpoint {path} has {old!r}, config has {new!r}")
-    for key, old, new in [("mesh.engine", meta["engine"], cfg.mesh.engine), ("optim.name", saved.optim.name,
-                                                                                 cfg.optim.name)]:
+    for key, old, new in [
+        ("mesh.engine", meta["engine"], cfg.mesh.engine),
+        ("optim.name", saved.optim.name, cfg.optim.name),
+    ]:
         if old != new:
             raise ConfigError(f"{key}: checkpoint {path} was saved with {old!r}, config has {new!r}")
     if meta["engine"] == "hsdp":
@@ -211,14 +214,18 @@ def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
     with torch.device("meta"):
         model = GPT(cfg.model)
     expected = {model_key(meta["engine"], n): tuple(p.shape) or (1,) for n, p in model.named_parameters()}
-    present = {k: tuple(md.size) for k, md in metadata.state_dict_metadata.items()
-               if isinstance(md, TensorStorageMetadata) and k.startswith(model_key(meta["engine"], ""))}
+    present = {
+        k: tuple(md.size)
+        for k, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata) and k.startswith(model_key(meta["engine"], ""))
+    }
     for key, shape in expected.items():
         if key not in present:
             raise ConfigError(f"model: checkpoint {path} has no tensor {key}")
         if present[key] != shape:
-            raise ConfigError(f"model: checkpoint {path} has {key} of shape {present[key]}, the config's model "
-                              f"has {shape}")
+            raise ConfigError(
+                f"model: checkpoint {path} has {key} of shape {present[key]}, the config's model has {shape}"
+            )
     extra = sorted(set(present) - set(expected))
     if extra:
         raise ConfigError(f"model: checkpoint {path} has tensor {extra[0]}, which the config's model lacks")
@@ -229,20 +236,27 @@ def _check_hsdp_compatible(path: Path, meta: dict[str, Any], saved: Config, cfg:
     """The mesh and sync-policy rules of an hsdp checkpoint (any mesh.shard loads; mesh.sync needs care)."""
     m_old, m_new = meta["mesh"]["sync"], cfg.mesh.sync
     if m_old != m_new and not meta["replicas_identical"]:
-        raise ConfigError(f"mesh.sync: checkpoint {path} holds {m_old} replicas that differ at step {meta['step']} "
-                          f"(between param syncs), config has {m_new}; resume with mesh.sync={m_old}")
+        raise ConfigError(
+            f"mesh.sync: checkpoint {path} holds {m_old} replicas that differ at step {meta['step']} "
+            f"(between param syncs), config has {m_new}; resume with mesh.sync={m_old}"
+        )
     sync = meta["engine_meta"]["sync"]
     if sync["fragments"] != cfg.sync.fragments:
-        raise ConfigError(f"sync.fragments: checkpoint {path} was saved with {sync['fragments']}, "
-                          f"config has {cfg.sync.fragments}")
+        raise ConfigError(
+            f"sync.fragments: checkpoint {path} was saved with {sync['fragments']}, config has {cfg.sync.fragments}"
+        )
     if sync["in_flight"] and cfg.sync.delay == 0:
-        raise ConfigError(f"sync.delay: checkpoint {path} has a param sync in flight (saved with sync.delay="
-                          f"{saved.sync.delay}), config has 0")
+        raise ConfigError(
+            f"sync.delay: checkpoint {path} has a param sync in flight (saved with sync.delay="
+            f"{saved.sync.delay}), config has 0"
+        )
     needs_global = cfg.sync.method == "diloco" or cfg.sync.quantize == "int8" or cfg.sync.delay > 0
     w = cfg.sync.warmup_steps
     if needs_global and w is not None and meta["step"] >= w - 1 and not sync["has_global"]:
-        raise ConfigError(f"sync.method: checkpoint {path} (step {meta['step']}, past the warmup) has no global "
-                          f"copy θ_g, which this config's sync needs")
+        raise ConfigError(
+            f"sync.method: checkpoint {path} (step {meta['step']}, past the warmup) has no global "
+            f"copy θ_g, which this config's sync needs"
+        )
 
 
 # ---------------------------------------------------------------- the loop's side
@@ -261,8 +275,9 @@ class Progress:
 class Checkpoints:
     """Saves this rank's state every `run.checkpoint_every` steps and restores it at start."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, engine: Engine, optimizer: torch.optim.Optimizer,
-                 t_start: float) -> None:
+    def __init__(
+        self, cfg: Config, mesh: Mesh, engine: Engine, optimizer: torch.optim.Optimizer, t_start: float
+    ) -> None:
         self.cfg, self.mesh, self.engine, self.optimizer = cfg, mesh, engine, optimizer
         self.root = checkpoints_dir(cfg.run_dir)
         self.t_start = t_start
@@ -291,16 +306,23 @@ class Checkpoints:
             dcp.load(targets, storage_reader=FileSystemReader(str(path)))
             extras.update(pickle.loads(targets.pop(extra_key)))
 
-        saved = SavedCheckpoint(keys=keys, replica=self.mesh.sync_rank if same_replicas else 0,
-                                meta=meta["engine_meta"], load=load)
+        saved = SavedCheckpoint(
+            keys=keys, replica=self.mesh.sync_rank if same_replicas else 0, meta=meta["engine_meta"], load=load
+        )
         t0 = time.perf_counter()
         self.engine.load_checkpoint(self.optimizer, saved)
         self._restore_extras(extras)
         self.last_load_s = round(time.perf_counter() - t0, 4)
         self.resumed_from = path
         p = extras["progress"]
-        return Progress(start_step=meta["step"] + 1, step_times=p["step_times"], loss=p["loss"],
-                        val_loss=p["val_loss"], prior_wall_s=p["wall_s"], resumed_from=path)
+        return Progress(
+            start_step=meta["step"] + 1,
+            step_times=p["step_times"],
+            loss=p["loss"],
+            val_loss=p["val_loss"],
+            prior_wall_s=p["wall_s"],
+            resumed_from=path,
+        )
 
     def _restore_extras(self, extras: dict[str, Any]) -> None:
         rng = extras["rng"]
@@ -317,21 +339,33 @@ class Checkpoints:
     def _extras(self, progress: Progress) -> bytes:
         comm = self.mesh.comm
         cuda = torch.cuda.get_rng_state(self.mesh.device) if self.mesh.device.type == "cuda" else None
-        return pickle.dumps({
-            "rng": {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(),
-                    "numpy": np.random.get_state()},
-            "comm": {c: dict(getattr(comm, c)) for c in ("bytes", "seconds", "calls")},
-            "progress": {"step_times": list(progress.step_times), "loss": progress.loss,
-                         "val_loss": progress.val_loss,
-                         "wall_s": progress.prior_wall_s + time.perf_counter() - self.t_start},
-        })
+        return pickle.dumps(
+            {
+                "rng": {
+                    "torch": torch.get_rng_state(),
+                    "cuda": cuda,
+                    "python": random.getstate(),
+                    "numpy": np.random.get_state(),
+                },
+                "comm": {c: dict(getattr(comm, c)) for c in ("bytes", "seconds", "calls")},
+                "progress": {
+                    "step_times": list(progress.step_times),
+                    "loss": progress.loss,
+                    "val_loss": progress.val_loss,
+                    "wall_s": progress.prior_wall_s + time.perf_counter() - self.t_start,
+                },
+            }
+        )
 
     # ------------------------------------------------------------ save
     def stats(self) -> dict[str, Any]:
         """For summary.json: where this run resumed from and this rank's time in checkpoint I/O."""
-        return {"resumed_from": str(self.resumed_from) if self.resumed_from else None,
-                "checkpoint_load_s": self.last_load_s, "checkpoints_saved": self.saves,
-                "checkpoint_save_s": round(self.save_s, 4)}
+        return {
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "checkpoint_load_s": self.last_load_s,
+            "checkpoints_saved": self.saves,
+            "checkpoint_save_s": round(self.save_s, 4),
+        }
 
     def due(self, step: int) -> bool:
         every = self.cfg.run.checkpoint_every
@@ -353,10 +387,15 @@ class Checkpoints:
         dist.barrier()
         state = self.engine.checkpoint_state(self.optimizer)
         state[f"rank{self.mesh.rank}.extra"] = self._extras(progress)
-        meta = {"format": FORMAT, "step": step, "engine": self.cfg.mesh.engine,
-                "mesh": {"sync": self.mesh.sync_size, "shard": self.mesh.shard_size},
-                "replicas_identical": self.engine.replicas_identical(step),
-                "engine_meta": self.engine.checkpoint_meta(), "saved_at": time.time()}
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "engine": self.cfg.mesh.engine,
+            "mesh": {"sync": self.mesh.sync_size, "shard": self.mesh.shard_size},
+            "replicas_identical": self.engine.replicas_identical(step),
+            "engine_meta": self.engine.checkpoint_meta(),
+            "saved_at": time.time(),
+        }
         dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
         dist.barrier()  # every rank's files are written (DCP's metadata only on rank 0's side)
         if rank0:
@@ -379,8 +418,9 @@ def prune(run_dir: Path, newest: Path, keep: int) -> None:
         if old != newest:
             shutil.rmtree(old, ignore_errors=True)
     for p in checkpoints_dir(run_dir).iterdir():  # crashed saves: temporary folders, renamed but never marked
-        if p != newest and (p.name.startswith(".tmp_step_") or (step_of(p) is not None
-                                                                 and not (p / COMPLETE).is_file())):
+        if p != newest and (
+            p.name.startswith(".tmp_step_") or (step_of(p) is not None and not (p / COMPLETE).is_file())
+        ):
             shutil.rmtree(p, ignore_errors=True)
 
 

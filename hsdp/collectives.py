@@ -83,8 +83,9 @@ def reduce_plan(shard_size: int, sync_size: int, sync_grads: bool, reduce_dtype:
     return ReducePlan(reduce_dtype, sync_grads, pre, post)
 
 
-def pack_grads_for_reduce(grads: list[Optional[torch.Tensor]], layout: UnitLayout, plan: ReducePlan,
-                          rs_in: Optional[torch.Tensor]) -> torch.Tensor:
+def pack_grads_for_reduce(
+    grads: list[Optional[torch.Tensor]], layout: UnitLayout, plan: ReducePlan, rs_in: Optional[torch.Tensor]
+) -> torch.Tensor:
     """Add this micro-step's full grads (pre-divided, in reduce_dtype) into the [S, N] reduce-scatter input."""
     first = rs_in is None
     if first:

@@ -103,29 +103,49 @@ class Comm:
         if n == 1:
             out.copy_(inp)
             return _TimedWork(None, self, (group, "all_gather"))
-        return self._run(group, "all_gather", ring_bytes("all_gather", n, inp),
-                         lambda a: _all_gather_single(out, inp, group=self.groups[group], async_op=a),
-                         async_op)
+        return self._run(
+            group,
+            "all_gather",
+            ring_bytes("all_gather", n, inp),
+            lambda a: _all_gather_single(out, inp, group=self.groups[group], async_op=a),
+            async_op,
+        )
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str,
-                       op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False) -> _TimedWork:
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        group: str,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> _TimedWork:
         """out = this rank's chunk of the reduction (SUM by default) over the group of inp."""
         n = self.sizes[group]
         if n == 1:
             out.copy_(inp)
             return _TimedWork(None, self, (group, "reduce_scatter"))
-        return self._run(group, "reduce_scatter", ring_bytes("reduce_scatter", n, out),
-                         lambda a: _reduce_scatter_single(out, inp, op=op, group=self.groups[group], async_op=a),
-                         async_op)
+        return self._run(
+            group,
+            "reduce_scatter",
+            ring_bytes("reduce_scatter", n, out),
+            lambda a: _reduce_scatter_single(out, inp, op=op, group=self.groups[group], async_op=a),
+            async_op,
+        )
 
-    def all_reduce(self, t: torch.Tensor, group: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                   async_op: bool = False) -> _TimedWork:
+    def all_reduce(
+        self, t: torch.Tensor, group: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
+    ) -> _TimedWork:
         """In-place all-reduce of t over the group (SUM by default)."""
         n = self.sizes[group]
         if n == 1:
             return _TimedWork(None, self, (group, "all_reduce"))
-        return self._run(group, "all_reduce", ring_bytes("all_reduce", n, t),
-                         lambda a: _all_reduce(t, op=op, group=self.groups[group], async_op=a), async_op)
+        return self._run(
+            group,
+            "all_reduce",
+            ring_bytes("all_reduce", n, t),
+            lambda a: _all_reduce(t, op=op, group=self.groups[group], async_op=a),
+            async_op,
+        )
 
     def group_bytes(self, group: str) -> int:
         """Total bytes this rank has sent on `group`, all ops."""
@@ -133,5 +153,11 @@ class Comm:
 
     def report(self) -> dict[str, dict[str, float]]:
         """{"group/op": {"bytes", "seconds", "calls"}} for summary.json."""
-        return {f"{g}/{op}": {"bytes": self.bytes[(g, op)], "seconds": round(self.seconds[(g, op)], 4),
-                              "calls": self.calls[(g, op)]} for (g, op) in sorted(self.bytes)}
+        return {
+            f"{g}/{op}": {
+                "bytes": self.bytes[(g, op)],
+                "seconds": round(self.seconds[(g, op)], 4),
+                "calls": self.calls[(g, op)],
+            }
+            for (g, op) in sorted(self.bytes)
+        }

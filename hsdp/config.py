@@ -163,14 +163,36 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 # Range rules by key: integers >= 1, values >= 0 (null allowed where the field is optional), values > 0.
 AT_LEAST_ONE = [
-    "run.steps", "run.log_every", "run.eval_batches", "model.vocab_size", "model.seq_len",
-    "model.n_layer", "model.n_head", "model.d_model", "data.batch_size", "mesh.sync",
-    "mesh.shard", "optim.grad_accum", "sync.every", "sync.fragments", "sync.quant_block", "run.keep_checkpoints",
+    "run.steps",
+    "run.log_every",
+    "run.eval_batches",
+    "model.vocab_size",
+    "model.seq_len",
+    "model.n_layer",
+    "model.n_head",
+    "model.d_model",
+    "data.batch_size",
+    "mesh.sync",
+    "mesh.shard",
+    "optim.grad_accum",
+    "sync.every",
+    "sync.fragments",
+    "sync.quant_block",
+    "run.keep_checkpoints",
 ]
 NON_NEGATIVE = [
-    "run.eval_every", "optim.lr_warmup", "optim.weight_decay", "optim.momentum",
-    "optim.grad_clip", "optim.min_lr", "sync.warmup_steps", "sync.outer_momentum",
-    "run.checkpoint_every", "sync.delay", "compile.prefetch", "compile.bucket_mb",
+    "run.eval_every",
+    "optim.lr_warmup",
+    "optim.weight_decay",
+    "optim.momentum",
+    "optim.grad_clip",
+    "optim.min_lr",
+    "sync.warmup_steps",
+    "sync.outer_momentum",
+    "run.checkpoint_every",
+    "sync.delay",
+    "compile.prefetch",
+    "compile.bucket_mb",
 ]
 POSITIVE = ["optim.lr", "optim.eps", "mesh.timeout_s", "sync.outer_lr"]
 
@@ -282,8 +304,10 @@ class _StrictLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 where = ".".join(map(str, [*(_key_path(self._root, node) or []), key]))
-                raise _DuplicateKey(f"duplicate key {where} at {_position(key_node.start_mark)} "
-                                    f"(first at {_position(seen[key].start_mark)})")
+                raise _DuplicateKey(
+                    f"duplicate key {where} at {_position(key_node.start_mark)} "
+                    f"(first at {_position(seen[key].start_mark)})"
+                )
             seen[key] = key_node
         return super().construct_mapping(node, deep)
 
@@ -383,7 +407,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"model.vocab_size: expected at least 2 tokens, got {cfg.model.vocab_size}")
     if cfg.model.d_model % cfg.model.n_head:
         raise ConfigError(
-            f"model.n_head: expected a divisor of model.d_model={cfg.model.d_model}, got {cfg.model.n_head}")
+            f"model.n_head: expected a divisor of model.d_model={cfg.model.d_model}, got {cfg.model.n_head}"
+        )
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr: expected a value <= optim.lr={cfg.optim.lr}, got {cfg.optim.min_lr}")
     if not 0 <= cfg.optim.beta1 < 1 or not 0 <= cfg.optim.beta2 < 1:
@@ -406,8 +431,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"sync.fragments: expected a divisor of sync.every={s.every}, got {s.fragments}")
     units = cfg.model.n_layer + 2  # hsdp/model.py: embedding, one unit per block, head
     if s.fragments > units:
-        raise ConfigError(f"sync.fragments: expected at most the model's {units} units (model.n_layer + 2: "
-                          f"embedding, blocks, head), got {s.fragments}")
+        raise ConfigError(
+            f"sync.fragments: expected at most the model's {units} units (model.n_layer + 2: "
+            f"embedding, blocks, head), got {s.fragments}"
+        )
     from kernels.quant import MAX_BLOCK  # lazy: kernels import torch
 
     if s.quant_block > MAX_BLOCK:  # one block is one register-tile row of the kernel
@@ -417,8 +444,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if not 0 <= s.alpha <= 1:
         raise ConfigError(f"sync.alpha: expected a value in [0, 1], got {s.alpha}")
     if s.alpha > 0 and s.delay == 0:
-        raise ConfigError(f"sync.alpha: only used by an overlapped sync (sync.delay >= 1), got alpha {s.alpha} "
-                          "with delay 0")
+        raise ConfigError(
+            f"sync.alpha: only used by an overlapped sync (sync.delay >= 1), got alpha {s.alpha} with delay 0"
+        )
     if cfg.compile.enabled and cfg.mesh.engine == "ddp":
         raise ConfigError("compile.enabled: the compiled path exists for mesh.engine hsdp and fsdp2, got ddp")
     if s.outer_momentum is not None and s.outer_momentum >= 1:
@@ -426,18 +454,22 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     periodic = s.warmup_steps is not None and s.warmup_steps < cfg.run.steps
     if periodic and cfg.mesh.engine != "hsdp":
         raise ConfigError(
-            f"mesh.engine: periodic sync (sync.warmup_steps < run.steps) needs engine hsdp, got {cfg.mesh.engine!r}")
+            f"mesh.engine: periodic sync (sync.warmup_steps < run.steps) needs engine hsdp, got {cfg.mesh.engine!r}"
+        )
     if cfg.kernels.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         import torch  # only here: config parsing stays light otherwise
 
         if not torch.cuda.is_available():
-            raise ConfigError("kernels.backend: triton needs a CUDA GPU (or TRITON_INTERPRET=1 to interpret "
-                              "the kernels on CPU); use auto or torch here")
+            raise ConfigError(
+                "kernels.backend: triton needs a CUDA GPU (or TRITON_INTERPRET=1 to interpret "
+                "the kernels on CPU); use auto or torch here"
+            )
     if cfg.sync.method == "average" and (cfg.sync.outer_lr is not None or cfg.sync.outer_momentum is not None):
         raise ConfigError("sync.outer_lr/outer_momentum: only used by sync.method=diloco, got method average")
     if cfg.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"wandb.mode: {cfg.wandb.mode} needs the wandb package (pip install wandb); "
-                          "or set wandb.mode=disabled")
+        raise ConfigError(
+            f"wandb.mode: {cfg.wandb.mode} needs the wandb package (pip install wandb); or set wandb.mode=disabled"
+        )
     if world_size is not None:
         check_world_size(cfg, world_size)
     check_mesh_fits(cfg)
@@ -459,7 +491,8 @@ def check_world_size(cfg: Config, world_size: int) -> None:
     if world_size != cfg.world_size:
         raise ConfigError(
             f"mesh: sync×shard = {cfg.mesh.sync}×{cfg.mesh.shard} = {cfg.world_size} does not match "
-            f"the launched world size {world_size}")
+            f"the launched world size {world_size}"
+        )
 
 
 def check_mesh_fits(cfg: Config) -> None:
@@ -481,13 +514,16 @@ def check_mesh_fits(cfg: Config) -> None:
     mesh = f"mesh.sync×mesh.shard = {cfg.mesh.sync}×{cfg.mesh.shard} = {cfg.world_size} local ranks"
     if gpus and cfg.mesh.backend != "gloo":
         if cfg.world_size > gpus:
-            raise ConfigError(f"{mesh}, but this machine has {gpus} GPUs; use torchrun across nodes "
-                              "or mesh.backend=gloo")
+            raise ConfigError(
+                f"{mesh}, but this machine has {gpus} GPUs; use torchrun across nodes or mesh.backend=gloo"
+            )
         return
     cap = (os.cpu_count() or 1) * 4
     if cfg.world_size > cap:
-        raise ConfigError(f"{mesh}, but this machine runs at most {cap} (4 per CPU core); "
-                          "use a smaller mesh or torchrun across machines")
+        raise ConfigError(
+            f"{mesh}, but this machine runs at most {cap} (4 per CPU core); "
+            "use a smaller mesh or torchrun across machines"
+        )
 
 
 def outer_hyperparams(s: SyncConfig) -> tuple[float, float]:
@@ -511,5 +547,17 @@ def from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
-__all__ = ["Config", "ConfigError", "load_config", "validate", "save_config", "from_dict", "to_dict",
-           "outer_hyperparams", "parse_override", "read_yaml", "check_world_size", "check_mesh_fits"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "validate",
+    "save_config",
+    "from_dict",
+    "to_dict",
+    "outer_hyperparams",
+    "parse_override",
+    "read_yaml",
+    "check_world_size",
+    "check_mesh_fits",
+]

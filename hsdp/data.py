@@ -76,7 +76,8 @@ def load_tokens(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
         cut = int(len(data) * (1 - d.val_fraction))
         return data[:cut], data[cut:]
     return synthetic_tokens(cfg.model.vocab_size, cfg.run.seed, SYNTHETIC_TRAIN), synthetic_tokens(
-        cfg.model.vocab_size, cfg.run.seed + 1, SYNTHETIC_VAL)
+        cfg.model.vocab_size, cfg.run.seed + 1, SYNTHETIC_VAL
+    )
 
 
 # ------------------------------------------------------------------ checks before any worker starts
@@ -96,8 +97,9 @@ def token_count(path: Path) -> int:
     """Tokens in a uint16 .bin file; ConfigError naming the file if its byte length is odd."""
     size = path.stat().st_size
     if size % 2:
-        raise ConfigError(f"data.path: {path} has an odd byte length ({size}); a tokens file holds uint16 "
-                          "ids, 2 bytes each")
+        raise ConfigError(
+            f"data.path: {path} has an odd byte length ({size}); a tokens file holds uint16 ids, 2 bytes each"
+        )
     return size // 2
 
 
@@ -128,7 +130,7 @@ def _max_token(path: str, size: int, mtime_ns: int) -> int:
     """Largest id in a uint16 .bin, over the whole file (cached by path, size and mtime)."""
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     # Slices bound the mapped pages touched at once; max over a memmap is vectorised.
-    return max((int(tokens[i:i + SCAN_CHUNK].max()) for i in range(0, len(tokens), SCAN_CHUNK)), default=0)
+    return max((int(tokens[i : i + SCAN_CHUNK].max()) for i in range(0, len(tokens), SCAN_CHUNK)), default=0)
 
 
 def check_token_ids(path: Path, vocab_size: int) -> None:
@@ -139,11 +141,13 @@ def check_token_ids(path: Path, vocab_size: int) -> None:
         return
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     for i in range(0, len(tokens), SCAN_CHUNK):
-        bad = np.flatnonzero(tokens[i:i + SCAN_CHUNK] >= vocab_size)
+        bad = np.flatnonzero(tokens[i : i + SCAN_CHUNK] >= vocab_size)
         if len(bad):
             at = i + int(bad[0])
-            raise ConfigError(f"data.path: {path} holds token id {int(tokens[at])} at position {at} (largest "
-                              f"{largest}), >= model.vocab_size={vocab_size}")
+            raise ConfigError(
+                f"data.path: {path} holds token id {int(tokens[at])} at position {at} (largest "
+                f"{largest}), >= model.vocab_size={vocab_size}"
+            )
 
 
 def check_data(cfg: Config) -> None:
@@ -153,10 +157,15 @@ def check_data(cfg: Config) -> None:
     window = cfg.model.seq_len + 1
     for split, n in split_lengths(cfg).items():
         if n < window:
-            where = f"data.path: the {split} split of {d.path}" if d.source in ("text", "tokens") else \
-                f"model.seq_len: the {split} split of data.source={d.source}"
-            raise ConfigError(f"{where} has {n} tokens, fewer than one window (model.seq_len + 1 = {window}); "
-                              "use more data, a smaller model.seq_len or another data.val_fraction")
+            where = (
+                f"data.path: the {split} split of {d.path}"
+                if d.source in ("text", "tokens")
+                else f"model.seq_len: the {split} split of data.source={d.source}"
+            )
+            raise ConfigError(
+                f"{where} has {n} tokens, fewer than one window (model.seq_len + 1 = {window}); "
+                "use more data, a smaller model.seq_len or another data.val_fraction"
+            )
     if d.source == "tokens":
         path = Path(d.path).expanduser()
         for f in (path, _val_bin(path)):
@@ -207,7 +216,7 @@ class TokenStream:
         global_rows = world * batch_size
         ids = self.windows(index * global_rows + rank * batch_size, batch_size)
         T = self.seq_len
-        rows = np.stack([np.asarray(self.tokens[i * T: i * T + T + 1], dtype=np.int64) for i in ids])
+        rows = np.stack([np.asarray(self.tokens[i * T : i * T + T + 1], dtype=np.int64) for i in ids])
         x = torch.from_numpy(rows[:, :-1].copy())
         y = torch.from_numpy(rows[:, 1:].copy())
         return x, y

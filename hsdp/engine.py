@@ -28,8 +28,9 @@ average grads across every rank, so their policy is `NoSync`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn

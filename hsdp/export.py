@@ -36,8 +36,10 @@ def source_prefix(meta: dict, replica: Optional[int], use_global: bool) -> tuple
     has_global = meta["engine_meta"]["sync"]["has_global"]
     if use_global or (replica is None and has_global):
         if not has_global:
-            raise ConfigError("--global: the checkpoint has no global copy θ_g (plain average keeps none, and "
-                              "none exists before the end of the sync warmup); use --replica m")
+            raise ConfigError(
+                "--global: the checkpoint has no global copy θ_g (plain average keeps none, and "
+                "none exists before the end of the sync warmup); use --replica m"
+            )
         return "sync.global.", "θ_g (the global model)"
     m = replica or 0
     if not 0 <= m < meta["mesh"]["sync"]:
@@ -54,8 +56,9 @@ def export(checkpoint: Path, replica: Optional[int] = None, use_global: bool = F
     with torch.device("meta"):
         model = GPT(cfg.model)
     # Checkpoint tensors have the held layout's shape (a 0-d param is stored as (1,)).
-    targets = {prefix + n: torch.empty(tuple(p.shape) or (1,), dtype=torch.float32)
-               for n, p in model.named_parameters()}
+    targets = {
+        prefix + n: torch.empty(tuple(p.shape) or (1,), dtype=torch.float32) for n, p in model.named_parameters()
+    }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(targets, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)
@@ -77,8 +80,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.save(state, args.out)
-    print(f"wrote {what} from {args.checkpoint} to {args.out} ({sum(t.numel() for t in state.values()):,} params)",
-          file=sys.stderr)
+    print(
+        f"wrote {what} from {args.checkpoint} to {args.out} ({sum(t.numel() for t in state.values()):,} params)",
+        file=sys.stderr,
+    )
     return 0
 
 

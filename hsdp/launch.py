@@ -135,8 +135,13 @@ def _init_and_run(cfg: Config, worker: Worker, rank: int, world: int, local_rank
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     device = pick_device(local_rank)
     timeout = datetime.timedelta(seconds=cfg.mesh.timeout_s)
-    dist.init_process_group(backend_for(cfg, device), rank=rank, world_size=world, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend_for(cfg, device),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
     try:
         worker(cfg)
     finally:
@@ -167,6 +172,7 @@ def die_with_parent(parent_pid: int) -> None:
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl failed")
     except (AttributeError, OSError):  # not Linux: poll the parent instead
+
         def watch() -> None:
             while os.getppid() == parent_pid:
                 time.sleep(1.0)
@@ -180,8 +186,14 @@ def die_with_parent(parent_pid: int) -> None:
 def _spawned(local_rank: int, cfg: Config, worker: Worker, port: int, world: int, launcher_pid: int) -> None:
     die_with_parent(launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides what a Ctrl-C stops
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     _init_and_run(cfg, worker, local_rank, world, local_rank, world)
 
 
@@ -213,8 +225,14 @@ def launch(cfg: Config, worker: Worker) -> None:
     if under_torchrun():  # torchrun's agent owns the workers' lifetime and signals
         world = int(os.environ["WORLD_SIZE"])
         check_world_size(cfg, world)
-        _init_and_run(cfg, worker, int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", 0)),
-                      int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        _init_and_run(
+            cfg,
+            worker,
+            int(os.environ["RANK"]),
+            world,
+            int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        )
         return
     world = cfg.world_size
     port = _free_port()
@@ -229,8 +247,9 @@ def launch(cfg: Config, worker: Worker) -> None:
             except Exception as e:  # same report as a spawned rank's failure
                 raise WorkerError(f"rank 0 failed:\n{traceback.format_exc()}") from e
             return
-        context = mp.start_processes(_spawned, args=(cfg, worker, port, world, os.getpid()), nprocs=world,
-                                     join=False, start_method="spawn")
+        context = mp.start_processes(
+            _spawned, args=(cfg, worker, port, world, os.getpid()), nprocs=world, join=False, start_method="spawn"
+        )
         try:
             stop.arm()
             while not context.join(timeout=1.0):

@@ -68,7 +68,7 @@ class UnitLayout:
 
     def full_views(self, full_flat: torch.Tensor) -> list[torch.Tensor]:
         """Each param's full tensor as a view into the param-major `full_flat` (padding dropped)."""
-        return [full_flat[self.S * s.offset: self.S * s.offset + s.numel].view(s.shape) for s in self.specs]
+        return [full_flat[self.S * s.offset : self.S * s.offset + s.numel].view(s.shape) for s in self.specs]
 
 
 def plan_layout(module: nn.Module, shard_size: int) -> UnitLayout:

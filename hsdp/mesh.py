@@ -34,5 +34,14 @@ def build_mesh(sync: int, shard: int, device: torch.device) -> Mesh:
     dm = init_device_mesh(device.type, (sync, shard), mesh_dim_names=("sync", "shard"))
     rank = dist.get_rank()
     comm = Comm({"shard": dm.get_group("shard"), "sync": dm.get_group("sync"), "world": dist.group.WORLD})
-    return Mesh(device_mesh=dm, device=device, rank=rank, world=dist.get_world_size(),
-                shard_rank=rank % shard, sync_rank=rank // shard, shard_size=shard, sync_size=sync, comm=comm)
+    return Mesh(
+        device_mesh=dm,
+        device=device,
+        rank=rank,
+        world=dist.get_world_size(),
+        shard_rank=rank % shard,
+        sync_rank=rank // shard,
+        shard_size=shard,
+        sync_size=sync,
+        comm=comm,
+    )

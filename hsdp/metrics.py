@@ -14,8 +14,9 @@ import os
 import resource
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from tqdm import tqdm
@@ -86,9 +87,13 @@ class MetricsLogger:
         # tracker: a worker stopped by SIGTERM cannot unregister it and the tracker then warns of a
         # leak. One bar in one process needs only a thread lock.
         tqdm.set_lock(threading.RLock())
-        self._bar = tqdm(total=cfg.run.steps, initial=0 if continue_after is None else continue_after + 1,
-                         desc=cfg.run.name, dynamic_ncols=True,
-                         disable=os.environ.get("HSDP_NO_BAR") == "1")
+        self._bar = tqdm(
+            total=cfg.run.steps,
+            initial=0 if continue_after is None else continue_after + 1,
+            desc=cfg.run.name,
+            dynamic_ncols=True,
+            disable=os.environ.get("HSDP_NO_BAR") == "1",
+        )
 
     def _init_wandb(self, cfg: Config, run_dir: Path) -> Any:
         """A wandb run, or None (with one warning line) if wandb cannot start within the timeout."""
@@ -97,12 +102,23 @@ class MetricsLogger:
             import wandb  # lazy: a GPU box without wandb can still run with mode=disabled
 
             settings = wandb.Settings(init_timeout=timeout, login_timeout=timeout)
-            return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.run.name,
-                              mode=cfg.wandb.mode, dir=str(run_dir), config=to_dict(cfg), settings=settings)
+            return wandb.init(
+                project=cfg.wandb.project,
+                entity=cfg.wandb.entity,
+                name=cfg.run.name,
+                mode=cfg.wandb.mode,
+                dir=str(run_dir),
+                config=to_dict(cfg),
+                settings=settings,
+            )
         except Exception as e:  # no network, no API key, a broken install: the run matters more
-            print(f"warning: wandb.init ({cfg.wandb.mode}, timeout {timeout:g} s, ${WANDB_TIMEOUT_ENV}) failed: "
-                  f"{type(e).__name__}: {_one_line(e)}; continuing without wandb (metrics in "
-                  f"{run_dir / 'metrics.jsonl'})", file=sys.stderr, flush=True)
+            print(
+                f"warning: wandb.init ({cfg.wandb.mode}, timeout {timeout:g} s, ${WANDB_TIMEOUT_ENV}) failed: "
+                f"{type(e).__name__}: {_one_line(e)}; continuing without wandb (metrics in "
+                f"{run_dir / 'metrics.jsonl'})",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
 
     def _to_wandb(self, what: str, call: Callable[[], Any]) -> None:
@@ -113,8 +129,11 @@ class MetricsLogger:
             call()
         except Exception as e:
             self._wandb = None
-            print(f"warning: wandb {what} failed: {type(e).__name__}: {_one_line(e)}; continuing without wandb",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: wandb {what} failed: {type(e).__name__}: {_one_line(e)}; continuing without wandb",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -122,8 +141,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         run = self._wandb
-        self._to_wandb("log", lambda: run.log({k: v for k, v in record.items() if k != "step"},
-                                              step=record["step"]))
+        self._to_wandb("log", lambda: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]))
 
     def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         if self._bar is not None:

@@ -74,8 +74,10 @@ def prepare_run_dir(cfg: Config) -> None:
         except OSError as e:
             raise ConfigError(f"run.overwrite: cannot delete the previous run in {run_dir} ({e.strerror})") from None
     elif found and not (cfg.run.resume != "never" and has_checkpoint(run_dir)):
-        raise ConfigError(f"run.name: {run_dir} already holds a run ({', '.join(found)}); set run.overwrite=true "
-                          "to replace it or choose another run.name")
+        raise ConfigError(
+            f"run.name: {run_dir} already holds a run ({', '.join(found)}); set run.overwrite=true "
+            "to replace it or choose another run.name"
+        )
     _mkdir(run_dir)
 
 
@@ -103,8 +105,9 @@ def check_output_dir(cfg: Config) -> None:
     resolved = Path(os.path.abspath(out_dir)).resolve()
     for root in FORBIDDEN_ROOTS:
         if resolved == root or root in resolved.parents:
-            raise ConfigError(f"run.out_dir: {cfg.run.out_dir} is under {root}, a kernel file system; "
-                              "choose a folder on disk")
+            raise ConfigError(
+                f"run.out_dir: {cfg.run.out_dir} is under {root}, a kernel file system; choose a folder on disk"
+            )
     existing = out_dir
     while not existing.exists() and existing != existing.parent:
         if existing.is_symlink():  # a dangling link: mkdir would fail on it

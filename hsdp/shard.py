@@ -18,16 +18,25 @@ A unit whose backward needs no weights (the embedding) is never re-gathered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from hsdp.checkpoint import init_optimizer_state, shard_dtensor
-from hsdp.collectives import (PendingGather, PendingReduce, ReducePlan, gather_full, pack_grads_for_reduce,
-                              reduce_plan, start_gather, start_reduce)
+from hsdp.collectives import (
+    PendingGather,
+    PendingReduce,
+    ReducePlan,
+    gather_full,
+    pack_grads_for_reduce,
+    reduce_plan,
+    start_gather,
+    start_reduce,
+)
 from hsdp.comm import Comm
 from hsdp.config import Config
 from hsdp.engine import Engine, NoSync, SavedCheckpoint
@@ -47,8 +56,15 @@ class ShardedUnit:
     `comm`) and `on_backward`, which receives its full grads in backward.
     """
 
-    def __init__(self, index: int, prefix: str, module: nn.Module, mesh: Mesh, param_dtype: torch.dtype,
-                 on_backward: BackwardCallback) -> None:
+    def __init__(
+        self,
+        index: int,
+        prefix: str,
+        module: nn.Module,
+        mesh: Mesh,
+        param_dtype: torch.dtype,
+        on_backward: BackwardCallback,
+    ) -> None:
         self.index, self.prefix, self.module = index, prefix, module
         self.comm: Comm = mesh.comm
         self.layout = plan_layout(module, mesh.shard_size)
@@ -77,10 +93,10 @@ class ShardedUnit:
                 full = getattr(s.owner, s.attr).detach().reshape(s.shape)
                 rows = s.held_rows(shard_rank)
                 start = shard_rank * s.rows
-                seg = self.held_flat[s.offset: s.offset + rows * s.row_numel]
-                seg.copy_(full[start: start + rows].reshape(-1))
+                seg = self.held_flat[s.offset : s.offset + rows * s.row_numel]
+                seg.copy_(full[start : start + rows].reshape(-1))
                 held = nn.Parameter(seg.view(rows, *s.shape[1:]))
-                held.grad = self.grad_flat[s.offset: s.offset + rows * s.row_numel].view(rows, *s.shape[1:])
+                held.grad = self.grad_flat[s.offset : s.offset + rows * s.row_numel].view(rows, *s.shape[1:])
                 self.held_params.append(held)
 
     # ------------------------------------------------------------ gather / release
@@ -115,8 +131,11 @@ class ShardedUnit:
         return self.layout.full_views(self.full_flat)
 
     def aliases_full(self, t: torch.Tensor) -> bool:
-        return (self.gathered and t.device == self.full_flat.device
-                and t.untyped_storage().data_ptr() == self.full_flat.untyped_storage().data_ptr())
+        return (
+            self.gathered
+            and t.device == self.full_flat.device
+            and t.untyped_storage().data_ptr() == self.full_flat.untyped_storage().data_ptr()
+        )
 
     def gather_full_fp32(self) -> dict[str, torch.Tensor]:
         """This replica's full fp32 params of the unit, by the model's names (blocking gather)."""
@@ -154,8 +173,15 @@ class _GatherFn(torch.autograd.Function):
 class HSDPEngine(Engine):
     """Runs a model's units with sharded params (eager). Owns the units and the backward bookkeeping."""
 
-    def __init__(self, units: nn.ModuleList, mesh: Mesh, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
-                 prefetch: bool = True, materialize: Optional[Callable[[int, nn.Module], None]] = None) -> None:
+    def __init__(
+        self,
+        units: nn.ModuleList,
+        mesh: Mesh,
+        param_dtype: str = "fp32",
+        reduce_dtype: str = "fp32",
+        prefetch: bool = True,
+        materialize: Optional[Callable[[int, nn.Module], None]] = None,
+    ) -> None:
         self.mesh = mesh
         self.param_dtype = DTYPES[param_dtype]
         self.reduce_dtype = DTYPES[reduce_dtype]
@@ -173,11 +199,17 @@ class HSDPEngine(Engine):
         self.set_grad_sync(True)
 
     @classmethod
-    def from_config(cls, cfg: Config, mesh: Mesh) -> "HSDPEngine":
+    def from_config(cls, cfg: Config, mesh: Mesh) -> HSDPEngine:
         """The GPT built on meta, materialised and sharded one unit at a time, with its sync policy."""
         model = build_model(cfg.model, cfg.run.seed, materialize=False)
-        engine = cls(model.units, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype, cfg.mesh.prefetch,
-                     materialize=unit_initializer(cfg.model, cfg.run.seed))
+        engine = cls(
+            model.units,
+            mesh,
+            cfg.precision.param_dtype,
+            cfg.precision.reduce_dtype,
+            cfg.mesh.prefetch,
+            materialize=unit_initializer(cfg.model, cfg.run.seed),
+        )
         engine.policy = SyncPolicy(cfg.sync, engine.held_buffers(), mesh.comm)
         return engine
 
@@ -239,7 +271,7 @@ class HSDPEngine(Engine):
         if self.prefetch:
             # The nearest earlier unit whose backward needs its params (an embedding's does not:
             # it saves only indices, so re-gathering it would be a wasted collective).
-            earlier = next((u for u in reversed(self.units[:unit.index]) if u.saved_full), None)
+            earlier = next((u for u in reversed(self.units[: unit.index]) if u.saved_full), None)
             if earlier is not None:
                 earlier.start_gather()
 
@@ -314,12 +346,15 @@ class HSDPEngine(Engine):
     def checkpoint_meta(self) -> dict[str, Any]:
         """The sync state's structure: which buffers exist (the load allocates them before reading)."""
         sync = self.policy.state_dict()
-        return {"sync": {
-            "format": sync.get("format", STATE_FORMAT), "fragments": sync.get("fragments", 1),
-            "has_global": bool(sync.get("has_global", False)),
-            "momentum_units": [u for u, b in enumerate(sync.get("momentum", [])) if b is not None],
-            "in_flight": [{k: s[k] for k in ("fragment", "start", "land")} for s in sync.get("in_flight", [])],
-        }}
+        return {
+            "sync": {
+                "format": sync.get("format", STATE_FORMAT),
+                "fragments": sync.get("fragments", 1),
+                "has_global": bool(sync.get("has_global", False)),
+                "momentum_units": [u for u, b in enumerate(sync.get("momentum", [])) if b is not None],
+                "in_flight": [{k: s[k] for k in ("fragment", "start", "land")} for s in sync.get("in_flight", [])],
+            }
+        }
 
     def load_checkpoint(self, optimizer: torch.optim.Optimizer, saved: SavedCheckpoint) -> None:
         self.zero_grad()  # init_optimizer_state's lr = 0 step needs zero grads
@@ -356,7 +391,8 @@ class HSDPEngine(Engine):
                 if torch.is_tensor(value):  # param-shaped state is sharded like the param; `step` is a scalar
                     sharded = value.shape == p.shape
                     state[f"replica{replica}.optim.{name}.{key}"] = (
-                        shard_dtensor(value, spec.shape, shard_mesh) if sharded else value)
+                        shard_dtensor(value, spec.shape, shard_mesh) if sharded else value
+                    )
         return state
 
     def _sync_pieces(self, sync: dict[str, Any]) -> dict[str, Any]:
@@ -372,7 +408,7 @@ class HSDPEngine(Engine):
                     continue
                 for spec in unit.specs:
                     rows = spec.held_rows(self.mesh.shard_rank)
-                    local = flat[spec.offset: spec.offset + rows * spec.row_numel].view(rows, *spec.shape[1:])
+                    local = flat[spec.offset : spec.offset + rows * spec.row_numel].view(rows, *spec.shape[1:])
                     pieces[f"{prefix}.{unit.prefix}{spec.name}"] = shard_dtensor(local, spec.shape, shard_mesh)
 
         add("sync.global", sync["global_params"])
@@ -391,11 +427,20 @@ class HSDPEngine(Engine):
         n = len(self.units)
         has_global = meta["has_global"]
         return {
-            "format": meta["format"], "fragments": meta["fragments"], "has_global": has_global,
+            "format": meta["format"],
+            "fragments": meta["fragments"],
+            "has_global": has_global,
             "global_params": [torch.zeros_like(u.held_flat) if has_global else None for u in self.units],
-            "momentum": [torch.zeros_like(self.units[u].held_flat) if u in meta["momentum_units"] else None
-                         for u in range(n)],
-            "in_flight": [{**s, "mean_delta": [torch.zeros_like(self.units[u].held_flat)
-                                               for u in self.policy.fragments[s["fragment"]]]}
-                          for s in meta["in_flight"]],
+            "momentum": [
+                torch.zeros_like(self.units[u].held_flat) if u in meta["momentum_units"] else None for u in range(n)
+            ],
+            "in_flight": [
+                {
+                    **s,
+                    "mean_delta": [
+                        torch.zeros_like(self.units[u].held_flat) for u in self.policy.fragments[s["fragment"]]
+                    ],
+                }
+                for s in meta["in_flight"]
+            ],
         }

@@ -62,8 +62,10 @@ def steps_after_last_sync(steps: int, cfg: SyncConfig) -> int:
     """
     if cfg.warmup_steps is None or steps <= cfg.warmup_steps:
         return 0
-    last = [max((s for s in range(cfg.warmup_steps, steps) if f in fragments_due(s, cfg)), default=-1)
-            for f in range(cfg.fragments)]
+    last = [
+        max((s for s in range(cfg.warmup_steps, steps) if f in fragments_due(s, cfg)), default=-1)
+        for f in range(cfg.fragments)
+    ]
     return steps - 1 - min(last)
 
 
@@ -254,8 +256,15 @@ class SyncPolicy:
             "has_global": any(s is not None for s in self.outer),
             "global_params": [s.global_params if s is not None else None for s in self.outer],
             "momentum": [s.momentum if s is not None else None for s in self.outer],
-            "in_flight": [{"fragment": s.fragment, "start": s.start, "land": s.land,
-                           "mean_delta": [r.delta for r in s.reductions]} for s in self.in_flight],
+            "in_flight": [
+                {
+                    "fragment": s.fragment,
+                    "start": s.start,
+                    "land": s.land,
+                    "mean_delta": [r.delta for r in s.reductions],
+                }
+                for s in self.in_flight
+            ],
         }
 
     @torch.no_grad()
@@ -264,24 +273,30 @@ class SyncPolicy:
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"SyncPolicy.load_state_dict: expected format {STATE_FORMAT}, got {state.get('format')}")
         if state["fragments"] != self.cfg.fragments or len(state["global_params"]) != len(self.held):
-            raise ValueError(f"SyncPolicy.load_state_dict: state of {len(state['global_params'])} units in "
-                             f"{state['fragments']} fragments, policy has {len(self.held)} in {self.cfg.fragments}")
+            raise ValueError(
+                f"SyncPolicy.load_state_dict: state of {len(state['global_params'])} units in "
+                f"{state['fragments']} fragments, policy has {len(self.held)} in {self.cfg.fragments}"
+            )
 
         def own(t: torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
             if t.shape != like.shape:
-                raise ValueError(f"SyncPolicy.load_state_dict: {what} has shape {tuple(t.shape)}, "
-                                 f"expected {tuple(like.shape)}")
+                raise ValueError(
+                    f"SyncPolicy.load_state_dict: {what} has shape {tuple(t.shape)}, expected {tuple(like.shape)}"
+                )
             return torch.empty_like(like).copy_(t)
 
         if state["has_global"]:
-            self.outer = [_OuterState(own(g, h, f"global_params[{u}]"),
-                                      None if b is None else own(b, h, f"momentum[{u}]"))
-                          for u, (h, g, b) in enumerate(zip(self.held, state["global_params"], state["momentum"]))]
+            self.outer = [
+                _OuterState(own(g, h, f"global_params[{u}]"), None if b is None else own(b, h, f"momentum[{u}]"))
+                for u, (h, g, b) in enumerate(zip(self.held, state["global_params"], state["momentum"]))
+            ]
         else:
             self.outer = [None] * len(self.held)
         self.in_flight = []
         for s in state["in_flight"]:
             units = self.fragments[s["fragment"]]
-            reds = [_Reduction(own(d, self.held[u], f"in_flight mean_delta of unit {u}"), done=True)
-                    for u, d in zip(units, s["mean_delta"], strict=True)]
+            reds = [
+                _Reduction(own(d, self.held[u], f"in_flight mean_delta of unit {u}"), done=True)
+                for u, d in zip(units, s["mean_delta"], strict=True)
+            ]
             self.in_flight.append(_DelayedSync(s["fragment"], s["start"], s["land"], reds))

@@ -82,15 +82,24 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
     return {
         "pack": (f"{label} fp32→bf16", N * (4 + 2), lambda: kernels.pack_shards(held, shard_bf16)),
         "unpack": (f"S={S}, {label} bf16", 2 * S * N * 2, lambda: kernels.unpack_full(gathered, sizes, unpacked)),
-        "pack_grads": (f"{len(shapes)} grads bf16→fp32, S={S}", numel * 2 + S * N * 4,
-                       lambda: kernels.pack_grads(grads, sizes, rs_in, 1.0 / S)),
+        "pack_grads": (
+            f"{len(shapes)} grads bf16→fp32, S={S}",
+            numel * 2 + S * N * 4,
+            lambda: kernels.pack_grads(grads, sizes, rs_in, 1.0 / S),
+        ),
         "accumulate": (f"{label} fp32", 3 * N * 4, lambda: kernels.accumulate_grad_shards(held, full, 1.0 / S)),
         "delta": (f"{label}", 3 * N * 4, lambda: kernels.compute_delta(full, held, out)),
-        "outer": (f"{label} nesterov", 6 * N * 4,
-                  lambda: kernels.outer_step(held, full, mom, delta, 0.7, 0.9, True, False)),
+        "outer": (
+            f"{label} nesterov",
+            6 * N * 4,
+            lambda: kernels.outer_step(held, full, mom, delta, 0.7, 0.9, True, False),
+        ),
         "quantize": (f"{label}, block {QBLOCK}", N * 4 + N + nb * 4, lambda: kernels.quantize_int8(held, QBLOCK)),
-        "dequantize": (f"M={M}, {label}", M * (N + nb * 4) + N * 4,
-                       lambda: kernels.dequantize_mean(q, scales, QBLOCK, out)),
+        "dequantize": (
+            f"M={M}, {label}",
+            M * (N + nb * 4) + N * 4,
+            lambda: kernels.dequantize_mean(q, scales, QBLOCK, out),
+        ),
     }
 
 

@@ -43,8 +43,17 @@ def _compute_delta(global_params: torch.Tensor, held: torch.Tensor, out: torch.T
         return compute_delta_ref(global_params, held, out)
     n = out.numel()
     if n:
-        launch(_delta_kernel, (triton.cdiv(n, _BLOCK),), global_params, held, out, n,
-               BLOCK=_BLOCK, num_warps=8, device=out.device)
+        launch(
+            _delta_kernel,
+            (triton.cdiv(n, _BLOCK),),
+            global_params,
+            held,
+            out,
+            n,
+            BLOCK=_BLOCK,
+            num_warps=8,
+            device=out.device,
+        )
 
 
 _compute_delta_op = register_op("compute_delta", _compute_delta, mutates_args=("out",))
@@ -68,8 +77,18 @@ def compute_delta(global_params: torch.Tensor, held: torch.Tensor, out: torch.Te
 
 
 @triton.jit
-def _outer_step_kernel(held_ptr, global_ptr, mom_ptr, delta_ptr, n, lr, mu,
-                       NESTEROV: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+def _outer_step_kernel(
+    held_ptr,
+    global_ptr,
+    mom_ptr,
+    delta_ptr,
+    n,
+    lr,
+    mu,
+    NESTEROV: tl.constexpr,
+    FIRST: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     d = tl.load(delta_ptr + offs, mask=mask)
@@ -87,8 +106,16 @@ def _outer_step_kernel(held_ptr, global_ptr, mom_ptr, delta_ptr, n, lr, mu,
     tl.store(held_ptr + offs, g, mask=mask)
 
 
-def outer_step_ref(held: torch.Tensor, global_params: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor,
-                   lr: float, mu: float, nesterov: bool, first: bool) -> None:
+def outer_step_ref(
+    held: torch.Tensor,
+    global_params: torch.Tensor,
+    momentum: torch.Tensor,
+    delta: torch.Tensor,
+    lr: float,
+    mu: float,
+    nesterov: bool,
+    first: bool,
+) -> None:
     """b = Δ if first else μb+Δ; θ_g -= η·(Δ+μb if nesterov else b); θ_m = θ_g."""
     if first:
         momentum.copy_(delta)
@@ -102,23 +129,53 @@ def outer_step_ref(held: torch.Tensor, global_params: torch.Tensor, momentum: to
     held.copy_(global_params)
 
 
-def _outer_step(held: torch.Tensor, global_params: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor,
-                lr: float, mu: float, nesterov: bool, first: bool) -> None:
+def _outer_step(
+    held: torch.Tensor,
+    global_params: torch.Tensor,
+    momentum: torch.Tensor,
+    delta: torch.Tensor,
+    lr: float,
+    mu: float,
+    nesterov: bool,
+    first: bool,
+) -> None:
     if not use_triton(held, global_params, momentum, delta):
         return outer_step_ref(held, global_params, momentum, delta, lr, mu, nesterov, first)
     n = held.numel()
     if n:
-        launch(_outer_step_kernel, (triton.cdiv(n, _BLOCK),), held, global_params, momentum, delta, n, lr, mu,
-               NESTEROV=nesterov, FIRST=first, BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False,
-               device=held.device)
+        launch(
+            _outer_step_kernel,
+            (triton.cdiv(n, _BLOCK),),
+            held,
+            global_params,
+            momentum,
+            delta,
+            n,
+            lr,
+            mu,
+            NESTEROV=nesterov,
+            FIRST=first,
+            BLOCK=_BLOCK,
+            num_warps=8,
+            enable_fp_fusion=False,
+            device=held.device,
+        )
 
 
 _outer_step_op = register_op("outer_step", _outer_step, mutates_args=("held", "global_params", "momentum"))
 
 
 @no_grad
-def outer_step(held: torch.Tensor, global_params: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor,
-               lr: float, mu: float, nesterov: bool, first: bool) -> None:
+def outer_step(
+    held: torch.Tensor,
+    global_params: torch.Tensor,
+    momentum: torch.Tensor,
+    delta: torch.Tensor,
+    lr: float,
+    mu: float,
+    nesterov: bool,
+    first: bool,
+) -> None:
     """One DiLoCo outer SGD step in one pass; writes momentum, global_params and held in place.
 
     delta is the sync-group mean of compute_delta's output. With first=True the
@@ -127,8 +184,18 @@ def outer_step(held: torch.Tensor, global_params: torch.Tensor, momentum: torch.
     _check_flat("outer_step", held=held, global_params=global_params, momentum=momentum, delta=delta)
     if not (math.isfinite(lr) and math.isfinite(mu)):
         fail(f"outer_step: lr and mu must be finite, got {lr}, {mu}")
-    call(_outer_step_op, _outer_step, held, global_params, momentum, delta, float(lr), float(mu),
-         bool(nesterov), bool(first))
+    call(
+        _outer_step_op,
+        _outer_step,
+        held,
+        global_params,
+        momentum,
+        delta,
+        float(lr),
+        float(mu),
+        bool(nesterov),
+        bool(first),
+    )
 
 
 __all__ = ["compute_delta", "compute_delta_ref", "outer_step", "outer_step_ref"]

@@ -39,8 +39,9 @@ def _pack_shards(held: torch.Tensor, out: torch.Tensor) -> None:
         return pack_shards_ref(held, out)
     n = held.numel()
     if n:
-        launch(_pack_shards_kernel, (triton.cdiv(n, _BLOCK),), held, out, n,
-               BLOCK=_BLOCK, num_warps=8, device=out.device)
+        launch(
+            _pack_shards_kernel, (triton.cdiv(n, _BLOCK),), held, out, n, BLOCK=_BLOCK, num_warps=8, device=out.device
+        )
 
 
 _pack_shards_op = register_op("pack_shards", _pack_shards, mutates_args=("out",))
@@ -78,7 +79,7 @@ def unpack_full_ref(gathered: torch.Tensor, shard_sizes: list[int], out: torch.T
     views = []
     off = 0
     for sn in shard_sizes:
-        views.append(out[S * off: S * (off + sn)].view(S, sn))
+        views.append(out[S * off : S * (off + sn)].view(S, sn))
         off += sn
     torch.split_with_sizes_copy(gathered, shard_sizes, dim=1, out=views)
 
@@ -89,8 +90,19 @@ def _unpack_full(gathered: torch.Tensor, shard_sizes: list[int], out: torch.Tens
     S, N = gathered.shape
     table, n_items, align = unit_items(tuple(shard_sizes), out.device, _ITEM_BLOCK)
     if n_items and S:
-        launch(_unpack_full_kernel, (n_items, S), gathered, out, table, N, S,
-               BLOCK=_ITEM_BLOCK, ALIGN=align, num_warps=4, device=out.device)
+        launch(
+            _unpack_full_kernel,
+            (n_items, S),
+            gathered,
+            out,
+            table,
+            N,
+            S,
+            BLOCK=_ITEM_BLOCK,
+            ALIGN=align,
+            num_warps=4,
+            device=out.device,
+        )
 
 
 _unpack_full_op = register_op("unpack_full", _unpack_full, mutates_args=("out",))

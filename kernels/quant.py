@@ -80,8 +80,21 @@ def _quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     if n:
         cols = _next_pow2(block)
         rows = max(1, _TILE // cols)
-        launch(_quantize_kernel, (triton.cdiv(nb, rows),), x, q, scales, n, nb, block,
-               ROWS=rows, COLS=cols, num_warps=8, enable_fp_fusion=False, device=x.device)
+        launch(
+            _quantize_kernel,
+            (triton.cdiv(nb, rows),),
+            x,
+            q,
+            scales,
+            n,
+            nb,
+            block,
+            ROWS=rows,
+            COLS=cols,
+            num_warps=8,
+            enable_fp_fusion=False,
+            device=x.device,
+        )
     return q, scales
 
 
@@ -141,8 +154,22 @@ def _dequantize_mean(q: torch.Tensor, scales: torch.Tensor, block: int, out: tor
         return dequantize_mean_ref(q, scales, block, out)
     M, n = q.shape
     if n:
-        launch(_dequantize_mean_kernel, (triton.cdiv(n, _BLOCK),), q, scales, out, n, scales.shape[1], block,
-               M, float(M), BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False, device=out.device)
+        launch(
+            _dequantize_mean_kernel,
+            (triton.cdiv(n, _BLOCK),),
+            q,
+            scales,
+            out,
+            n,
+            scales.shape[1],
+            block,
+            M,
+            float(M),
+            BLOCK=_BLOCK,
+            num_warps=8,
+            enable_fp_fusion=False,
+            device=out.device,
+        )
 
 
 _dequantize_mean_op = register_op("dequantize_mean", _dequantize_mean, mutates_args=("out",))

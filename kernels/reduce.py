@@ -38,9 +38,20 @@ _GRAD_DTYPES = FLOAT_DTYPES + (torch.float64,)
 
 
 @triton.jit
-def _pack_grads_kernel(grads_ptr, out_ptr, items_ptr, g0_ptr, n_params, N, scale, BLOCK: tl.constexpr,
-                       ALIGN: tl.constexpr, NUMEL_ALIGN: tl.constexpr, PTR_ALIGN: tl.constexpr,
-                       ACCUMULATE: tl.constexpr):
+def _pack_grads_kernel(
+    grads_ptr,
+    out_ptr,
+    items_ptr,
+    g0_ptr,
+    n_params,
+    N,
+    scale,
+    BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,
+    NUMEL_ALIGN: tl.constexpr,
+    PTR_ALIGN: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
     # program (item, rank): out[r, off + j] = grad_i.flat[r*sn + j] * scale, 0 past numel_i.
     item = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
@@ -73,8 +84,9 @@ def _grads_dtype(grads: list[torch.Tensor | None], default: torch.dtype) -> torc
     return default if dtype is None else dtype
 
 
-def pack_grads_ref(grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor,
-                   scale: float, accumulate: bool = False) -> None:
+def pack_grads_ref(
+    grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor, scale: float, accumulate: bool = False
+) -> None:
     """out[r, off_i + j] (+)= grads[i].flatten()[r*sn_i + j] * scale (0 past the end), via torch._chunk_cat.
 
     _chunk_cat pads dim 0 of each grad to a multiple of S and lays rank r's rows
@@ -105,8 +117,9 @@ def pack_grads_ref(grads: list[torch.Tensor | None], shard_sizes: list[int], out
         out.copy_(buf)
 
 
-def _pack_grads(grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor,
-                scale: float, accumulate: bool) -> None:
+def _pack_grads(
+    grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor, scale: float, accumulate: bool
+) -> None:
     if not use_triton(out, *[g for g in grads if g is not None]):
         return pack_grads_ref(grads, shard_sizes, out, scale, accumulate)
     S, N = out.shape
@@ -126,9 +139,25 @@ def _pack_grads(grads: list[torch.Tensor | None], shard_sizes: list[int], out: t
     grads_table = torch.tensor(ptrs + numels, dtype=torch.int64, device=out.device)
     numel_align = min([pow2_divisor(k) for k in numels] + [16])
     ptr_align = 16 if all(p % 16 == 0 for p in ptrs) else 1
-    launch(_pack_grads_kernel, (n_items, S), grads_table, out, table, g0, len(grads), N, scale,
-           BLOCK=_ITEM_BLOCK, ALIGN=align, NUMEL_ALIGN=numel_align, PTR_ALIGN=ptr_align,
-           ACCUMULATE=accumulate, num_warps=4, enable_fp_fusion=False, device=out.device)
+    launch(
+        _pack_grads_kernel,
+        (n_items, S),
+        grads_table,
+        out,
+        table,
+        g0,
+        len(grads),
+        N,
+        scale,
+        BLOCK=_ITEM_BLOCK,
+        ALIGN=align,
+        NUMEL_ALIGN=numel_align,
+        PTR_ALIGN=ptr_align,
+        ACCUMULATE=accumulate,
+        num_warps=4,
+        enable_fp_fusion=False,
+        device=out.device,
+    )
     # The grads (and converted copies in `present`) may be freed once this returns:
     # the caching allocator only reuses their memory for work queued after the kernel.
 
@@ -137,8 +166,9 @@ _pack_grads_op = register_op("pack_grads", _pack_grads, mutates_args=("out",))
 
 
 @no_grad
-def pack_grads(grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor, scale: float,
-               accumulate: bool = False) -> None:
+def pack_grads(
+    grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor, scale: float, accumulate: bool = False
+) -> None:
     """Chunk-cat a unit's full grads into the reduce-scatter input out [S, N] (reduce_dtype).
 
     out[r, off_i + j] = grads[i].flatten()[r*sn_i + j] * scale, or 0 past the grad's
@@ -156,14 +186,18 @@ def pack_grads(grads: list[torch.Tensor | None], shard_sizes: list[int], out: to
         if g is None:
             continue
         if not isinstance(g, torch.Tensor) or g.dtype not in _GRAD_DTYPES or g.device != out.device:
-            fail(f"pack_grads: grads[{i}] must be None or a float tensor on {out.device}, got "
-                 f"{g.dtype if isinstance(g, torch.Tensor) else type(g).__name__}"
-                 f"{' on ' + str(g.device) if isinstance(g, torch.Tensor) else ''}")
+            fail(
+                f"pack_grads: grads[{i}] must be None or a float tensor on {out.device}, got "
+                f"{g.dtype if isinstance(g, torch.Tensor) else type(g).__name__}"
+                f"{' on ' + str(g.device) if isinstance(g, torch.Tensor) else ''}"
+            )
         d0 = g.shape[0] if g.dim() else 1
         expect = -(-d0 // S) * (g.numel() // d0) if d0 else 0
         if sn != expect:
-            fail(f"pack_grads: grads[{i}] of shape {tuple(g.shape)} has dim-0 shards of {expect} elements "
-                 f"over S={S}, but shard_sizes[{i}] = {sn}")
+            fail(
+                f"pack_grads: grads[{i}] of shape {tuple(g.shape)} has dim-0 shards of {expect} elements "
+                f"over S={S}, but shard_sizes[{i}] = {sn}"
+            )
     call(_pack_grads_op, _pack_grads, list(grads), sizes, out, float(scale), bool(accumulate))
 
 
@@ -192,20 +226,37 @@ def _accumulate_grad_shards(reduced: torch.Tensor, grad_shard: torch.Tensor, sca
         return accumulate_grad_shards_ref(reduced, grad_shard, scale)
     n = reduced.numel()
     if n:
-        launch(_accumulate_kernel, (triton.cdiv(n, _BLOCK),), reduced, grad_shard, n, scale,
-               BLOCK=_BLOCK, num_warps=8, enable_fp_fusion=False, device=grad_shard.device)
+        launch(
+            _accumulate_kernel,
+            (triton.cdiv(n, _BLOCK),),
+            reduced,
+            grad_shard,
+            n,
+            scale,
+            BLOCK=_BLOCK,
+            num_warps=8,
+            enable_fp_fusion=False,
+            device=grad_shard.device,
+        )
 
 
-_accumulate_grad_shards_op = register_op("accumulate_grad_shards", _accumulate_grad_shards,
-                                         mutates_args=("grad_shard",))
+_accumulate_grad_shards_op = register_op(
+    "accumulate_grad_shards", _accumulate_grad_shards, mutates_args=("grad_shard",)
+)
 
 
 @no_grad
 def accumulate_grad_shards(reduced: torch.Tensor, grad_shard: torch.Tensor, scale: float) -> None:
     """grad_shard (fp32 [N]) += reduced ([N], reduce_dtype) * scale. One launch."""
     check_tensor("accumulate_grad_shards", "reduced", reduced, dtypes=FLOAT_DTYPES, ndim=1)
-    check_tensor("accumulate_grad_shards", "grad_shard", grad_shard, dtypes=(torch.float32,),
-                 shape=reduced.shape, device=reduced.device)
+    check_tensor(
+        "accumulate_grad_shards",
+        "grad_shard",
+        grad_shard,
+        dtypes=(torch.float32,),
+        shape=reduced.shape,
+        device=reduced.device,
+    )
     if not math.isfinite(scale):
         fail(f"accumulate_grad_shards: scale must be finite, got {scale}")
     call(_accumulate_grad_shards_op, _accumulate_grad_shards, reduced, grad_shard, float(scale))

@@ -29,8 +29,9 @@ def _mesh(world: int):
 def _toy_units() -> nn.ModuleList:
     """Units with params smaller than the shard count (bias of 3) and dims that do not divide 4."""
     torch.manual_seed(0)
-    return nn.ModuleList([nn.Linear(5, 3), nn.Sequential(nn.Linear(3, 257), nn.Tanh()), nn.Linear(257, 7, bias=False),
-                          nn.LayerNorm(7)])
+    return nn.ModuleList(
+        [nn.Linear(5, 3), nn.Sequential(nn.Linear(3, 257), nn.Tanh()), nn.Linear(257, 7, bias=False), nn.LayerNorm(7)]
+    )
 
 
 def check_odd_shapes(rank: int, world: int) -> dict:
@@ -45,7 +46,7 @@ def check_odd_shapes(rank: int, world: int) -> dict:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     torch.manual_seed(1)
     x_all = torch.randn(world * 3, 5)
-    x = x_all[rank * 3: (rank + 1) * 3]
+    x = x_all[rank * 3 : (rank + 1) * 3]
     errs = []
     for _ in range(3):
         engine(x).pow(2).mean().backward()
@@ -78,11 +79,17 @@ def check_release(rank: int, world: int) -> dict:
     for i, unit in enumerate(engine.units):
         unit.module.register_forward_hook(
             lambda mod, inp, out, i=i: seen_during_forward.append(
-                (i, engine.units[i].full_flat.untyped_storage().nbytes(),
-                 [engine.units[j].full_flat.untyped_storage().nbytes() for j in range(i)])))
+                (
+                    i,
+                    engine.units[i].full_flat.untyped_storage().nbytes(),
+                    [engine.units[j].full_flat.untyped_storage().nbytes() for j in range(i)],
+                )
+            )
+        )
         # Keep the very full-param tensors the module computed with.
         unit.module.register_forward_hook(
-            lambda mod, inp, out, i=i: full_views.extend(s.owner._parameters[s.attr] for s in engine.units[i].specs))
+            lambda mod, inp, out, i=i: full_views.extend(s.owner._parameters[s.attr] for s in engine.units[i].specs)
+        )
     logits = engine(torch.randint(0, 256, (2, 8)))
     after_forward = [u.full_flat.untyped_storage().nbytes() for u in engine.units]
     # The full params the module computed with now have no storage behind them.
@@ -90,8 +97,13 @@ def check_release(rank: int, world: int) -> dict:
     logits.float().logsumexp(-1).mean().backward()
     after_backward = [u.full_flat.untyped_storage().nbytes() for u in engine.units]
     grad_nonzero = all(bool(u.grad_flat.abs().sum() > 0) for u in engine.units)
-    return {"during_forward": seen_during_forward, "after_forward": after_forward, "view_bytes": view_bytes,
-            "after_backward": after_backward, "grad_nonzero": grad_nonzero}
+    return {
+        "during_forward": seen_during_forward,
+        "after_forward": after_forward,
+        "view_bytes": view_bytes,
+        "after_backward": after_backward,
+        "grad_nonzero": grad_nonzero,
+    }
 
 
 CHECKS = {"odd_shapes": check_odd_shapes, "release": check_release}

@@ -15,9 +15,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 # A small GPT whose dims do not divide a shard group of 4 (vocab 257, seq_len 17 → padding).
 SMALL = [
-    "model.vocab_size=257", "model.seq_len=17", "model.n_layer=2", "model.n_head=4", "model.d_model=36",
-    "data.source=synthetic", "data.batch_size=2", "run.log_every=1", "run.eval_every=0", "run.eval_batches=1",
-    "wandb.mode=disabled", "optim.lr_warmup=3", "run.save_model=true",
+    "model.vocab_size=257",
+    "model.seq_len=17",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.d_model=36",
+    "data.source=synthetic",
+    "data.batch_size=2",
+    "run.log_every=1",
+    "run.eval_every=0",
+    "run.eval_batches=1",
+    "wandb.mode=disabled",
+    "optim.lr_warmup=3",
+    "run.save_model=true",
     # No biases: the attention key bias has a mathematically zero grad, and Adam turns its
     # rounding noise into lr-sized steps, which would swamp a 1e-5 comparison.
     "model.bias=false",
@@ -50,9 +60,16 @@ class RunResult:
         return torch.load(self.run_dir / f"model.replica{replica}.pt")
 
 
-def run_train(out_dir: Path, name: str, overrides: list[str], config: str | None = None,
-              timeout: float = 240, check: bool = True, env: dict[str, str] | None = None,
-              script: list[str] | None = None) -> RunResult:
+def run_train(
+    out_dir: Path,
+    name: str,
+    overrides: list[str],
+    config: str | None = None,
+    timeout: float = 240,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    script: list[str] | None = None,
+) -> RunResult:
     """`python train.py [--config] --set ...` in a subprocess; a hang fails after `timeout` seconds.
 
     `script` replaces `train.py` (e.g. `["tests/faulty_train.py", "2", "3"]`).

@@ -20,8 +20,11 @@ from hsdp.optim import build_optimizer, lr_at, set_lr
 
 def reference_config(overrides: list[str], world: int) -> Config:
     cfg = load_config(None, overrides)
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * world),
-                              mesh=dataclasses.replace(cfg.mesh, sync=1, shard=1))
+    cfg = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * world),
+        mesh=dataclasses.replace(cfg.mesh, sync=1, shard=1),
+    )
     return cfg
 
 

@@ -94,20 +94,20 @@ def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     q = torch.zeros(n, dtype=torch.int8)
     scales = torch.zeros(nb, dtype=torch.float32)
     for i in range(nb):
-        xb = x[i * block: (i + 1) * block]
+        xb = x[i * block : (i + 1) * block]
         amax = xb.abs().max()
         scale = amax / 127
         scales[i] = scale
         if float(amax) == 0.0:
             continue  # all-zero block: scale 0, q 0
-        q[i * block: (i + 1) * block] = _round_half_away(xb / scale).clamp(-127, 127).to(torch.int8)
+        q[i * block : (i + 1) * block] = _round_half_away(xb / scale).clamp(-127, 127).to(torch.int8)
     return q, scales
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     out = torch.empty(q.numel(), dtype=torch.float32)
     for i in range(scales.numel()):
-        out[i * block: (i + 1) * block] = q[i * block: (i + 1) * block].float() * scales[i]
+        out[i * block : (i + 1) * block] = q[i * block : (i + 1) * block].float() * scales[i]
     return out
 
 
@@ -125,7 +125,7 @@ def flat_shard(tensors: list[torch.Tensor], k: int, shard: int) -> torch.Tensor:
     parts = []
     for t in tensors:
         rows = shard_rows(t.shape, shard)
-        piece = t[k * rows: (k + 1) * rows].reshape(-1)
+        piece = t[k * rows : (k + 1) * rows].reshape(-1)
         padded = torch.zeros(held_numel(t.shape, shard), dtype=torch.float32)
         padded[: piece.numel()] = piece
         parts.append(padded)
@@ -138,13 +138,14 @@ def unflat_shard(flat: torch.Tensor, outs: list[torch.Tensor], k: int, shard: in
     for t in outs:
         rows = shard_rows(t.shape, shard)
         n = held_numel(t.shape, shard)
-        view = t[k * rows: (k + 1) * rows]
-        view.copy_(flat[off: off + view.numel()].view_as(view))
+        view = t[k * rows : (k + 1) * rows]
+        view.copy_(flat[off : off + view.numel()].view_as(view))
         off += n
 
 
-def quantized_mean_delta(deltas: list[list[torch.Tensor]], shard: int, block: int
-                         ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+def quantized_mean_delta(
+    deltas: list[list[torch.Tensor]], shard: int, block: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """mean_m dequant(quant(Δ_m)) for one unit; deltas[m] = replica m's Δ per param of the unit.
 
     Quantization is per shard rank's flat held shard; the mean sums m = 0..M−1 in order, then
@@ -178,8 +179,10 @@ def reference_config(overrides: list[str], sync: int, shard: int) -> Config:
     """One process holding the global batch (B·M·S rows)."""
     cfg = load_config(None, overrides)
     return dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * sync * shard),
-        mesh=dataclasses.replace(cfg.mesh, sync=1, shard=1))
+        cfg,
+        data=dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * sync * shard),
+        mesh=dataclasses.replace(cfg.mesh, sync=1, shard=1),
+    )
 
 
 def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncReferenceResult:
@@ -277,8 +280,19 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
                     in_flight.append((step + delay, f, mean_deltas))
                     continue
                 for u in frag_units[f]:
-                    trace = _sync_unit(unit_names[u], params, theta_g, buf, plain_average, int8, eta, mu,
-                                       sc.nesterov, S, sc.quant_block)
+                    trace = _sync_unit(
+                        unit_names[u],
+                        params,
+                        theta_g,
+                        buf,
+                        plain_average,
+                        int8,
+                        eta,
+                        mu,
+                        sc.nesterov,
+                        S,
+                        sc.quant_block,
+                    )
                     if trace:
                         int8_trace.setdefault(step, {}).update(trace)
                 landed.append(f)
@@ -293,9 +307,19 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
     return SyncReferenceResult(losses, synced_flags, final, frag_log, land_log, int8_trace)
 
 
-def _sync_unit(unit: list[str], params: list[dict[str, torch.Tensor]], theta_g, buf, plain_average: bool,
-               int8: bool, eta: float, mu: float, nesterov: bool, shard: int, block: int
-               ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _sync_unit(
+    unit: list[str],
+    params: list[dict[str, torch.Tensor]],
+    theta_g,
+    buf,
+    plain_average: bool,
+    int8: bool,
+    eta: float,
+    mu: float,
+    nesterov: bool,
+    shard: int,
+    block: int,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Sync one unit's params across replicas now; int8 returns its trace (name → (quant_step, tie_margin))."""
     M = len(params)
     if plain_average:
@@ -312,8 +336,9 @@ def _sync_unit(unit: list[str], params: list[dict[str, torch.Tensor]], theta_g, 
     return trace
 
 
-def _mean_delta(unit: list[str], params: list[dict[str, torch.Tensor]], theta_g, int8: bool, shard: int,
-                block: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def _mean_delta(
+    unit: list[str], params: list[dict[str, torch.Tensor]], theta_g, int8: bool, shard: int, block: int
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """The mean over replicas of Δ_m = θ_g − θ_m per param of the unit (int8: quantized per shard), and the trace."""
     M = len(params)
     if int8:
@@ -329,9 +354,17 @@ def _mean_delta(unit: list[str], params: list[dict[str, torch.Tensor]], theta_g,
     return mean_delta, {}
 
 
-def _outer_update(unit: list[str], params: list[dict[str, torch.Tensor]], theta_g, buf,
-                  mean_delta: dict[str, torch.Tensor], eta: float, mu: float, nesterov: bool,
-                  alpha: Optional[float]) -> None:
+def _outer_update(
+    unit: list[str],
+    params: list[dict[str, torch.Tensor]],
+    theta_g,
+    buf,
+    mean_delta: dict[str, torch.Tensor],
+    eta: float,
+    mu: float,
+    nesterov: bool,
+    alpha: Optional[float],
+) -> None:
     """Outer SGD step on θ_g with Δ; then θ_m ← θ_g (alpha None: blocking) or α·θ_m + (1 − α)·θ_g."""
     for n in unit:
         d = mean_delta[n]

@@ -71,9 +71,22 @@ def torchrun(out: Path, name: str, overrides: list[str], timeout: float = 240) -
     port = free_port()
     # Every rank's main() writes config.yaml into the new run folder, and rank 0's check that the folder
     # holds no previous run can see another rank's copy: overwrite=true lets it replace that copy.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", name,
-           *train_cmd(["train.py"], out, name, overrides + ["run.overwrite=true"])[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{port}",
+        "--rdzv-id",
+        name,
+        *train_cmd(["train.py"], out, name, overrides + ["run.overwrite=true"])[1:],
+    ]
     logs = [open(out / f"{name}.node{n}.log", "w") for n in range(2)]
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=ENV) for log in logs]
     try:
@@ -142,8 +155,13 @@ def exact_ref(out: Path) -> RunResult:
 @pytest.fixture(scope="module")
 def killed_in_save(out: Path) -> dict:
     """The reference's config with checkpoints; rank 1 dies (SIGKILL) while writing step 9's; resume=auto."""
-    killed = run_train(out, "exact-ckpt", EXACT + ["run.checkpoint_every=5", "run.keep_checkpoints=3"],
-                       check=False, script=["tests/checkpoint_train.py", "die-in-save", "9"])
+    killed = run_train(
+        out,
+        "exact-ckpt",
+        EXACT + ["run.checkpoint_every=5", "run.keep_checkpoints=3"],
+        check=False,
+        script=["tests/checkpoint_train.py", "die-in-save", "9"],
+    )
     after_kill = sorted(p.name for p in (killed.run_dir / "checkpoints").iterdir())
     resumed = run_train(out, "exact-ckpt", EXACT + ["run.checkpoint_every=5", "run.keep_checkpoints=3"])
     return {"killed": killed, "after_kill": after_kill, "resumed": resumed}
@@ -176,8 +194,13 @@ def test_kill9_of_a_worker_then_resume_auto(out: Path, exact_ref: RunResult) -> 
     name, overrides = "exact-kill9", EXACT + EVERY_5
     metrics = out / name / "metrics.jsonl"
     with open(out / "kill9.stderr", "w") as err:
-        proc = subprocess.Popen(train_cmd(["tests/checkpoint_train.py", "pids", str(pid_dir)], out, name, overrides),
-                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env=ENV)
+        proc = subprocess.Popen(
+            train_cmd(["tests/checkpoint_train.py", "pids", str(pid_dir)], out, name, overrides),
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=ENV,
+        )
         try:
             deadline = time.monotonic() + 180
             while last_logged_step(metrics) < 10:

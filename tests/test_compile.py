@@ -38,8 +38,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult,
         "1x4": _pair(tmp, "1x4", SMALL + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=4"]),
         "2x2-diloco": _pair(tmp, "diloco", SMALL + DILOCO),
         # bf16 runs with our passes (prefetch 1): the passes do not change numerics (checked below in fp32).
-        "1x2-bf16": _pair(tmp, "bf16", BASE + BF16, compiled=["compile.enabled=true", "compile.passes=ours",
-                                                             "compile.prefetch=1"]),
+        "1x2-bf16": _pair(
+            tmp, "bf16", BASE + BF16, compiled=["compile.enabled=true", "compile.passes=ours", "compile.prefetch=1"]
+        ),
     }
 
 
@@ -47,11 +48,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult,
 def scheduled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     """Compiled 1x2 runs scheduled by our passes (prefetch 0 and 2) and by inductor's (the ablation)."""
     tmp = tmp_path_factory.mktemp("passes")
-    variants = {"ours0": ["compile.passes=ours", "compile.prefetch=0"],
-                "ours2": ["compile.passes=ours", "compile.prefetch=2"],
-                "inductor": ["compile.passes=inductor"]}
-    return {name: run_train(tmp, name, BASE + ["compile.enabled=true"] + extra, timeout=900)
-            for name, extra in variants.items()}
+    variants = {
+        "ours0": ["compile.passes=ours", "compile.prefetch=0"],
+        "ours2": ["compile.passes=ours", "compile.prefetch=2"],
+        "inductor": ["compile.passes=inductor"],
+    }
+    return {
+        name: run_train(tmp, name, BASE + ["compile.enabled=true"] + extra, timeout=900)
+        for name, extra in variants.items()
+    }
 
 
 def _rel(a: list[float], b: list[float]) -> float:

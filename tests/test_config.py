@@ -87,22 +87,25 @@ def test_yaml_file_scientific_notation_without_dot(tmp_path):
     assert cfg.run.steps == 7
 
 
-@pytest.mark.parametrize("override, section, key, expected, tp", [
-    ("run.steps=7", "run", "steps", 7, int),
-    ("optim.lr=3e-4", "optim", "lr", 3e-4, float),
-    ("optim.lr=0.002", "optim", "lr", 0.002, float),
-    ("optim.grad_clip=0", "optim", "grad_clip", 0.0, float),  # YAML int → float field
-    ("run.save_model=true", "run", "save_model", True, bool),
-    ("model.bias=false", "model", "bias", False, bool),
-    ("run.name=my_run", "run", "name", "my_run", str),
-    ("mesh.engine=ddp", "mesh", "engine", "ddp", str),
-    ("sync.warmup_steps=null", "sync", "warmup_steps", None, type(None)),
-    ("sync.warmup_steps=5", "sync", "warmup_steps", 5, int),
-    ("sync.outer_lr=0.5", "sync", "outer_lr", 0.5, float),
-    ("sync.outer_lr=null", "sync", "outer_lr", None, type(None)),
-    ("wandb.entity=null", "wandb", "entity", None, type(None)),
-    ("wandb.entity=team", "wandb", "entity", "team", str),
-])
+@pytest.mark.parametrize(
+    "override, section, key, expected, tp",
+    [
+        ("run.steps=7", "run", "steps", 7, int),
+        ("optim.lr=3e-4", "optim", "lr", 3e-4, float),
+        ("optim.lr=0.002", "optim", "lr", 0.002, float),
+        ("optim.grad_clip=0", "optim", "grad_clip", 0.0, float),  # YAML int → float field
+        ("run.save_model=true", "run", "save_model", True, bool),
+        ("model.bias=false", "model", "bias", False, bool),
+        ("run.name=my_run", "run", "name", "my_run", str),
+        ("mesh.engine=ddp", "mesh", "engine", "ddp", str),
+        ("sync.warmup_steps=null", "sync", "warmup_steps", None, type(None)),
+        ("sync.warmup_steps=5", "sync", "warmup_steps", 5, int),
+        ("sync.outer_lr=0.5", "sync", "outer_lr", 0.5, float),
+        ("sync.outer_lr=null", "sync", "outer_lr", None, type(None)),
+        ("wandb.entity=null", "wandb", "entity", None, type(None)),
+        ("wandb.entity=team", "wandb", "entity", "team", str),
+    ],
+)
 def test_set_override_is_parsed_to_the_field_type(override, section, key, expected, tp):
     cfg = load_config(TINY, ["sync.method=diloco", override])  # outer_* are diloco-only
     got = getattr(getattr(cfg, section), key)
@@ -189,15 +192,18 @@ def test_missing_config_file(tmp_path):
     assert "--config" in msg and "nope.yaml" in msg
 
 
-@pytest.mark.parametrize("text, key", [
-    ("nosuch:\n  a: 1\n", "nosuch"),
-    ("run:\n  stepz: 3\n", "run.stepz"),
-    ("run:\n  steps: ten\n", "run.steps"),
-    ("run:\n  steps: true\n", "run.steps"),
-    ("run: 5\n", "run"),
-    ("model:\n  d_model: 100\n  n_head: 3\n", "model.n_head"),
-    ("run: [unclosed\n", "--config"),
-])
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("nosuch:\n  a: 1\n", "nosuch"),
+        ("run:\n  stepz: 3\n", "run.stepz"),
+        ("run:\n  steps: ten\n", "run.steps"),
+        ("run:\n  steps: true\n", "run.steps"),
+        ("run: 5\n", "run"),
+        ("model:\n  d_model: 100\n  n_head: 3\n", "model.n_head"),
+        ("run: [unclosed\n", "--config"),
+    ],
+)
 def test_bad_yaml_file_raises_one_line_error(tmp_path, text, key):
     p = tmp_path / "bad.yaml"
     p.write_text(text)
@@ -237,8 +243,9 @@ def _run_cli(tmp_path: Path, *sets: str) -> tuple[subprocess.CompletedProcess, f
     return proc, elapsed
 
 
-@pytest.mark.parametrize("bad, key", [("optim.lr=-1", "optim.lr"), ("optim.nosuch=1", "optim.nosuch"),
-                                      ("run.steps=ten", "run.steps")])
+@pytest.mark.parametrize(
+    "bad, key", [("optim.lr=-1", "optim.lr"), ("optim.nosuch=1", "optim.nosuch"), ("run.steps=ten", "run.steps")]
+)
 def test_cli_config_error_exits_2_with_one_line(tmp_path, bad, key):
     proc, elapsed = _run_cli(tmp_path, bad)
     assert proc.returncode == 2, f"rc={proc.returncode}\nstderr:\n{proc.stderr}"
@@ -251,11 +258,24 @@ def test_cli_config_error_exits_2_with_one_line(tmp_path, bad, key):
 
 # ------------------------------------------------------------------ save / load round trip
 def test_save_config_round_trip(tmp_path):
-    cfg = load_config(TINY, [
-        "run.name=roundtrip", "run.steps=123", "optim.lr=3e-4", "optim.min_lr=1e-5", "optim.eps=1e-10",
-        "sync.warmup_steps=10", "sync.every=4", "sync.fragments=2", "sync.method=diloco",
-        "sync.outer_lr=0.5", "wandb.entity=team", "model.bias=false", "run.save_model=true",
-    ])
+    cfg = load_config(
+        TINY,
+        [
+            "run.name=roundtrip",
+            "run.steps=123",
+            "optim.lr=3e-4",
+            "optim.min_lr=1e-5",
+            "optim.eps=1e-10",
+            "sync.warmup_steps=10",
+            "sync.every=4",
+            "sync.fragments=2",
+            "sync.method=diloco",
+            "sync.outer_lr=0.5",
+            "wandb.entity=team",
+            "model.bias=false",
+            "run.save_model=true",
+        ],
+    )
     path = tmp_path / "config.yaml"
     save_config(cfg, path)
     text = path.read_text()
@@ -288,8 +308,9 @@ def test_from_dict_rejects_unknown_key():
 
 
 # ------------------------------------------------------------------ known library bugs (see report)
-@pytest.mark.parametrize("override, key", [("optim.lr=nan", "optim.lr"), ("optim.lr=.inf", "optim.lr"),
-                                           ("optim.min_lr=nan", "optim.min_lr")])
+@pytest.mark.parametrize(
+    "override, key", [("optim.lr=nan", "optim.lr"), ("optim.lr=.inf", "optim.lr"), ("optim.min_lr=nan", "optim.min_lr")]
+)
 def test_non_finite_values_rejected(override, key):
     assert key in one_line_error(load_config, TINY, [override])
 

@@ -24,8 +24,12 @@ def make_cfg(**sections) -> Config:
 
 
 def small_stdlib_cfg(batch_size: int = 3, grad_accum: int = 1, seed: int = 0) -> Config:
-    return make_cfg(model=dict(seq_len=32), data=dict(source="stdlib", batch_size=batch_size),
-                    optim=dict(grad_accum=grad_accum), run=dict(seed=seed))
+    return make_cfg(
+        model=dict(seq_len=32),
+        data=dict(source="stdlib", batch_size=batch_size),
+        optim=dict(grad_accum=grad_accum),
+        run=dict(seed=seed),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +106,7 @@ def test_rows_are_aligned_windows_of_the_corpus(stdlib_data):
     x, y = stdlib_data.train_batch(4, 0)
     ids = stdlib_data.train.windows(4 * 3, 3)
     for row, (i, xr, yr) in enumerate(zip(ids, x, y)):
-        expect = torch.from_numpy(tokens[i * T: i * T + T + 1].astype(np.int64))
+        expect = torch.from_numpy(tokens[i * T : i * T + T + 1].astype(np.int64))
         assert torch.equal(xr, expect[:-1]) and torch.equal(yr, expect[1:]), f"row {row}"
 
 
@@ -146,8 +150,11 @@ def unique_bin(tmp_path_factory) -> Path:
 
 def test_ranks_never_share_a_window(unique_bin):
     T, B, accum = 16, 5, 2
-    cfg = make_cfg(model=dict(seq_len=T, vocab_size=65536), optim=dict(grad_accum=accum),
-                   data=dict(source="tokens", path=str(unique_bin), batch_size=B, val_fraction=0.1))
+    cfg = make_cfg(
+        model=dict(seq_len=T, vocab_size=65536),
+        optim=dict(grad_accum=accum),
+        data=dict(source="tokens", path=str(unique_bin), batch_size=B, val_fraction=0.1),
+    )
     ranks = [Data(cfg, r, W) for r in range(W)]
     n_windows = ranks[0].train.n_windows
     seen_over_steps: set[int] = set()
@@ -185,10 +192,16 @@ def test_concatenated_rank_batches_equal_single_process_batch(source, unique_bin
     B, accum = 3, 2
     extra = dict(path=str(unique_bin)) if source == "tokens" else {}
     vocab = 65536 if source == "tokens" else 256
-    per_rank_cfg = make_cfg(model=dict(seq_len=32, vocab_size=vocab), optim=dict(grad_accum=accum),
-                            data=dict(source=source, batch_size=B, **extra))
-    single_cfg = make_cfg(model=dict(seq_len=32, vocab_size=vocab), optim=dict(grad_accum=accum),
-                          data=dict(source=source, batch_size=B * W, **extra))
+    per_rank_cfg = make_cfg(
+        model=dict(seq_len=32, vocab_size=vocab),
+        optim=dict(grad_accum=accum),
+        data=dict(source=source, batch_size=B, **extra),
+    )
+    single_cfg = make_cfg(
+        model=dict(seq_len=32, vocab_size=vocab),
+        optim=dict(grad_accum=accum),
+        data=dict(source=source, batch_size=B * W, **extra),
+    )
     ranks = [Data(per_rank_cfg, r, W) for r in range(W)]
     single = Data(single_cfg, 0, 1)
     for step in range(3):
@@ -207,8 +220,9 @@ def test_text_source_single_file(tmp_path):
     text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200)).encode()
     f = tmp_path / "corpus.txt"
     f.write_bytes(text)
-    cfg = load_config(None, ["data.source=text", f"data.path={f}", "model.seq_len=16", "data.batch_size=2",
-                             "data.val_fraction=0.2"])
+    cfg = load_config(
+        None, ["data.source=text", f"data.path={f}", "model.seq_len=16", "data.batch_size=2", "data.val_fraction=0.2"]
+    )
     train, val = load_tokens(cfg)
     cut = int(len(text) * 0.8)
     assert bytes(train) == text[:cut] and bytes(val) == text[cut:]
@@ -239,8 +253,17 @@ def test_tokens_source_reads_uint16_and_splits_without_val_bin(tmp_path):
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 1000, size=5000).astype(np.uint16)
     path = write_bin(tmp_path / "train.bin", toks)
-    cfg = load_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab_size=1000",
-                             "model.seq_len=8", "data.batch_size=4", "data.val_fraction=0.1"])
+    cfg = load_config(
+        None,
+        [
+            "data.source=tokens",
+            f"data.path={path}",
+            "model.vocab_size=1000",
+            "model.seq_len=8",
+            "data.batch_size=4",
+            "data.val_fraction=0.1",
+        ],
+    )
     train, val = load_tokens(cfg)
     assert np.array_equal(np.asarray(train), toks[:4500]) and np.array_equal(np.asarray(val), toks[4500:])
     d = Data(cfg, 0, 1)
@@ -251,7 +274,7 @@ def test_tokens_source_reads_uint16_and_splits_without_val_bin(tmp_path):
     for xr in x:
         start = None
         for i in range(len(toks) // 8):
-            if np.array_equal(toks[i * 8: i * 8 + 8], xr.numpy()):
+            if np.array_equal(toks[i * 8 : i * 8 + 8], xr.numpy()):
                 start = i
                 break
         assert start is not None
@@ -262,8 +285,10 @@ def test_tokens_source_uses_val_bin_beside_it(tmp_path):
     val_toks = (np.arange(700) % 300 + 200).astype(np.uint16)
     path = write_bin(tmp_path / "train.bin", toks)
     write_bin(tmp_path / "val.bin", val_toks)
-    cfg = load_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab_size=500",
-                             "model.seq_len=8", "data.batch_size=2"])
+    cfg = load_config(
+        None,
+        ["data.source=tokens", f"data.path={path}", "model.vocab_size=500", "model.seq_len=8", "data.batch_size=2"],
+    )
     train, val = load_tokens(cfg)
     assert np.array_equal(np.asarray(train), toks)  # the whole train file, no hold-out
     assert np.array_equal(np.asarray(val), val_toks)
@@ -325,10 +350,10 @@ def test_windows_cross_epoch_boundaries_as_permutations():
     stream = TokenStream(np.arange(n * T + 1, dtype=np.uint16), seq_len=T, seed=3)
     assert stream.n_windows == n
     ids = stream.windows(0, 4 * n)
-    epochs = [ids[e * n:(e + 1) * n] for e in range(3)]
+    epochs = [ids[e * n : (e + 1) * n] for e in range(3)]
     for e, perm in enumerate(epochs):
         assert sorted(perm.tolist()) == list(range(n)), f"epoch {e} is not a permutation"
-    tail = ids[3 * n: 3 * n + 5]
+    tail = ids[3 * n : 3 * n + 5]
     assert len(set(tail.tolist())) == len(tail) and all(0 <= i < n for i in tail)
     # epochs are reshuffled, not repeated
     assert any(not np.array_equal(epochs[0], e) for e in epochs[1:])
@@ -353,4 +378,4 @@ def test_batches_beyond_one_epoch_via_data(tmp_path):
         assert torch.equal(x, x[:, :1] + torch.arange(T)) and torch.equal(y, x + 1)
         starts += (x[:, 0] // T).tolist()
     for e in range(3):
-        assert sorted(starts[e * n:(e + 1) * n]) == list(range(n))
+        assert sorted(starts[e * n : (e + 1) * n]) == list(range(n))

@@ -18,8 +18,13 @@ STEPS = 20
 
 
 def _run_check(name: str, world: int, tmp_path: Path, timeout: float = 240) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.engine_workers", name, str(world),
-                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "tests.engine_workers", name, str(world), str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -57,8 +62,7 @@ def test_baselines_equal_hsdp(tmp_path: Path, engine: str) -> None:
 
 def test_fsdp2_bytes_labelled_shard_when_shard_group_is_world(tmp_path: Path) -> None:
     """On a 1×2 mesh the shard group is the world group; FSDP2's traffic still counts as "shard"."""
-    run = run_train(tmp_path, "fsdp2-1x2", SMALL + ["run.steps=2", "mesh.sync=1", "mesh.shard=2",
-                                                    "mesh.engine=fsdp2"])
+    run = run_train(tmp_path, "fsdp2-1x2", SMALL + ["run.steps=2", "mesh.sync=1", "mesh.shard=2", "mesh.engine=fsdp2"])
     comm = run.summary["comm"]
     assert comm["shard/all_gather"]["calls"] > 0 and comm["shard/reduce_scatter"]["calls"] > 0
     assert not any(k.startswith(("world/all_gather", "world/reduce_scatter", "other/")) for k in comm), comm
@@ -124,14 +128,25 @@ def test_release_frees_full_params(tmp_path: Path) -> None:
 
 def test_sharded_peak_memory_below_unsharded(tmp_path: Path) -> None:
     """Peak RSS of a 1x4 (sharded) run is below a 4x1 (replicated) run of a 28M-param model."""
-    big = ["model.d_model=768", "model.n_layer=4", "model.n_head=8", "model.seq_len=16", "data.batch_size=1",
-           "data.source=synthetic", "run.steps=2", "run.eval_every=0", "run.eval_batches=1", "wandb.mode=disabled"]
+    big = [
+        "model.d_model=768",
+        "model.n_layer=4",
+        "model.n_head=8",
+        "model.seq_len=16",
+        "data.batch_size=1",
+        "data.source=synthetic",
+        "run.steps=2",
+        "run.eval_every=0",
+        "run.eval_batches=1",
+        "wandb.mode=disabled",
+    ]
     # glibc would keep freed blocks in its heap, so RSS would count dead tensors; mmapping every block
     # >= 64 KiB returns them to the OS and makes peak RSS track tensor memory (see README).
     env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     sharded = run_train(tmp_path, "sharded", big + ["mesh.sync=1", "mesh.shard=4"], env=env).summary["peak_mem_mb"]
-    replicated = run_train(tmp_path, "replicated", big + ["mesh.sync=4", "mesh.shard=1"],
-                           env=env).summary["peak_mem_mb"]
+    replicated = run_train(tmp_path, "replicated", big + ["mesh.sync=4", "mesh.shard=1"], env=env).summary[
+        "peak_mem_mb"
+    ]
     # 3/4 of params+grads+Adam state (~450 MB) minus transient full units; measured here: ~320 MB.
     assert sharded < replicated - 200, (sharded, replicated)
 
@@ -139,8 +154,9 @@ def test_sharded_peak_memory_below_unsharded(tmp_path: Path) -> None:
 def test_bf16_params_train_close_to_fp32(tmp_path: Path) -> None:
     overrides = SMALL + ["run.steps=30", "mesh.sync=2", "mesh.shard=2", "run.save_model=false"]
     fp32 = np.array(run_train(tmp_path, "fp32", overrides).losses)
-    bf16 = np.array(run_train(tmp_path, "bf16", overrides + ["precision.param_dtype=bf16",
-                                                             "precision.reduce_dtype=bf16"]).losses)
+    bf16 = np.array(
+        run_train(tmp_path, "bf16", overrides + ["precision.param_dtype=bf16", "precision.reduce_dtype=bf16"]).losses
+    )
     assert bf16[-1] < bf16[0] - 0.1
     assert np.max(np.abs(bf16 - fp32) / fp32) < 0.03
 
@@ -161,9 +177,17 @@ def test_triton_kernels_train_like_torch_reference(tmp_path: Path) -> None:
     import os
 
     assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest; inherited by the workers
-    overrides = SMALL + ["run.steps=5", "mesh.sync=2", "mesh.shard=2", "precision.param_dtype=bf16",
-                         "sync.warmup_steps=1", "sync.every=2", "sync.method=diloco", "sync.quantize=int8",
-                         "sync.quant_block=64"]
+    overrides = SMALL + [
+        "run.steps=5",
+        "mesh.sync=2",
+        "mesh.shard=2",
+        "precision.param_dtype=bf16",
+        "sync.warmup_steps=1",
+        "sync.every=2",
+        "sync.method=diloco",
+        "sync.quantize=int8",
+        "sync.quant_block=64",
+    ]
     torch_run = run_train(tmp_path, "torch", overrides + ["kernels.backend=torch"])
     triton_run = run_train(tmp_path, "triton", overrides + ["kernels.backend=triton"], timeout=400)
     assert [m["synced"] for m in triton_run.metrics] == [False, False, True, False, True]

@@ -135,7 +135,7 @@ def naive_quantize(x: torch.Tensor, block: int):
     q = np.zeros(n, np.int8)
     scales = np.zeros(nb, np.float32)
     for b in range(nb):
-        chunk = xs[b * block:(b + 1) * block]
+        chunk = xs[b * block : (b + 1) * block]
         s = np.float32(np.abs(chunk).max()) / np.float32(127)
         scales[b] = s
         for j, v in enumerate(chunk):
@@ -198,8 +198,28 @@ def test_import_without_triton_or_cuda():
 # ----------------------------------------------------------------------------- pack_shards
 
 
-SPECIAL = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), 3.4e38, -3.4e38, 65504.0, 65520.0,
-                        1e-40, -1e-45, 1.17e-38, 6e-8, 1.00390625, 1.01171875, 1.0 + 2**-8, 1.0 + 3 * 2**-9])
+SPECIAL = torch.tensor(
+    [
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        float("inf"),
+        -float("inf"),
+        3.4e38,
+        -3.4e38,
+        65504.0,
+        65520.0,
+        1e-40,
+        -1e-45,
+        1.17e-38,
+        6e-8,
+        1.00390625,
+        1.01171875,
+        1.0 + 2**-8,
+        1.0 + 3 * 2**-9,
+    ]
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS.get)
@@ -210,8 +230,10 @@ def test_pack_shards(dtype, n):
     outs = {b: torch.full((n,), 7.0, dtype=dtype) for b in ("torch", "triton")}
     for b, o in outs.items():
         on(b, kernels.pack_shards, held, o)
-    assert torch.equal(outs["triton"].view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       outs["torch"].view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(
+        outs["triton"].view(torch.int16 if dtype != torch.float32 else torch.int32),
+        outs["torch"].view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
 
 
 def test_pack_shards_large():
@@ -285,7 +307,7 @@ def test_unpack_full_restores_params():
     on("triton", kernels.unpack_full, gathered, sizes, full)
     off = 0
     for p, sn in zip(params, sizes):
-        assert torch.equal(full[S * off: S * off + p.numel()].view(p.shape), p)
+        assert torch.equal(full[S * off : S * off + p.numel()].view(p.shape), p)
         off += sn
 
 
@@ -314,11 +336,14 @@ def test_pack_grads_mixed_unit(S, grad_dtype, out_dtype, accumulate):
     assert torch.equal(outs["triton"], outs["torch"])
 
 
-@pytest.mark.parametrize("S,grad_dtype,out_dtype,accumulate", [
-    (4, torch.bfloat16, torch.float32, False),
-    (3, torch.float32, torch.bfloat16, True),
-    (2, torch.float16, torch.float16, False),
-])
+@pytest.mark.parametrize(
+    "S,grad_dtype,out_dtype,accumulate",
+    [
+        (4, torch.bfloat16, torch.float32, False),
+        (3, torch.float32, torch.bfloat16, True),
+        (2, torch.float16, torch.float16, False),
+    ],
+)
 def test_pack_grads_many_params(S, grad_dtype, out_dtype, accumulate):
     shapes = UNITS["many"]
     sizes = [shard_numel(s, S) for s in shapes]
@@ -462,7 +487,7 @@ def test_outer_step_matches_torch_sgd():
 def _quant_input(n, block, seed):
     x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
     if n >= 2 * block:
-        x[block: 2 * block] = 0.0  # an all-zero block: scale 0, q 0
+        x[block : 2 * block] = 0.0  # an all-zero block: scale 0, q 0
     if n >= 4:
         # exact .5 ties after scaling: absmax 127 makes the scale exactly 1
         x[:4] = torch.tensor([127.0, 2.5, -3.5, 0.5])
@@ -524,8 +549,12 @@ def test_dequantize_mean(M, n, block):
 
 
 @settings(max_examples=15, deadline=None)
-@given(sizes_by_param=st.lists(st.integers(0, 3000), min_size=1, max_size=12), S=st.sampled_from(SHARDS),
-       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+@given(
+    sizes_by_param=st.lists(st.integers(0, 3000), min_size=1, max_size=12),
+    S=st.sampled_from(SHARDS),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
 def test_property_unpack(sizes_by_param, S, dtype, seed):
     gathered = torch.randn(S, sum(sizes_by_param), generator=torch.Generator().manual_seed(seed)).to(dtype)
     outs = _unpack_both(gathered, sizes_by_param)
@@ -533,9 +562,15 @@ def test_property_unpack(sizes_by_param, S, dtype, seed):
 
 
 @settings(max_examples=15, deadline=None)
-@given(shapes=st.lists(st.tuples(st.integers(0, 50), st.integers(1, 40)), min_size=1, max_size=10),
-       S=st.sampled_from(SHARDS), grad_dtype=st.sampled_from(DTYPES), out_dtype=st.sampled_from(DTYPES),
-       scale=st.floats(-4, 4, allow_nan=False, width=32), accumulate=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    shapes=st.lists(st.tuples(st.integers(0, 50), st.integers(1, 40)), min_size=1, max_size=10),
+    S=st.sampled_from(SHARDS),
+    grad_dtype=st.sampled_from(DTYPES),
+    out_dtype=st.sampled_from(DTYPES),
+    scale=st.floats(-4, 4, allow_nan=False, width=32),
+    accumulate=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_property_pack_grads(shapes, S, grad_dtype, out_dtype, scale, accumulate, seed):
     sizes = [shard_numel(s, S) for s in shapes]
     grads = make_grads(shapes, grad_dtype, seed)
@@ -602,8 +637,12 @@ OP_ARGS = {
     "compute_delta": lambda: (torch.randn(14), torch.randn(14), torch.empty(14)),
     "outer_step": lambda: (torch.randn(14), torch.randn(14), torch.randn(14), torch.randn(14), 0.7, 0.9, True, False),
     "quantize_int8": lambda: (torch.randn(14), 4),
-    "dequantize_mean": lambda: (torch.randint(-127, 128, (3, 14), dtype=torch.int8), torch.rand(3, 4), 4,
-                                torch.empty(14)),
+    "dequantize_mean": lambda: (
+        torch.randint(-127, 128, (3, 14), dtype=torch.int8),
+        torch.rand(3, 4),
+        4,
+        torch.empty(14),
+    ),
 }
 
 
@@ -630,8 +669,11 @@ def test_compile_sees_one_op_per_call():
     torch._dynamo.reset()
     res = torch.compile(step, backend=capture, fullgraph=True)(*args)
     ops = [n for n in nodes if n.startswith("hsdp_kernels.")]
-    assert ops == ["hsdp_kernels.pack_shards.default", "hsdp_kernels.unpack_full.default",
-                   "hsdp_kernels.quantize_int8.default"]
+    assert ops == [
+        "hsdp_kernels.pack_shards.default",
+        "hsdp_kernels.unpack_full.default",
+        "hsdp_kernels.quantize_int8.default",
+    ]
     assert torch.equal(args[1], args[0].bfloat16())
     q, s = quantize_int8_ref(args[4], 4)
     assert res == q.float().sum() + s.sum()
@@ -641,33 +683,94 @@ def test_compile_sees_one_op_per_call():
 
 _F32X = {"num_warps": 8, "enable_fp_fusion": False}
 GPU_CASES = {  # name -> (module, kernel, signature, constexprs, options), as the dispatchers launch them
-    "pack_shards_bf16": ("kernels.pack", "_pack_shards_kernel", {"src_ptr": "*fp32", "dst_ptr": "*bf16", "n": "i32"},
-                         {"BLOCK": 4096}, {"num_warps": 8}),
-    "unpack_full": ("kernels.pack", "_unpack_full_kernel",
-                    {"src_ptr": "*bf16", "dst_ptr": "*bf16", "items_ptr": "*i64", "N": "i32", "S": "i32"},
-                    {"BLOCK": 2048, "ALIGN": 16}, {"num_warps": 4}),
-    "pack_grads_acc": ("kernels.reduce", "_pack_grads_kernel",
-                       {"grads_ptr": "*i64", "out_ptr": "*bf16", "items_ptr": "*i64", "g0_ptr": "*bf16",
-                        "n_params": "i32", "N": "i32", "scale": "fp32"},
-                       {"BLOCK": 2048, "ALIGN": 16, "NUMEL_ALIGN": 16, "PTR_ALIGN": 16, "ACCUMULATE": True},
-                       {"num_warps": 4, "enable_fp_fusion": False}),
-    "accumulate": ("kernels.reduce", "_accumulate_kernel",
-                   {"reduced_ptr": "*bf16", "shard_ptr": "*fp32", "n": "i32", "scale": "fp32"}, {"BLOCK": 4096}, _F32X),
-    "compute_delta": ("kernels.outer", "_delta_kernel",
-                      {"global_ptr": "*fp32", "held_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
-                      {"BLOCK": 4096}, {"num_warps": 8}),
-    "outer_step": ("kernels.outer", "_outer_step_kernel",
-                   {"held_ptr": "*fp32", "global_ptr": "*fp32", "mom_ptr": "*fp32", "delta_ptr": "*fp32",
-                    "n": "i32", "lr": "fp32", "mu": "fp32"}, {"NESTEROV": True, "FIRST": False, "BLOCK": 4096}, _F32X),
-    "quantize": ("kernels.quant", "_quantize_kernel",
-                 {"x_ptr": "*fp32", "q_ptr": "*i8", "scale_ptr": "*fp32", "n": "i32", "nb": "i32", "block": "i32"},
-                 {"ROWS": 16, "COLS": 256}, _F32X),
-    "quantize_max_block": ("kernels.quant", "_quantize_kernel",
-                           {"x_ptr": "*fp32", "q_ptr": "*i8", "scale_ptr": "*fp32", "n": "i32", "nb": "i32",
-                            "block": "i32"}, {"ROWS": 1, "COLS": 16384}, _F32X),
-    "dequantize": ("kernels.quant", "_dequantize_mean_kernel",
-                   {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "nb": "i32",
-                    "block": "i32", "M": "i32", "M_f": "fp32"}, {"BLOCK": 4096}, _F32X),
+    "pack_shards_bf16": (
+        "kernels.pack",
+        "_pack_shards_kernel",
+        {"src_ptr": "*fp32", "dst_ptr": "*bf16", "n": "i32"},
+        {"BLOCK": 4096},
+        {"num_warps": 8},
+    ),
+    "unpack_full": (
+        "kernels.pack",
+        "_unpack_full_kernel",
+        {"src_ptr": "*bf16", "dst_ptr": "*bf16", "items_ptr": "*i64", "N": "i32", "S": "i32"},
+        {"BLOCK": 2048, "ALIGN": 16},
+        {"num_warps": 4},
+    ),
+    "pack_grads_acc": (
+        "kernels.reduce",
+        "_pack_grads_kernel",
+        {
+            "grads_ptr": "*i64",
+            "out_ptr": "*bf16",
+            "items_ptr": "*i64",
+            "g0_ptr": "*bf16",
+            "n_params": "i32",
+            "N": "i32",
+            "scale": "fp32",
+        },
+        {"BLOCK": 2048, "ALIGN": 16, "NUMEL_ALIGN": 16, "PTR_ALIGN": 16, "ACCUMULATE": True},
+        {"num_warps": 4, "enable_fp_fusion": False},
+    ),
+    "accumulate": (
+        "kernels.reduce",
+        "_accumulate_kernel",
+        {"reduced_ptr": "*bf16", "shard_ptr": "*fp32", "n": "i32", "scale": "fp32"},
+        {"BLOCK": 4096},
+        _F32X,
+    ),
+    "compute_delta": (
+        "kernels.outer",
+        "_delta_kernel",
+        {"global_ptr": "*fp32", "held_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
+        {"BLOCK": 4096},
+        {"num_warps": 8},
+    ),
+    "outer_step": (
+        "kernels.outer",
+        "_outer_step_kernel",
+        {
+            "held_ptr": "*fp32",
+            "global_ptr": "*fp32",
+            "mom_ptr": "*fp32",
+            "delta_ptr": "*fp32",
+            "n": "i32",
+            "lr": "fp32",
+            "mu": "fp32",
+        },
+        {"NESTEROV": True, "FIRST": False, "BLOCK": 4096},
+        _F32X,
+    ),
+    "quantize": (
+        "kernels.quant",
+        "_quantize_kernel",
+        {"x_ptr": "*fp32", "q_ptr": "*i8", "scale_ptr": "*fp32", "n": "i32", "nb": "i32", "block": "i32"},
+        {"ROWS": 16, "COLS": 256},
+        _F32X,
+    ),
+    "quantize_max_block": (
+        "kernels.quant",
+        "_quantize_kernel",
+        {"x_ptr": "*fp32", "q_ptr": "*i8", "scale_ptr": "*fp32", "n": "i32", "nb": "i32", "block": "i32"},
+        {"ROWS": 1, "COLS": 16384},
+        _F32X,
+    ),
+    "dequantize": (
+        "kernels.quant",
+        "_dequantize_mean_kernel",
+        {
+            "q_ptr": "*i8",
+            "scale_ptr": "*fp32",
+            "out_ptr": "*fp32",
+            "n": "i32",
+            "nb": "i32",
+            "block": "i32",
+            "M": "i32",
+            "M_f": "fp32",
+        },
+        {"BLOCK": 4096},
+        _F32X,
+    ),
 }
 
 # Compiles each case for sm_90 with triton's bundled ptxas and prints PTX facts as JSON.
@@ -701,8 +804,9 @@ def sm90_facts():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root
-    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, json.dumps(GPU_CASES)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT, json.dumps(GPU_CASES)], env=env, capture_output=True, text=True, timeout=300
+    )
     if res.returncode != 0:
         last = (res.stderr.strip().splitlines() or ["?"])[-1]
         if "ptxas" in res.stderr or "ImportError" in last:
@@ -741,7 +845,12 @@ def test_arithmetic_kernels_launch_without_fma(monkeypatch):
     for name, make in OP_ARGS.items():
         getattr(kernels, name)(*make())
     assert seen == {
-        "_pack_shards_kernel": True, "_unpack_full_kernel": True, "_delta_kernel": True,  # copies/one op: no FMA
-        "_pack_grads_kernel": False, "_accumulate_kernel": False, "_outer_step_kernel": False,
-        "_quantize_kernel": False, "_dequantize_mean_kernel": False,
+        "_pack_shards_kernel": True,
+        "_unpack_full_kernel": True,
+        "_delta_kernel": True,  # copies/one op: no FMA
+        "_pack_grads_kernel": False,
+        "_accumulate_kernel": False,
+        "_outer_step_kernel": False,
+        "_quantize_kernel": False,
+        "_dequantize_mean_kernel": False,
     }

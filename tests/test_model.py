@@ -38,11 +38,15 @@ def test_output_shape(T):
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("cfg", [
-    SMALL,
-    ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),  # tiny.yaml
-    ModelConfig(vocab_size=50, seq_len=7, n_layer=3, n_head=3, d_model=24, bias=False),
-], ids=["small", "tiny-yaml", "no-bias"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SMALL,
+        ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),  # tiny.yaml
+        ModelConfig(vocab_size=50, seq_len=7, n_layer=3, n_head=3, d_model=24, bias=False),
+    ],
+    ids=["small", "tiny-yaml", "no-bias"],
+)
 def test_parameter_count_matches_formula(cfg):
     model = build_model(cfg, seed=0)
     assert sum(p.numel() for p in model.parameters()) == expected_param_count(cfg)
@@ -123,7 +127,7 @@ def test_causal_future_tokens_do_not_change_past_logits():
     base = model(idx)
     for t in (0, 5, T - 2):
         changed = idx.clone()
-        changed[:, t + 1:] = (changed[:, t + 1:] + 1 + torch.arange(T - t - 1)) % SMALL.vocab_size
+        changed[:, t + 1 :] = (changed[:, t + 1 :] + 1 + torch.arange(T - t - 1)) % SMALL.vocab_size
         out = model(changed)
         assert torch.allclose(out[:, : t + 1], base[:, : t + 1], atol=1e-6), f"position <= {t} saw the future"
         assert not torch.allclose(out[:, t + 1], base[:, t + 1]), "changed token had no effect"
@@ -155,27 +159,39 @@ def test_no_decay_classification():
     for name, p in model.named_parameters():
         (rest if no_decay(name, p.dim()) else decay).add(name)
     L = SMALL.n_layer
-    linear = {f"units.{i}.{m}.weight" for i in range(1, L + 1)
-              for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")} | {f"units.{L + 1}.lm_head.weight"}
+    linear = {
+        f"units.{i}.{m}.weight" for i in range(1, L + 1) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    } | {f"units.{L + 1}.lm_head.weight"}
     assert decay == linear
-    assert {"units.0.wte.weight", "units.0.wpe.weight", f"units.{L + 1}.ln_f.weight", f"units.{L + 1}.ln_f.bias",
-            "units.1.ln1.weight", "units.1.ln2.bias", "units.1.attn.qkv.bias", "units.2.mlp.proj.bias"} <= rest
+    assert {
+        "units.0.wte.weight",
+        "units.0.wpe.weight",
+        f"units.{L + 1}.ln_f.weight",
+        f"units.{L + 1}.ln_f.bias",
+        "units.1.ln1.weight",
+        "units.1.ln2.bias",
+        "units.1.attn.qkv.bias",
+        "units.2.mlp.proj.bias",
+    } <= rest
     assert decay | rest == {n for n, _ in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name, ndim, expected", [
-    ("units.0.wte.weight", 2, True),
-    ("units.0.wpe.weight", 2, True),
-    ("units.3.ln_f.weight", 1, True),
-    ("units.1.ln1.weight", 1, True),
-    ("units.1.attn.qkv.bias", 1, True),
-    ("units.1.attn.qkv.weight", 2, False),
-    ("units.2.mlp.fc.weight", 2, False),
-    ("units.2.mlp.proj.weight", 2, False),
-    ("units.3.lm_head.weight", 2, False),
-    ("module.units.0.wte.weight", 2, True),  # DDP-style prefix
-    ("module.units.1.attn.proj.weight", 2, False),
-])
+@pytest.mark.parametrize(
+    "name, ndim, expected",
+    [
+        ("units.0.wte.weight", 2, True),
+        ("units.0.wpe.weight", 2, True),
+        ("units.3.ln_f.weight", 1, True),
+        ("units.1.ln1.weight", 1, True),
+        ("units.1.attn.qkv.bias", 1, True),
+        ("units.1.attn.qkv.weight", 2, False),
+        ("units.2.mlp.fc.weight", 2, False),
+        ("units.2.mlp.proj.weight", 2, False),
+        ("units.3.lm_head.weight", 2, False),
+        ("module.units.0.wte.weight", 2, True),  # DDP-style prefix
+        ("module.units.1.attn.proj.weight", 2, False),
+    ],
+)
 def test_no_decay_names(name, ndim, expected):
     assert no_decay(name, ndim) is expected
 

@@ -30,11 +30,14 @@ def _order(g: fx.Graph) -> str:
     return " ".join(n.name for n in g.nodes if n.op == "call_function")
 
 
-@pytest.mark.parametrize("k,expected", [
-    (0, "ag0 w0 p0 c0 ag1 w1 p1 c1 ag2 w2 p2 c2 ag3 w3 p3 c3"),
-    (1, "ag0 w0 ag1 p0 c0 w1 ag2 p1 c1 w2 ag3 p2 c2 w3 p3 c3"),
-    (2, "ag0 ag1 w0 ag2 p0 c0 w1 ag3 p1 c1 w2 p2 c2 w3 p3 c3"),
-])
+@pytest.mark.parametrize(
+    "k,expected",
+    [
+        (0, "ag0 w0 p0 c0 ag1 w1 p1 c1 ag2 w2 p2 c2 ag3 w3 p3 c3"),
+        (1, "ag0 w0 ag1 p0 c0 w1 ag2 p1 c1 w2 ag3 p2 c2 w3 p3 c3"),
+        (2, "ag0 ag1 w0 ag2 p0 c0 w1 ag3 p1 c1 w2 p2 c2 w3 p3 c3"),
+    ],
+)
 def test_prefetch_places_each_gather_k_ahead(k: int, expected: str) -> None:
     g = _forward_graph()
     prefetch_gathers(g, k)
@@ -98,5 +101,10 @@ def call(args):
     torch.ops._c10d_functional.wait_tensor.default(buf4)
     return (buf4, )
 """
-    assert schedule_of_code(code) == ["start all_gather buf0 <- primals_1", "compute ×2", "wait buf0",
-                                      "start reduce_scatter buf4 <- buf3", "wait buf4"]
+    assert schedule_of_code(code) == [
+        "start all_gather buf0 <- primals_1",
+        "compute ×2",
+        "wait buf0",
+        "start reduce_scatter buf4 <- buf3",
+        "wait buf4",
+    ]

@@ -57,11 +57,11 @@ def main_in_process(capsys, out: Path, *overrides: str, worker=stub_worker) -> t
     return rc, [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
 
 
-def run_cli(args: list[str], cwd: Path = REPO, env: dict[str, str] | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def assert_one_line_exit_2(proc: subprocess.CompletedProcess, *words: str) -> str:
@@ -138,8 +138,12 @@ def test_run_name_linking_outside_out_dir_is_rejected(tmp_path):
 def test_out_dir_problems_exit_2_before_anything_is_written(tmp_path, capsys, monkeypatch):
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    cases = {str(a_file): "is a file", str(a_file / "sub"): "cannot be created", "/proc/hsdp-runs": "/proc",
-             "/sys/kernel": "/sys"}
+    cases = {
+        str(a_file): "is a file",
+        str(a_file / "sub"): "cannot be created",
+        "/proc/hsdp-runs": "/proc",
+        "/sys/kernel": "/sys",
+    }
     for out_dir, words in cases.items():
         msg = one_line_error(load_config, None, [f"run.out_dir={out_dir}"])
         assert msg.startswith("run.out_dir:") and words in msg, msg
@@ -219,21 +223,34 @@ def test_vocab_size_below_2_is_rejected():
 def test_bad_data_exits_2_before_workers_start(tmp_path, capsys):
     bad = tmp_path / "train.bin"
     np.full(500, 999, dtype=np.uint16).tofile(bad)
-    rc, err = main_in_process(capsys, tmp_path / "out", "data.source=tokens", f"data.path={bad}",
-                              "model.seq_len=8", "model.vocab_size=257", worker=None)
+    rc, err = main_in_process(
+        capsys,
+        tmp_path / "out",
+        "data.source=tokens",
+        f"data.path={bad}",
+        "model.seq_len=8",
+        "model.vocab_size=257",
+        worker=None,
+    )
     assert rc == 2 and len(err) == 1 and "token id 999" in err[0]
     assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------ config files
-@pytest.mark.parametrize("text, words", [
-    ("", ["is empty"]),
-    ("# only a comment\n", ["is empty"]),
-    ("run:\n  steps: 3\nmodel:\n  n_layer: 2\nrun:\n  seed: 1\n", ["duplicate key run", "line 5", "first at line 1"]),
-    ("run:\n  steps: 3\n  seed: 1\n  steps: 4\n", ["duplicate key run.steps", "line 4", "first at line 2"]),
-    ("run:\n  steps: 3\n  seed: [1, 2\n", ["line 4, column 1"]),
-    ("run:\n  steps: 3\n bad indent: 1\n", ["line 3, column 2"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("", ["is empty"]),
+        ("# only a comment\n", ["is empty"]),
+        (
+            "run:\n  steps: 3\nmodel:\n  n_layer: 2\nrun:\n  seed: 1\n",
+            ["duplicate key run", "line 5", "first at line 1"],
+        ),
+        ("run:\n  steps: 3\n  seed: 1\n  steps: 4\n", ["duplicate key run.steps", "line 4", "first at line 2"]),
+        ("run:\n  steps: 3\n  seed: [1, 2\n", ["line 4, column 1"]),
+        ("run:\n  steps: 3\n bad indent: 1\n", ["line 3, column 2"]),
+    ],
+)
 def test_bad_yaml_files(tmp_path, text, words):
     p = tmp_path / "c.yaml"
     p.write_text(text)
@@ -312,17 +329,20 @@ def test_sweep_base_falls_back_to_the_checkout(tmp_path):
     assert "base" in one_line_error(sweep.load_sweep, str(write_sweep(tmp_path, "nope.yaml")))
 
 
-@pytest.mark.parametrize("text, words", [
-    (None, ["sweep: file not found"]),
-    ("", ["is empty"]),
-    ("base: [unclosed\n", ["not valid YAML", "line 2"]),
-    ("- a\n- b\n", ["expected a mapping"]),
-    ("base: configs/tiny.yaml\ncolumns: [steps]\n", ["missing key 'runs'"]),
-    ("base: configs/tiny.yaml\ncolumns: [steps]\nruns: {a: []}\nrunz: {}\n", ["unknown keys ['runz']"]),
-    ("base: configs/tiny.yaml\ncolumns: [steps]\nruns: {a: run.seed=1}\n", ["runs.a"]),
-    ("base: configs/tiny.yaml\ncolumns: [steps]\nruns: {a: [run.stepz=1]}\n", ["run.stepz"]),
-    ("base: configs/tiny.yaml\ncolumns: [steps]\nruns: {a: []}\nruns: {b: []}\n", ["duplicate key runs"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (None, ["sweep: file not found"]),
+        ("", ["is empty"]),
+        ("base: [unclosed\n", ["not valid YAML", "line 2"]),
+        ("- a\n- b\n", ["expected a mapping"]),
+        ("base: configs/tiny.yaml\ncolumns: [steps]\n", ["missing key 'runs'"]),
+        ("base: configs/tiny.yaml\ncolumns: [steps]\nruns: {a: []}\nrunz: {}\n", ["unknown keys ['runz']"]),
+        ("base: configs/tiny.yaml\ncolumns: [steps]\nruns: {a: run.seed=1}\n", ["runs.a"]),
+        ("base: configs/tiny.yaml\ncolumns: [steps]\nruns: {a: [run.stepz=1]}\n", ["run.stepz"]),
+        ("base: configs/tiny.yaml\ncolumns: [steps]\nruns: {a: []}\nruns: {b: []}\n", ["duplicate key runs"]),
+    ],
+)
 def test_bad_sweep_files_exit_2_with_one_line(tmp_path, capsys, text, words):
     path = tmp_path / "sw.yaml"
     if text is not None:
@@ -346,11 +366,18 @@ def closed_port() -> int:
 
 
 def test_wandb_online_without_network_warns_once_and_the_run_goes_on(tmp_path):
-    env = {"WANDB_BASE_URL": f"http://127.0.0.1:{closed_port()}", "WANDB_API_KEY": "a" * 40,
-           "HSDP_WANDB_TIMEOUT_S": "2", "WANDB_SILENT": "true"}
+    env = {
+        "WANDB_BASE_URL": f"http://127.0.0.1:{closed_port()}",
+        "WANDB_API_KEY": "a" * 40,
+        "HSDP_WANDB_TIMEOUT_S": "2",
+        "WANDB_SILENT": "true",
+    }
     t0 = time.perf_counter()
-    proc = run_cli(["train.py", *sets(*ONE, "run.steps=3", f"run.out_dir={tmp_path}", "run.name=w",
-                                      "wandb.mode=online")], env=env, timeout=120)
+    proc = run_cli(
+        ["train.py", *sets(*ONE, "run.steps=3", f"run.out_dir={tmp_path}", "run.name=w", "wandb.mode=online")],
+        env=env,
+        timeout=120,
+    )
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: wandb")]
@@ -362,8 +389,10 @@ def test_wandb_online_without_network_warns_once_and_the_run_goes_on(tmp_path):
 
 
 def test_wandb_is_imported_only_when_enabled_and_a_broken_one_only_warns(tmp_path, monkeypatch, capsys):
-    cfgs = {mode: load_config(None, [f"wandb.mode={mode}", f"run.out_dir={tmp_path}", f"run.name={mode}"])
-            for mode in ("disabled", "offline")}
+    cfgs = {
+        mode: load_config(None, [f"wandb.mode={mode}", f"run.out_dir={tmp_path}", f"run.name={mode}"])
+        for mode in ("disabled", "offline")
+    }
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError, as without wandb
     for mode, cfg in cfgs.items():
         cfg.run_dir.mkdir()

@@ -53,14 +53,29 @@ class Run:
     def __init__(self, tmp_path: Path, sync: int, shard: int, ignore_sigint: bool = False) -> None:
         self.mark = uuid.uuid4().hex
         self.run_dir = tmp_path / "r"
-        overrides = [*SMALL, "run.save_model=false", "run.steps=1000000", f"mesh.sync={sync}",
-                     f"mesh.shard={shard}", f"run.out_dir={tmp_path}", "run.name=r"]
+        overrides = [
+            *SMALL,
+            "run.save_model=false",
+            "run.steps=1000000",
+            f"mesh.sync={sync}",
+            f"mesh.shard={shard}",
+            f"run.out_dir={tmp_path}",
+            "run.name=r",
+        ]
         cmd = [sys.executable, str(REPO / "train.py"), *[a for o in overrides for a in ("--set", o)]]
         env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore", MARK_ENV: self.mark}
         # A script's background job (`cmd &`) starts with SIGINT ignored; reproduce that.
         preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, preexec_fn=preexec, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=preexec,
+            start_new_session=True,
+        )
         self.world = sync * shard
 
     def wait_training(self) -> set[int]:

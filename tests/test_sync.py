@@ -49,8 +49,7 @@ M, S = 2, 2
 MESH = [f"mesh.sync={M}", f"mesh.shard={S}"]
 TOL = 1e-5
 PERIODIC = ["sync.warmup_steps=3", "sync.every=4"]
-SGD = ["optim.name=sgd", "optim.momentum=0", "optim.lr=0.05", "optim.min_lr=0.005", "optim.grad_clip=0",
-       "run.steps=16"]
+SGD = ["optim.name=sgd", "optim.momentum=0", "optim.lr=0.05", "optim.min_lr=0.005", "optim.grad_clip=0", "run.steps=16"]
 
 CASES: dict[str, list[str]] = {
     "average": [*PERIODIC, "run.steps=16"],
@@ -61,11 +60,17 @@ CASES: dict[str, list[str]] = {
     "sgd_w0": [*SGD, "sync.warmup_steps=0", "sync.every=1"],
     "sgd_hsdp": [*SGD, "sync.warmup_steps=null"],
     "sgd_wall": [*SGD, "sync.warmup_steps=16", "sync.every=4"],
-    "delay_frag": [*PERIODIC, "run.steps=16", "sync.method=diloco", "sync.fragments=2", "sync.delay=3",
-                   "sync.alpha=0"],
+    "delay_frag": [*PERIODIC, "run.steps=16", "sync.method=diloco", "sync.fragments=2", "sync.delay=3", "sync.alpha=0"],
     "delay_avg": [*PERIODIC, "run.steps=16", "sync.delay=1", "sync.alpha=0.5"],
-    "delay_int8": [*PERIODIC, "run.steps=16", "sync.method=diloco", "sync.quantize=int8", "sync.quant_block=64",
-                   "sync.delay=3", "sync.alpha=0.5"],
+    "delay_int8": [
+        *PERIODIC,
+        "run.steps=16",
+        "sync.method=diloco",
+        "sync.quantize=int8",
+        "sync.quant_block=64",
+        "sync.delay=3",
+        "sync.alpha=0.5",
+    ],
 }
 
 
@@ -190,8 +195,9 @@ def check_equal_up_to_int8_ties(params: list[dict[str, torch.Tensor]], ref: Sync
             d = (eng[name] - r).abs()
             flip = d > 0.1 * qstep + 1e-6 * float(r.abs().max())
             assert bool((d[flip] <= 1.1 * qstep[flip]).all()), f"{name}: off by more than one int8 step"
-            assert bool((margin[flip] <= 0.05).all()), \
+            assert bool((margin[flip] <= 0.05).all()), (
                 f"{name}: int8 values differ where the reference is not near a rounding tie"
+            )
             patched = torch.where(flip, r, eng[name])
             assert rel_err(patched, r) <= TOL, f"{name}: {rel_err(patched, r):.3g} outside flipped elements"
             total += d.numel()
@@ -244,8 +250,7 @@ def test_warmup_covering_the_run_is_exact_hsdp_bit_for_bit(runs: Runs):
 def unit_sizes(case: str) -> list[int]:
     """N_u: elements of one rank's held shard of each unit."""
     model = build_model(load_config(None, overrides(case)).model, 0)
-    return [sum(math.ceil(p.shape[0] / S) * math.prod(p.shape[1:]) for p in unit.parameters())
-            for unit in model.units]
+    return [sum(math.ceil(p.shape[0] / S) * math.prod(p.shape[1:]) for p in unit.parameters()) for unit in model.units]
 
 
 def fp32_all_reduce_bytes(n: int) -> int:
@@ -267,14 +272,18 @@ def expected_sync_bytes(case: str) -> list[int]:
         for f in range(sc.fragments):
             if fragment_due(s, f, sc.warmup_steps, sc.every, sc.fragments):
                 for u in range(f, len(sizes), sc.fragments):
-                    b += (int8_sync_bytes(sizes[u], sc.quant_block) if sc.quantize == "int8"
-                          else fp32_all_reduce_bytes(sizes[u]))
+                    b += (
+                        int8_sync_bytes(sizes[u], sc.quant_block)
+                        if sc.quantize == "int8"
+                        else fp32_all_reduce_bytes(sizes[u])
+                    )
         out.append(b)
     return out
 
 
-@pytest.mark.parametrize("case", ["average", "diloco", "frag", "int8", "sgd_w0", "sgd_hsdp", "delay_frag",
-                                  "delay_avg", "delay_int8"])
+@pytest.mark.parametrize(
+    "case", ["average", "diloco", "frag", "int8", "sgd_w0", "sgd_hsdp", "delay_frag", "delay_avg", "delay_int8"]
+)
 def test_synced_flags_and_sync_bytes(runs: Runs, case: str):
     """`synced` marks the steps a sync starts after (τ = 0: also lands); its bytes count on that step."""
     run, ref = runs.run(case), runs.ref(case)
@@ -310,6 +319,7 @@ def test_int8_sync_sends_about_a_quarter_of_fp32(runs: Runs):
     def per_sync(case):
         m = runs.run(case).metrics
         return m[6]["sync_bytes"] - m[5]["sync_bytes"]  # the first sync (after step 6)
+
     ratio = per_sync("int8") / per_sync("diloco")
     assert 0.25 <= ratio <= 0.3, ratio  # (1 + 4/64)/4 = 0.266 with block 64 on M = 2
 
@@ -402,8 +412,16 @@ def check_resume_from_state_dict(rank: int, comm) -> dict[str, bool]:
     # fragment 0 starts after 3, 7, 11 and lands 3 later; fragment 1 starts after 5, 9, 13
     results = {}
     for name, quantize in (("fp32", "none"), ("int8", "int8")):
-        cfg = SyncConfig(warmup_steps=warmup, every=4, fragments=2, method="diloco", quantize=quantize,
-                         quant_block=64, delay=3, alpha=0.5)
+        cfg = SyncConfig(
+            warmup_steps=warmup,
+            every=4,
+            fragments=2,
+            method="diloco",
+            quantize=quantize,
+            quant_block=64,
+            delay=3,
+            alpha=0.5,
+        )
 
         def run(cfg: SyncConfig, stop_after: Optional[int]) -> tuple[list[torch.Tensor], int]:
             held = initial_held()
@@ -442,12 +460,15 @@ def _policy_worker(rank: int, port: int, out: str) -> None:
     from hsdp.launch import shutdown_process_group
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         comm = Comm({"sync": dist.group.WORLD})
-        results = {**check_delayed_landed_at_once_equals_blocking(rank, comm),
-                   **check_resume_from_state_dict(rank, comm)}
+        results = {
+            **check_delayed_landed_at_once_equals_blocking(rank, comm),
+            **check_resume_from_state_dict(rank, comm),
+        }
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         shutdown_process_group()
@@ -457,8 +478,14 @@ def test_policy_delayed_equals_blocking_at_once_and_resumes_exactly(tmp_path: Pa
     import json
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests/test_sync.py"), "policy", str(tmp_path)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests/test_sync.py"), "policy", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())

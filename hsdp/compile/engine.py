@@ -45,8 +45,9 @@ class CompiledHSDPEngine(HSDPEngine):
         super().__init__(*args, **kwargs)
         self.compile_cfg = compile_cfg or CompileConfig(enabled=True)
         groups = self.mesh.comm.groups
-        self.groups = Groups(groups["shard"].group_name, self.mesh.shard_size, groups["sync"].group_name,
-                             self.mesh.sync_size)
+        self.groups = Groups(
+            groups["shard"].group_name, self.mesh.shard_size, groups["sync"].group_name, self.mesh.sync_size
+        )
         # Leaves that share storage with the held shards; their .grad is the grad shard, so the compiled
         # backward's output accumulates straight into it (AccumulateGrad adds in place into a set .grad).
         self.leaves = [u.held_flat.detach().requires_grad_(True) for u in self.units]
@@ -72,8 +73,9 @@ class CompiledHSDPEngine(HSDPEngine):
         """The compiled loss function of this reduce variant (compiled on first use)."""
         if plan not in self._compiled:
             units = [(u.module, u.layout) for u in self.units]
-            fn = partial(sharded_loss, units, param_dtype=self.param_dtype, groups=self.groups, plan=plan,
-                         buckets=self.buckets)
+            fn = partial(
+                sharded_loss, units, param_dtype=self.param_dtype, groups=self.groups, plan=plan, buckets=self.buckets
+            )
             # dynamic=False: both variants trace the same code, and dynamo would otherwise make the
             # divide factors that differ between them symbolic ("automatic dynamic") on the second compile.
             self._compiled[plan] = torch.compile(fn, fullgraph=True, dynamic=False, options=self._inductor_options())
@@ -133,12 +135,23 @@ class CompiledHSDPEngine(HSDPEngine):
     def stats(self) -> dict[str, Any]:
         """summary.json: graph and recompile counts, compile time, and what each graph does."""
         graphs = [g for p in self._compiled for g in self.census.graphs.get(p, [])]
-        return {"compile_graphs": len(graphs), "recompiles": self.recompiles, "buckets": self.buckets,
-                "compile_time_s": round(self.compile_time_s, 2),
-                "compiled": [{"graph": g.kind, "all_gathers": g.count("all_gather"),
-                              "reduce_scatters": g.count("reduce_scatter"), "all_reduces": g.count("all_reduce"),
-                              "saved_full_params": g.saved_gathered, "max_full_params_alive": g.max_alive}
-                             for g in graphs]}
+        return {
+            "compile_graphs": len(graphs),
+            "recompiles": self.recompiles,
+            "buckets": self.buckets,
+            "compile_time_s": round(self.compile_time_s, 2),
+            "compiled": [
+                {
+                    "graph": g.kind,
+                    "all_gathers": g.count("all_gather"),
+                    "reduce_scatters": g.count("reduce_scatter"),
+                    "all_reduces": g.count("all_reduce"),
+                    "saved_full_params": g.saved_gathered,
+                    "max_full_params_alive": g.max_alive,
+                }
+                for g in graphs
+            ],
+        }
 
 
 def schedule_text(engine: CompiledHSDPEngine) -> str:

@@ -98,12 +98,13 @@ def plan_buckets(layouts: list[UnitLayout], param_dtype: torch.dtype, bucket_mb:
         buckets[-1].append(u)
         size += nbytes
     if len(buckets) == 1 and len(units) > 1:
-        buckets = [units[: len(units) // 2], units[len(units) // 2:]]
+        buckets = [units[: len(units) // 2], units[len(units) // 2 :]]
     return buckets
 
 
-def gather_bucket(helds: list[torch.Tensor], layouts: list[UnitLayout], param_dtype: torch.dtype, groups: Groups,
-                  plan: ReducePlan) -> list[list[torch.Tensor]]:
+def gather_bucket(
+    helds: list[torch.Tensor], layouts: list[UnitLayout], param_dtype: torch.dtype, groups: Groups, plan: ReducePlan
+) -> list[list[torch.Tensor]]:
     """Full params of a bucket of units from one all-gather of their concatenated shards.
 
     Its backward is one reduce-scatter (+ sync all-reduce) of the bucket; autograd splits the
@@ -115,9 +116,16 @@ def gather_bucket(helds: list[torch.Tensor], layouts: list[UnitLayout], param_dt
     return [unpack_params(g, layout) for g, layout in zip(per_unit, layouts)]
 
 
-def sharded_loss(units: list[tuple[nn.Module, UnitLayout]], helds: list[torch.Tensor], x: torch.Tensor,
-                 y: torch.Tensor, param_dtype: torch.dtype, groups: Groups, plan: ReducePlan,
-                 buckets: list[list[int]]) -> torch.Tensor:
+def sharded_loss(
+    units: list[tuple[nn.Module, UnitLayout]],
+    helds: list[torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    param_dtype: torch.dtype,
+    groups: Groups,
+    plan: ReducePlan,
+    buckets: list[list[int]],
+) -> torch.Tensor:
     """The whole model's loss from the held shards: the function torch.compile captures."""
     for bucket in buckets:
         layouts = [units[u][1] for u in bucket]

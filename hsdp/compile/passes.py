@@ -32,10 +32,24 @@ prims = torch.ops.prims
 
 # Ops that only cast, view or copy what the all-gather produced: recomputing them is as cheap as the gather.
 _UNPACK_OPS = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.split_with_sizes.default,
-    aten.split.Tensor, aten.slice.Tensor, aten.clone.default, aten.alias.default, aten.t.default,
-    aten.permute.default, aten.transpose.int, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten._to_copy.default, prims.convert_element_type.default, operator.getitem, aten.cat.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.split_with_sizes.default,
+    aten.split.Tensor,
+    aten.slice.Tensor,
+    aten.clone.default,
+    aten.alias.default,
+    aten.t.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten._to_copy.default,
+    prims.convert_element_type.default,
+    operator.getitem,
+    aten.cat.default,
 }
 # A bucket's gathered output is split per unit before the usual unpacking.
 _BUCKET_VIEW_OPS = _UNPACK_OPS | {aten.split_with_sizes_copy.default, aten.narrow.default}
@@ -58,8 +72,11 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
 def recompute_gathers(graph: fx.Graph) -> None:
     """Tag forward all-gathers, their waits, casts and unpacking as MUST_RECOMPUTE (see module doc)."""
     backward = backward_nodes(graph)
-    gathers = [n for n in graph.nodes if n.op == "call_function" and n.target == C.all_gather_into_tensor.default
-               and n not in backward]
+    gathers = [
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and n.target == C.all_gather_into_tensor.default and n not in backward
+    ]
     tagged: set[fx.Node] = set()
 
     def tag(n: fx.Node) -> None:
@@ -119,8 +136,9 @@ class CollectiveCensus:
             nbytes = t.numel() * t.element_size() // (n_ranks if op == "reduce_scatter" else 1)
             found.append((self.labels.get(group, "other"), op, ring_bytes_of(op, n_ranks, nbytes)))
         saved = 0 if backward else len(saved_gathered(graph))
-        self.graphs[self.current].append(GraphCensus("backward" if backward else "forward", found, saved,
-                                                     max_gathered_alive(graph)))
+        self.graphs[self.current].append(
+            GraphCensus("backward" if backward else "forward", found, saved, max_gathered_alive(graph))
+        )
 
     def per_call(self, key: object) -> list[tuple[str, str, int]]:
         """What one forward+backward of variant `key` sends: all its graphs' collectives."""
@@ -134,8 +152,8 @@ def saved_gathered(graph: fx.Graph) -> list[fx.Node]:
         if n.op != "call_function":
             continue
         if n.target == C.all_gather_into_tensor.default or (
-                (n.target in _WAITS or n.target in _BUCKET_VIEW_OPS)
-                and any(i in gathered for i in n.all_input_nodes)):
+            (n.target in _WAITS or n.target in _BUCKET_VIEW_OPS) and any(i in gathered for i in n.all_input_nodes)
+        ):
             gathered.add(n)
     output = next(n for n in graph.nodes if n.op == "output")
     return [n for n in output.all_input_nodes if n in gathered]
@@ -210,8 +228,12 @@ def gathered_nodes(gather: fx.Node) -> set[fx.Node]:
     """An all-gather and everything that only waits on, views or copies its result (the unit's full params)."""
     found = {gather}
     for n in gather.graph.nodes:
-        if n.op == "call_function" and (n.target in _WAITS or n.target in _BUCKET_VIEW_OPS) \
-                and n.all_input_nodes and any(i in found for i in n.all_input_nodes):
+        if (
+            n.op == "call_function"
+            and (n.target in _WAITS or n.target in _BUCKET_VIEW_OPS)
+            and n.all_input_nodes
+            and any(i in found for i in n.all_input_nodes)
+        ):
             found.add(n)
     return found
 
@@ -239,8 +261,7 @@ def prefetch_gathers(graph: fx.Graph, prefetch: int) -> None:
     """
     # Numbered in the order the units use them (the first reader of each wait), not issue order.
     pos = _index(graph)
-    gathers = sorted((n for n in graph.nodes if _is_gather(n)),
-                     key=lambda g: pos[_first_user(_wait_of(g))])
+    gathers = sorted((n for n in graph.nodes if _is_gather(n)), key=lambda g: pos[_first_user(_wait_of(g))])
     waits = [_wait_of(g) for g in gathers]
     for w in waits:
         _move_before(w, _first_user(w))
@@ -317,19 +338,27 @@ def inductor_overlap_options(bucket_mb: float) -> dict[str, object]:
     options: dict[str, object] = {
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": [
-            "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
-            "reorder_communication_preserving_peak_memory"],
+            "reorder_communication_preserving_peak_memory",
+            "sink_waits_iterative",
+            "reorder_communication_preserving_peak_memory",
+        ],
     }
     if bucket_mb > 0:
-        options.update(bucket_all_gathers_fx="all", bucket_reduce_scatters_fx="all",
-                       bucket_all_gathers_fx_bucket_size_determinator=lambda _: bucket_mb,
-                       bucket_reduce_scatters_fx_bucket_size_determinator=lambda _: bucket_mb)
+        options.update(
+            bucket_all_gathers_fx="all",
+            bucket_reduce_scatters_fx="all",
+            bucket_all_gathers_fx_bucket_size_determinator=lambda _: bucket_mb,
+            bucket_reduce_scatters_fx_bucket_size_determinator=lambda _: bucket_mb,
+        )
     return options
 
 
 # ---------------------------------------------------------------- the schedule, read off the generated code
-_COLLECTIVE_CALLS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-                     "all_reduce": "all_reduce"}
+_COLLECTIVE_CALLS = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+}
 
 
 def schedule_of_code(code: str) -> list[str]:
