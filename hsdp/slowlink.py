@@ -118,6 +118,7 @@ class MissingRequirement(SlowLinkError):
 
 # ------------------------------------------------------------------ environment and rates
 
+
 def missing_requirements() -> Optional[str]:
     """None if this process can build namespaces (root, `ip`, `tc`), else why not (one line)."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
@@ -151,6 +152,7 @@ def rate_mbit(bits: Optional[int]) -> Optional[float]:
 
 
 # ------------------------------------------------------------------ the network
+
 
 def _run(args: list[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
@@ -209,8 +211,23 @@ class SlowLink:
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
         p, shaped = self.prefix, []
         if self.bridge_ns is None:  # M = 2: one veth pair, one end in each namespace
-            _run(["ip", "-n", self.namespaces[0], "link", "add", self.ifnames[0], "type", "veth",
-                  "peer", "name", self.ifnames[1], "netns", self.namespaces[1]])
+            _run(
+                [
+                    "ip",
+                    "-n",
+                    self.namespaces[0],
+                    "link",
+                    "add",
+                    self.ifnames[0],
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    self.ifnames[1],
+                    "netns",
+                    self.namespaces[1],
+                ]
+            )
             shaped = [(self.namespaces[0], self.ifnames[0], True), (self.namespaces[1], self.ifnames[1], True)]
         else:  # M > 2: a bridge in its own namespace, one veth per replica into it
             br = f"{p}br"
@@ -218,8 +235,23 @@ class SlowLink:
             _run(["ip", "-n", self.bridge_ns, "link", "set", br, "up"])
             for m, ns in enumerate(self.namespaces):
                 port = f"{p}b{m}"
-                _run(["ip", "-n", ns, "link", "add", self.ifnames[m], "type", "veth",
-                      "peer", "name", port, "netns", self.bridge_ns])
+                _run(
+                    [
+                        "ip",
+                        "-n",
+                        ns,
+                        "link",
+                        "add",
+                        self.ifnames[m],
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        port,
+                        "netns",
+                        self.bridge_ns,
+                    ]
+                )
                 _run(["ip", "-n", self.bridge_ns, "link", "set", port, "master", br])
                 _run(["ip", "-n", self.bridge_ns, "link", "set", port, "up"])
                 # uplink: rate + the one-way delay; downlink (bridge port egress): rate only, so every
@@ -239,11 +271,14 @@ class SlowLink:
             burst = max(64 * 1024, self.rate_bps // 8 // 500)  # ≥ 2 ms at the rate
             tbf = ["tbf", "rate", f"{self.rate_bps}bit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
         if delay_ms > 0:
-            proc = _run([*tc, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms", "limit", "100000"],
-                        check=False)
+            proc = _run(
+                [*tc, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms", "limit", "100000"], check=False
+            )
             if proc.returncode != 0:
-                raise MissingRequirement(f"--delay-ms needs the netem qdisc, which this kernel lacks "
-                                         f"(tc: {proc.stderr.strip()}); run without --delay-ms")
+                raise MissingRequirement(
+                    f"--delay-ms needs the netem qdisc, which this kernel lacks "
+                    f"(tc: {proc.stderr.strip()}); run without --delay-ms"
+                )
             if tbf:
                 _run([*tc, "parent", "1:1", "handle", "10:", *tbf])
         elif tbf:
@@ -330,7 +365,7 @@ def cleanup_stale() -> list[str]:
     """Remove namespaces named by a slowlink process that no longer exists; return their names."""
     removed = []
     for ns in list_namespaces():
-        digits = ns[len(PREFIX):].split("n")[0].rstrip("abcdefghijklmnopqrstuvwxyz")
+        digits = ns[len(PREFIX) :].split("n")[0].rstrip("abcdefghijklmnopqrstuvwxyz")
         if not ns.startswith(PREFIX) or not digits.isdigit() or _alive(int(digits)):
             continue
         for pid in namespace_pids(ns):
@@ -344,6 +379,7 @@ def cleanup_stale() -> list[str]:
 
 
 # ------------------------------------------------------------------ signals
+
 
 class StopOnSignal:
     """SIGINT/SIGTERM/SIGHUP raise `Interrupted` once; inside `shielded()` (the teardown) they are only noted."""
@@ -381,6 +417,7 @@ class StopOnSignal:
 
 # ------------------------------------------------------------------ multi-node jobs
 
+
 @dataclass
 class Job:
     """One torchrun per replica namespace; `wait` bounds it in time and stops every node on a failure."""
@@ -398,23 +435,47 @@ class Job:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         link = self.link
         for m in range(link.replicas):
-            cmd = [*link.exec_prefix(m), sys.executable, "-m", "torch.distributed.run",
-                   "--nnodes", str(link.replicas), "--nproc-per-node", str(self.nproc), "--node-rank", str(m),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{link.addrs[0]}:{self.port}",
-                   "--rdzv-id", f"{link.prefix}-{self.port}",
-                   "--rdzv-conf", f"is_host={int(m == 0)},join_timeout={self.rdzv_timeout_s},"
-                                  f"read_timeout={self.rdzv_timeout_s}",
-                   "--local-addr", link.addrs[m], "--max-restarts", "0", "--monitor-interval", "0.5",
-                   *self.target]
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": link.ifnames[m], "HSDP_NO_BAR": "1",
-                   "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
-                       filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            cmd = [
+                *link.exec_prefix(m),
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(link.replicas),
+                "--nproc-per-node",
+                str(self.nproc),
+                "--node-rank",
+                str(m),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"{link.addrs[0]}:{self.port}",
+                "--rdzv-id",
+                f"{link.prefix}-{self.port}",
+                "--rdzv-conf",
+                f"is_host={int(m == 0)},join_timeout={self.rdzv_timeout_s},read_timeout={self.rdzv_timeout_s}",
+                "--local-addr",
+                link.addrs[m],
+                "--max-restarts",
+                "0",
+                "--monitor-interval",
+                "0.5",
+                *self.target,
+            ]
+            env = {
+                **os.environ,
+                "GLOO_SOCKET_IFNAME": link.ifnames[m],
+                "HSDP_NO_BAR": "1",
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            }
             log = open(self.log_dir / f"{self.name}.node{m}.log", "w")
             log.write("+ " + " ".join(cmd) + "\n")
             log.flush()
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                               start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            )
             log.close()
         return self
 
@@ -469,6 +530,7 @@ class Job:
 
 # ------------------------------------------------------------------ the probe
 
+
 def probe_bytes(rate_bps: Optional[int], replicas: int, seconds: float) -> int:
     """fp32 all_reduce size whose ring bytes take about `seconds` at the rate (clamped to 256 KiB..128 MiB)."""
     if rate_bps is None:
@@ -510,20 +572,36 @@ def probe_worker(out: str, nbytes: int, reps: int) -> None:
     if mesh.rank == 0:
         from hsdp.comm import ring_bytes_of
 
-        Path(out).write_text(json.dumps({
-            "tensor_bytes": nbytes, "ring_bytes": ring_bytes_of("all_reduce", mesh.sync_size, nbytes),
-            "sync_s": sync_s, "shard_s": shard_s, "replicas": mesh.sync_size, "shard": shard}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "tensor_bytes": nbytes,
+                    "ring_bytes": ring_bytes_of("all_reduce", mesh.sync_size, nbytes),
+                    "sync_s": sync_s,
+                    "shard_s": shard_s,
+                    "replicas": mesh.sync_size,
+                    "shard": shard,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
-def run_probe(link: SlowLink, shard: int, seconds: float, reps: int, port: int, log_dir: Path,
-              label: str, timeout_s: float = 120) -> dict:
+def run_probe(
+    link: SlowLink, shard: int, seconds: float, reps: int, port: int, log_dir: Path, label: str, timeout_s: float = 120
+) -> dict:
     """Run the probe; returns its numbers with the expectation bytes·8/rate and the ratio measured/expected."""
     nbytes = probe_bytes(link.rate_bps, link.replicas, seconds)
     out = log_dir / f"probe-{label}.json"
     out.unlink(missing_ok=True)
-    job = Job(link, shard, ["-m", "hsdp.slowlink", "_probe", str(out), str(nbytes), str(reps)], port, log_dir,
-              f"probe-{label}").start()
+    job = Job(
+        link,
+        shard,
+        ["-m", "hsdp.slowlink", "_probe", str(out), str(nbytes), str(reps)],
+        port,
+        log_dir,
+        f"probe-{label}",
+    ).start()
     rc = job.wait(timeout_s)
     if rc != 0 or not out.is_file():
         raise SlowLinkError(f"probe at {label} failed (exit {rc}); logs:\n{job.log_tail()}")
@@ -538,6 +616,7 @@ def run_probe(link: SlowLink, shard: int, seconds: float, reps: int, port: int, 
 
 
 # ------------------------------------------------------------------ spec and plan
+
 
 @dataclass
 class Plan:
@@ -581,8 +660,10 @@ def load_spec(path: str) -> dict:
             if bad:
                 raise ConfigError(f"runs.{run}: {path}: unknown keys {bad} (expected: set, rates)")
             rates = entry.get("rates")
-            parsed[str(run)] = (_str_list(f"runs.{run}.set", entry.get("set")),
-                                None if rates is None else [str(r) for r in rates])
+            parsed[str(run)] = (
+                _str_list(f"runs.{run}.set", entry.get("set")),
+                None if rates is None else [str(r) for r in rates],
+            )
         else:
             parsed[str(run)] = (_str_list(f"runs.{run}", entry), None)
     spec["runs"] = parsed
@@ -622,8 +703,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         for _, only in runs.values():
             plan_rates += [r for r in map(parse_rate, only or []) if r not in plan_rates]
     else:  # --rate restricts every run to those rates
-        runs = {run: (o, None if only is None else [r for r in only if parse_rate(r) in rates])
-                for run, (o, only) in runs.items()}
+        runs = {
+            run: (o, None if only is None else [r for r in only if parse_rate(r) in rates])
+            for run, (o, only) in runs.items()
+        }
     target = args.target or spec.get("target") or next(iter(runs))
     if target not in runs:
         raise ConfigError(f"--target: {target!r} is not a run (runs: {', '.join(runs)})")
@@ -631,19 +714,30 @@ def make_plan(args: argparse.Namespace) -> Plan:
     shared = [*spec["set"], *args.set]
     cfg = load_config(base, shared)
     out_dir = Path(cfg.run.out_dir).expanduser().resolve()
-    plan = Plan(name=name, base=base, shared=shared, rates=plan_rates, default_rates=[r[0] for r in rates],
-                delay_ms=args.delay_ms if args.delay_ms is not None else float(spec.get("delay_ms", 0)),
-                target=target, timeout_s=args.timeout_s or float(spec.get("timeout_s", 1200)),
-                probe_s=args.probe_s if args.probe_s is not None else float(spec.get("probe_s", 2.0)),
-                runs=runs, out=Path(args.out).expanduser().resolve() if args.out else out_dir / name,
-                out_dir=out_dir, mesh=(cfg.mesh.sync, cfg.mesh.shard))
+    plan = Plan(
+        name=name,
+        base=base,
+        shared=shared,
+        rates=plan_rates,
+        default_rates=[r[0] for r in rates],
+        delay_ms=args.delay_ms if args.delay_ms is not None else float(spec.get("delay_ms", 0)),
+        target=target,
+        timeout_s=args.timeout_s or float(spec.get("timeout_s", 1200)),
+        probe_s=args.probe_s if args.probe_s is not None else float(spec.get("probe_s", 2.0)),
+        runs=runs,
+        out=Path(args.out).expanduser().resolve() if args.out else out_dir / name,
+        out_dir=out_dir,
+        mesh=(cfg.mesh.sync, cfg.mesh.shard),
+    )
     if plan.delay_ms < 0:
         raise ConfigError(f"--delay-ms: expected >= 0, got {plan.delay_ms}")
     for run, label in plan_items(plan):  # validate every run's config before building anything
         c = load_config(base, overrides(plan, run, label))
         if (c.mesh.sync, c.mesh.shard) != plan.mesh:
-            raise ConfigError(f"runs.{run}: mesh {c.mesh.sync}x{c.mesh.shard} differs from the base's "
-                              f"{plan.mesh[0]}x{plan.mesh[1]} (one network per rate)")
+            raise ConfigError(
+                f"runs.{run}: mesh {c.mesh.sync}x{c.mesh.shard} differs from the base's "
+                f"{plan.mesh[0]}x{plan.mesh[1]} (one network per rate)"
+            )
     if not 2 <= plan.mesh[0] <= MAX_REPLICAS:
         raise ConfigError(f"mesh.sync: slowlink needs 2..{MAX_REPLICAS} replicas, got {plan.mesh[0]}")
     return plan
@@ -664,11 +758,18 @@ def run_name(plan: Plan, run: str, label: str) -> str:
 
 
 def overrides(plan: Plan, run: str, label: str) -> list[str]:
-    return [*plan.shared, *plan.runs[run][0], f"run.name={run_name(plan, run, label)}", "run.overwrite=true",
-            "run.resume=never", f"run.out_dir={plan.out_dir}"]
+    return [
+        *plan.shared,
+        *plan.runs[run][0],
+        f"run.name={run_name(plan, run, label)}",
+        "run.overwrite=true",
+        "run.resume=never",
+        f"run.out_dir={plan.out_dir}",
+    ]
 
 
 # ------------------------------------------------------------------ results
+
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
@@ -702,10 +803,13 @@ def time_to_target(records: list[dict], steps: int, target: Optional[float]) -> 
     cum = cumulative_times(records, steps)
     for r in records:
         if "val_loss" in r and r["val_loss"] <= target + 1e-9:
-            return {"step_to_target": r["step"], "tokens_to_target": r["tokens"],
-                    "sync_bytes_to_target": r["sync_bytes"], "time_to_target_s": cum[r["step"]] if cum else None}
-    return {"step_to_target": None, "tokens_to_target": None, "sync_bytes_to_target": None,
-            "time_to_target_s": None}
+            return {
+                "step_to_target": r["step"],
+                "tokens_to_target": r["tokens"],
+                "sync_bytes_to_target": r["sync_bytes"],
+                "time_to_target_s": cum[r["step"]] if cum else None,
+            }
+    return {"step_to_target": None, "tokens_to_target": None, "sync_bytes_to_target": None, "time_to_target_s": None}
 
 
 def summarize(run_dir: Path) -> Optional[dict]:
@@ -715,12 +819,19 @@ def summarize(run_dir: Path) -> Optional[dict]:
     s = json.loads(path.read_text())
     comm = s.get("comm", {})
     sync_ops = {k: v for k, v in comm.items() if k.startswith("sync/")}
-    return {"steps": s["steps"], "tokens": s["tokens"], "median_step_s": s["median_step_time_s"],
-            "mean_step_s": s["train_time_s"] / s["steps"], "train_time_s": s["train_time_s"],
-            "wall_time_s": s["wall_time_s"], "final_val_loss": s["final_val_loss"],
-            "sync_bytes": s["sync_bytes"], "shard_bytes": s["shard_bytes"],
-            "sync_seconds": sum(v["seconds"] for v in sync_ops.values()),
-            "sync_calls": sum(v["calls"] for v in sync_ops.values())}
+    return {
+        "steps": s["steps"],
+        "tokens": s["tokens"],
+        "median_step_s": s["median_step_time_s"],
+        "mean_step_s": s["train_time_s"] / s["steps"],
+        "train_time_s": s["train_time_s"],
+        "wall_time_s": s["wall_time_s"],
+        "final_val_loss": s["final_val_loss"],
+        "sync_bytes": s["sync_bytes"],
+        "shard_bytes": s["shard_bytes"],
+        "sync_seconds": sum(v["seconds"] for v in sync_ops.values()),
+        "sync_calls": sum(v["calls"] for v in sync_ops.values()),
+    }
 
 
 def evaluate_results(plan: Plan, results: list[dict]) -> None:
@@ -792,18 +903,26 @@ def crossovers(plan: Plan, results: list[dict]) -> dict:
         mine = [r for r in shaped if r["run"] == run]
         entry = {}
         for key in ("mean_step_s", "time_to_target_s"):
-            pairs = [(r["rate_mbit"], r[key], b[key]) for r in mine for b in ref
-                     if b["rate"] == r["rate"] and r.get(key) is not None and b.get(key) is not None]
+            pairs = [
+                (r["rate_mbit"], r[key], b[key])
+                for r in mine
+                for b in ref
+                if b["rate"] == r["rate"] and r.get(key) is not None and b.get(key) is not None
+            ]
             wins = sorted(rate for rate, a, b in pairs if a < b)
             fit_a = fit_time([(r["rate_mbit"], r[key]) for r in mine if r.get(key) is not None])
             fit_b = fit_time([(b["rate_mbit"], b[key]) for b in ref if b.get(key) is not None])
-            entry[key] = {"wins_at_mbit": wins, "measured_at_mbit": sorted(p for p, _, _ in pairs),
-                          **crossing(fit_a, fit_b)}
+            entry[key] = {
+                "wins_at_mbit": wins,
+                "measured_at_mbit": sorted(p for p, _, _ in pairs),
+                **crossing(fit_a, fit_b),
+            }
         out[run] = entry
     return out
 
 
 # ------------------------------------------------------------------ formatting
+
 
 def _mib(b: Optional[float]) -> str:
     return "–" if b is None else f"{b / 2**20:,.1f} MiB"
@@ -823,60 +942,87 @@ def _rate(r: dict) -> str:
 
 def tables(plan: Plan, results: list[dict], probes: list[dict], cross: dict) -> str:
     M, S = plan.mesh
-    lines = [f"Mesh {M}×{S} (replicas × shard), one network namespace per replica, "
-             f"one-way delay {plan.delay_ms:g} ms; target = final val loss of `{plan.target}` at the same rate.",
-             "",
-             "| run | rate | steps | median step | mean step | mean vs " + plan.target +
-             " | train time | final val | sync bytes | link bytes | to target | vs " + plan.target +
-             " | tokens at target | sync bytes at target |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Mesh {M}×{S} (replicas × shard), one network namespace per replica, "
+        f"one-way delay {plan.delay_ms:g} ms; target = final val loss of `{plan.target}` at the same rate.",
+        "",
+        "| run | rate | steps | median step | mean step | mean vs "
+        + plan.target
+        + " | train time | final val | sync bytes | link bytes | to target | vs "
+        + plan.target
+        + " | tokens at target | sync bytes at target |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         if r.get("final_val_loss") is None:
             lines.append(f"| {r['run']} | {_rate(r)} | failed (exit {r.get('returncode')}) |" + " |" * 11)
             continue
         ttt = r.get("time_to_target_s")
-        tt = ("not reached" if r.get("step_to_target") is None and r.get("target_val_loss") is not None
-              else _s(ttt, 1) if ttt is not None else "–")
+        tt = (
+            "not reached"
+            if r.get("step_to_target") is None and r.get("target_val_loss") is not None
+            else _s(ttt, 1)
+            if ttt is not None
+            else "–"
+        )
         tok = r.get("tokens_to_target")
         lines.append(
             f"| {r['run']} | {_rate(r)} | {r['steps']} | {_s(r['median_step_s'])} | {_s(r['mean_step_s'])} | "
             f"{_x(r.get('mean_step_vs_target_run'))} | {_s(r['train_time_s'], 1)} | {r['final_val_loss']:.4f} | "
             f"{_mib(r['sync_bytes'])} | {_mib(r.get('link_bytes'))} | {tt} | "
             f"{_x(r.get('time_to_target_vs_target_run'))} | {'–' if tok is None else f'{tok / 1e6:.2f}M'} | "
-            f"{_mib(r.get('sync_bytes_to_target'))} |")
+            f"{_mib(r.get('sync_bytes_to_target'))} |"
+        )
     if probes:
-        lines += ["", "Probe: one all_reduce (fp32, gloo) on the sync group across the link, vs ring bytes / rate; "
-                      "the same size on a shard group stays inside a namespace.", "",
-                  "| rate | tensor | ring bytes | expected (bytes·8/rate) | measured (median) | measured / expected "
-                  "| effective rate | same size, shard group |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Probe: one all_reduce (fp32, gloo) on the sync group across the link, vs ring bytes / rate; "
+            "the same size on a shard group stays inside a namespace.",
+            "",
+            "| rate | tensor | ring bytes | expected (bytes·8/rate) | measured (median) | measured / expected "
+            "| effective rate | same size, shard group |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for p in probes:
             exp = p.get("expected_s")
-            lines.append(f"| {p['rate']} | {_mib(p['tensor_bytes'])} | {_mib(p['ring_bytes'])} | {_s(exp)} | "
-                         f"{_s(p['sync_s_median'])} | {_x(p.get('measured_over_expected'))} | "
-                         f"{p['effective_mbit']:.1f} Mbit/s | {_s(p.get('shard_s_median'))} |")
+            lines.append(
+                f"| {p['rate']} | {_mib(p['tensor_bytes'])} | {_mib(p['ring_bytes'])} | {_s(exp)} | "
+                f"{_s(p['sync_s_median'])} | {_x(p.get('measured_over_expected'))} | "
+                f"{p['effective_mbit']:.1f} Mbit/s | {_s(p.get('shard_s_median'))} |"
+            )
     shaped = [r for r in results if r.get("sync_expected_s")]
     if shaped:
-        lines += ["", f"Sync collectives in the runs: Comm's recorded seconds on the sync group vs "
-                      f"S·sync_bytes·8/rate (S = {S} sync groups share a replica's link; overlapped or delayed "
-                      "syncs hide part of their time, so only blocking ones should be near 1×); link bytes = "
-                      "what the replicas' veths sent, vs M·S·sync_bytes.", "",
-                  "| run | rate | sync calls | recorded | expected | recorded / expected | link / (M·S·sync) |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Sync collectives in the runs: Comm's recorded seconds on the sync group vs "
+            f"S·sync_bytes·8/rate (S = {S} sync groups share a replica's link; overlapped or delayed "
+            "syncs hide part of their time, so only blocking ones should be near 1×); link bytes = "
+            "what the replicas' veths sent, vs M·S·sync_bytes.",
+            "",
+            "| run | rate | sync calls | recorded | expected | recorded / expected | link / (M·S·sync) |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
         for r in shaped:
-            lines.append(f"| {r['run']} | {_rate(r)} | {r['sync_calls']} | {_s(r['sync_seconds'], 1)} | "
-                         f"{_s(r['sync_expected_s'], 1)} | {_x(r.get('sync_measured_over_expected'))} | "
-                         f"{_x(r.get('link_over_sync'))} |")
+            lines.append(
+                f"| {r['run']} | {_rate(r)} | {r['sync_calls']} | {_s(r['sync_seconds'], 1)} | "
+                f"{_s(r['sync_expected_s'], 1)} | {_x(r.get('sync_measured_over_expected'))} | "
+                f"{_x(r.get('link_over_sync'))} |"
+            )
     if cross:
-        lines += ["", f"Crossover vs `{plan.target}` (fit T = a + b/rate through the measured rates):", "",
-                  "| run | mean step: wins at (Mbit/s) | fitted crossover | time to target: wins at | "
-                  "fitted crossover |", "|---|---|---:|---|---:|"]
+        lines += [
+            "",
+            f"Crossover vs `{plan.target}` (fit T = a + b/rate through the measured rates):",
+            "",
+            "| run | mean step: wins at (Mbit/s) | fitted crossover | time to target: wins at | fitted crossover |",
+            "|---|---|---:|---|---:|",
+        ]
 
         def fmt(e: dict) -> tuple[str, str]:
             wins = ", ".join(f"{w:g}" for w in e["wins_at_mbit"]) or "none"
             c, side = e["crossover_mbit"], e["wins"]
             fit = {None: "–", "all": "wins at every rate", "never": "never wins"}.get(
-                side, f"wins {side} {c:,.0f} Mbit/s" if c is not None else "–")
+                side, f"wins {side} {c:,.0f} Mbit/s" if c is not None else "–"
+            )
             return wins, fit
 
         for run, e in cross.items():
@@ -894,8 +1040,10 @@ def make_plots(plan: Plan, results: list[dict]) -> list[Path]:
         dirs = {r["run"]: Path(r["dir"]) for r in results if r["rate"] == label and r.get("final_val_loss")}
         if not dirs:
             continue
-        target = next((r.get("target_val_loss") for r in results if r["rate"] == label
-                       and r.get("target_val_loss") is not None), None)
+        target = next(
+            (r.get("target_val_loss") for r in results if r["rate"] == label and r.get("target_val_loss") is not None),
+            None,
+        )
         bps = dict(plan.rates)[label]
         link = "an unshaped veth" if bps is None else f"a {bps / 1e6:g} Mbit/s link"
         title = f"{plan.name}: {plan.mesh[0]}×{plan.mesh[1]} (replicas × shard) over {link}"
@@ -904,6 +1052,7 @@ def make_plots(plan: Plan, results: list[dict]) -> list[Path]:
 
 
 # ------------------------------------------------------------------ main
+
 
 def previous_report(plan: Plan) -> tuple[dict[tuple[str, str], dict], dict[str, dict]]:
     """Records and probes of an earlier slowlink.json in `plan.out` (reused for what is not re-run)."""
@@ -917,8 +1066,14 @@ def previous_report(plan: Plan) -> tuple[dict[tuple[str, str], dict], dict[str, 
 
 def record(plan: Plan, run: str, label: str, bps: Optional[int], measured: Optional[dict] = None) -> dict:
     """A run's entry: where and how it ran, what slowlink measured around it, and its summary.json."""
-    rec = {"run": run, "rate": label, "rate_bps": bps, "rate_mbit": rate_mbit(bps), "delay_ms": plan.delay_ms,
-           "dir": str(plan.out_dir / run_name(plan, run, label))}
+    rec = {
+        "run": run,
+        "rate": label,
+        "rate_bps": bps,
+        "rate_mbit": rate_mbit(bps),
+        "delay_ms": plan.delay_ms,
+        "dir": str(plan.out_dir / run_name(plan, run, label)),
+    }
     for key in ("cmd_wall_s", "returncode", "link_bytes"):
         if measured and key in measured:
             rec[key] = measured[key]
@@ -935,20 +1090,32 @@ def write_report(plan: Plan, results: dict[tuple[str, str], dict], probes: dict[
     evaluate_results(plan, ordered)
     cross = crossovers(plan, ordered)
     md = tables(plan, ordered, probe_list, cross)
-    report = {"name": plan.name, "base": plan.base, "set": plan.shared, "mesh": list(plan.mesh),
-              "delay_ms": plan.delay_ms, "target_run": plan.target, "runs": ordered, "probes": probe_list,
-              "crossover": cross}
+    report = {
+        "name": plan.name,
+        "base": plan.base,
+        "set": plan.shared,
+        "mesh": list(plan.mesh),
+        "delay_ms": plan.delay_ms,
+        "target_run": plan.target,
+        "runs": ordered,
+        "probes": probe_list,
+        "crossover": cross,
+    }
     (plan.out / "slowlink.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (plan.out / "slowlink.md").write_text(md + "\n")
     return md
 
 
-def execute(plan: Plan, todo: set[tuple[str, str]], stop: StopOnSignal, rdzv_timeout_s: int, probe_reps: int,
-            skip_probe: bool) -> tuple[dict[tuple[str, str], dict], dict[str, dict]]:
+def execute(
+    plan: Plan, todo: set[tuple[str, str]], stop: StopOnSignal, rdzv_timeout_s: int, probe_reps: int, skip_probe: bool
+) -> tuple[dict[tuple[str, str], dict], dict[str, dict]]:
     """Run the (run, rate) pairs in `todo`, one network per rate; the others come from earlier outputs."""
     prev_runs, probes = previous_report(plan)
-    results = {(run, label): record(plan, run, label, dict(plan.rates)[label], prev_runs.get((run, label)))
-               for run, label in plan_items(plan) if (run, label) not in todo}
+    results = {
+        (run, label): record(plan, run, label, dict(plan.rates)[label], prev_runs.get((run, label)))
+        for run, label in plan_items(plan)
+        if (run, label) not in todo
+    }
     logs = plan.out / "logs"
     port = BASE_PORT
     M, S = plan.mesh
@@ -960,14 +1127,19 @@ def execute(plan: Plan, todo: set[tuple[str, str]], stop: StopOnSignal, rdzv_tim
         try:
             link = SlowLink(M, bps, plan.delay_ms)
             link.up()  # after the assignment: a failure half-way is still torn down below
-            print(f"[slowlink] {label}: namespaces {', '.join(link.namespaces)}; {link.qdiscs() or 'no qdisc'}",
-                  flush=True)
+            print(
+                f"[slowlink] {label}: namespaces {', '.join(link.namespaces)}; {link.qdiscs() or 'no qdisc'}",
+                flush=True,
+            )
             if not skip_probe:
                 port += 1
                 p = probes[label] = run_probe(link, S, plan.probe_s, probe_reps, port, logs, label)
-                print(f"[slowlink] probe {label}: {p['tensor_bytes'] / 2**20:.1f} MiB all_reduce in "
-                      f"{p['sync_s_median']:.3f} s (expected {_s(p.get('expected_s'))}), "
-                      f"shard group {_s(p.get('shard_s_median'))}", flush=True)
+                print(
+                    f"[slowlink] probe {label}: {p['tensor_bytes'] / 2**20:.1f} MiB all_reduce in "
+                    f"{p['sync_s_median']:.3f} s (expected {_s(p.get('expected_s'))}), "
+                    f"shard group {_s(p.get('shard_s_median'))}",
+                    flush=True,
+                )
             for run in here:
                 port += 1
                 args = [str(REPO / "train.py"), "--config", plan.base]
@@ -978,12 +1150,14 @@ def execute(plan: Plan, todo: set[tuple[str, str]], stop: StopOnSignal, rdzv_tim
                 t0 = time.perf_counter()
                 job = Job(link, S, args, port, logs, f"{run}-{label}", rdzv_timeout_s).start()
                 rc = job.wait(plan.timeout_s)
-                measured = {"cmd_wall_s": time.perf_counter() - t0, "returncode": rc,
-                            "link_bytes": sum(link.tx_bytes()) - sum(before)}
+                measured = {
+                    "cmd_wall_s": time.perf_counter() - t0,
+                    "returncode": rc,
+                    "link_bytes": sum(link.tx_bytes()) - sum(before),
+                }
                 if rc != 0:
                     why = "timed out" if rc == 124 else f"exit {rc}"
-                    print(f"[slowlink] {run} @ {label} {why}; logs:\n{job.log_tail()}", file=sys.stderr,
-                          flush=True)
+                    print(f"[slowlink] {run} @ {label} {why}; logs:\n{job.log_tail()}", file=sys.stderr, flush=True)
                 results[(run, label)] = record(plan, run, label, bps, measured)
                 write_report(plan, results, probes)  # an interrupted sweep keeps what it measured
         finally:
@@ -996,8 +1170,9 @@ def execute(plan: Plan, todo: set[tuple[str, str]], stop: StopOnSignal, rdzv_tim
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hsdp.slowlink",
-                                description="train across a shaped link between network namespaces")
+    p = argparse.ArgumentParser(
+        prog="python -m hsdp.slowlink", description="train across a shaped link between network namespaces"
+    )
     p.add_argument("spec", nargs="?", help="YAML file with base, set, rates, runs (see the module docstring)")
     p.add_argument("--rate", help="comma-separated rates: 20mbit, 1gbit, unshaped (overrides the spec's)")
     p.add_argument("--delay-ms", type=float, default=None, help="one-way netem delay (default 0)")
@@ -1014,8 +1189,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--probe-reps", type=int, default=3)
     p.add_argument("--no-probe", action="store_true")
     p.add_argument("--plot", action="store_true", help="also write PNGs (needs matplotlib: pip install -e .[plot])")
-    p.add_argument("--no-run", action="store_true",
-                   help="run nothing (no root needed): tables and plots from the run folders and slowlink.json")
+    p.add_argument(
+        "--no-run",
+        action="store_true",
+        help="run nothing (no root needed): tables and plots from the run folders and slowlink.json",
+    )
     p.add_argument("--cleanup", action="store_true", help="remove namespaces left by slowlink processes that died")
     return p.parse_args(argv)
 

@@ -174,8 +174,9 @@ def wall_clock(records: list[dict]) -> Optional[dict[int, float]]:
     return out
 
 
-def plot_runs(run_dirs: dict[str, Path], out_dir: Path, prefix: str, title: str = "",
-              target: Optional[float] = None) -> list[Path]:
+def plot_runs(
+    run_dirs: dict[str, Path], out_dir: Path, prefix: str, title: str = "", target: Optional[float] = None
+) -> list[Path]:
     """Val-loss curves of run folders → `<out_dir>/<prefix>-{tokens,sync_bytes,wall}.png`; the paths written.
 
     From each run's metrics.jsonl, the val loss at its evals against: tokens; sync bytes sent per
@@ -205,10 +206,14 @@ def plot_runs(run_dirs: dict[str, Path], out_dir: Path, prefix: str, title: str 
             "wall": [(wall[r["step"]], r["val_loss"]) for r in evals] if wall else [],
         }
     if no_wall:
-        print(f"note: no wall-clock curve for {', '.join(no_wall)} (not every step in metrics.jsonl; "
-              "set run.log_every=1)")
-    labels = {"tokens": "tokens", "sync_bytes": "sync bytes sent per rank (log scale)",
-              "wall": "training time, s (Σ step_time_s, evals excluded)"}
+        print(
+            f"note: no wall-clock curve for {', '.join(no_wall)} (not every step in metrics.jsonl; set run.log_every=1)"
+        )
+    labels = {
+        "tokens": "tokens",
+        "sync_bytes": "sync bytes sent per rank (log scale)",
+        "wall": "training time, s (Σ step_time_s, evals excluded)",
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for kind in PLOTS:
@@ -242,10 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="run an ablation sweep")
     p.add_argument("sweep")
     p.add_argument("--set", action="append", default=[], help="extra override for every run")
-    p.add_argument("--only", default="", help="comma-separated runs to (re)run; the others' existing "
-                                              "summaries are reused in the table")
-    p.add_argument("--plot", action="store_true", help="also write PNGs of val loss vs tokens, sync bytes and "
-                                                       "wall-clock next to the table (needs matplotlib)")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated runs to (re)run; the others' existing summaries are reused in the table",
+    )
+    p.add_argument(
+        "--plot",
+        action="store_true",
+        help="also write PNGs of val loss vs tokens, sync bytes and wall-clock next to the table (needs matplotlib)",
+    )
     p.add_argument("--no-run", action="store_true", help="run nothing: table (and plots) from existing run folders")
     args = p.parse_args(argv)
     if args.plot:
@@ -260,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         shared = [*spec["set"], *args.set]
         only = set(filter(None, args.only.split(",")))
         if only - set(spec["runs"]):
-            raise ConfigError(f"--only: unknown runs {sorted(only - set(spec['runs']))} "
-                              f"(expected: {', '.join(spec['runs'])})")
+            raise ConfigError(
+                f"--only: unknown runs {sorted(only - set(spec['runs']))} (expected: {', '.join(spec['runs'])})"
+            )
         plans = {run: [*shared, *extra, f"run.name={name}-{run}"] for run, extra in spec["runs"].items()}
         runs = [] if args.no_run else [run for run in plans if not only or run in only]
         for run in runs:  # a sweep re-runs its runs: replace their previous outputs

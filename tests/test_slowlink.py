@@ -19,12 +19,26 @@ import pytest
 from hsdp import slowlink
 
 REPO = Path(__file__).resolve().parents[1]
-needs_netns = pytest.mark.skipif(slowlink.missing_requirements() is not None,
-                                 reason=slowlink.missing_requirements() or "")
+needs_netns = pytest.mark.skipif(
+    slowlink.missing_requirements() is not None, reason=slowlink.missing_requirements() or ""
+)
 # A small job: 2 replicas x 1 shard, synthetic data, a 2-layer GPT (a step is ~10 ms of compute).
-SMOKE = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.seq_len=64", "data.source=synthetic",
-         "data.batch_size=4", "mesh.sync=2", "mesh.shard=1", "run.steps=10", "run.log_every=1",
-         "run.eval_every=5", "run.eval_batches=1", "wandb.mode=disabled", "mesh.timeout_s=60"]
+SMOKE = [
+    "model.n_layer=2",
+    "model.d_model=64",
+    "model.n_head=4",
+    "model.seq_len=64",
+    "data.source=synthetic",
+    "data.batch_size=4",
+    "mesh.sync=2",
+    "mesh.shard=1",
+    "run.steps=10",
+    "run.log_every=1",
+    "run.eval_every=5",
+    "run.eval_batches=1",
+    "wandb.mode=disabled",
+    "mesh.timeout_s=60",
+]
 
 
 @pytest.fixture
@@ -34,7 +48,7 @@ def removes_leftovers():
     yield prefixes
     for prefix in prefixes:
         for ns in slowlink.list_namespaces():
-            if ns.startswith(prefix) and ns[len(prefix):][:1].isalpha():  # hsl<pid> must not match hsl<pid>7...
+            if ns.startswith(prefix) and ns[len(prefix) :][:1].isalpha():  # hsl<pid> must not match hsl<pid>7...
                 for pid in slowlink.namespace_pids(ns):
                     try:
                         os.kill(pid, 9)
@@ -56,7 +70,11 @@ def test_time_to_target_uses_cumulative_step_times():
     records = [{"step": s, "step_time_s": 0.5, "tokens": (s + 1) * 10, "sync_bytes": s} for s in range(6)]
     records[2]["val_loss"], records[5]["val_loss"] = 3.0, 2.0
     assert slowlink.time_to_target(records, 6, 2.5) == {
-        "step_to_target": 5, "tokens_to_target": 60, "sync_bytes_to_target": 5, "time_to_target_s": 3.0}
+        "step_to_target": 5,
+        "tokens_to_target": 60,
+        "sync_bytes_to_target": 5,
+        "time_to_target_s": 3.0,
+    }
     assert slowlink.time_to_target(records, 6, 1.0)["step_to_target"] is None
     assert slowlink.time_to_target(records[::2], 6, 2.5)["time_to_target_s"] is None  # not every step logged
 
@@ -64,8 +82,14 @@ def test_time_to_target_uses_cumulative_step_times():
 def test_exit_2_without_ip_or_tc(tmp_path):
     """No `ip`/`tc` on PATH (or no root): one line on stderr, exit 2, nothing started."""
     env = {**os.environ, "PATH": str(tmp_path)}  # an empty folder: neither ip nor tc
-    proc = subprocess.run([sys.executable, "-m", "hsdp.slowlink", "--rate", "20mbit", "--runs", "a="],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsdp.slowlink", "--rate", "20mbit", "--runs", "a="],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "iproute2" in proc.stderr
     assert proc.stdout == ""
@@ -80,8 +104,9 @@ def test_namespaces_shaping_probe_and_teardown(tmp_path, removes_leftovers):
         link.up()
         assert set(link.namespaces) <= set(slowlink.list_namespaces())
         assert "tbf" in link.qdiscs() and "40Mbit" in link.qdiscs()
-        probe = slowlink.run_probe(link, shard=1, seconds=0.4, reps=2, port=29391, log_dir=tmp_path, label="40mbit",
-                                   timeout_s=90)
+        probe = slowlink.run_probe(
+            link, shard=1, seconds=0.4, reps=2, port=29391, log_dir=tmp_path, label="40mbit", timeout_s=90
+        )
         assert probe["expected_s"] == pytest.approx(probe["ring_bytes"] * 8 / 40e6)
         assert 0.7 <= probe["measured_over_expected"] <= 1.3, probe
     finally:
@@ -95,9 +120,25 @@ def test_namespaces_shaping_probe_and_teardown(tmp_path, removes_leftovers):
 @needs_netns
 def test_smoke_run_through_shaped_link(tmp_path, removes_leftovers):
     """2 replicas x 1 shard, 10 steps, through a 100 Mbit/s link: slowlink.json with the run, no namespace left."""
-    cmd = [sys.executable, "-m", "hsdp.slowlink", "--rate", "100mbit", "--no-probe", "--timeout-s", "120",
-           "--set", f"run.out_dir={tmp_path / 'runs'}", "--out", str(tmp_path / "out"), "--name", "smoke",
-           "--runs", "hsdp=", "periodic=sync.warmup_steps=0,sync.every=5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hsdp.slowlink",
+        "--rate",
+        "100mbit",
+        "--no-probe",
+        "--timeout-s",
+        "120",
+        "--set",
+        f"run.out_dir={tmp_path / 'runs'}",
+        "--out",
+        str(tmp_path / "out"),
+        "--name",
+        "smoke",
+        "--runs",
+        "hsdp=",
+        "periodic=sync.warmup_steps=0,sync.every=5",
+    ]
     for o in SMOKE:
         cmd[3:3] = ["--set", o]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -129,23 +170,41 @@ def _fake_run(run_dir: Path, steps: int, sync_per_step: int, loss0: float, log_e
     from hsdp.config import load_config, save_config
 
     run_dir.mkdir(parents=True)
-    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [f"run.steps={steps}", f"run.log_every={log_every}",
-                                                            "run.eval_every=4", f"run.name={run_dir.name}"])
+    cfg = load_config(
+        str(REPO / "configs" / "tiny.yaml"),
+        [f"run.steps={steps}", f"run.log_every={log_every}", "run.eval_every=4", f"run.name={run_dir.name}"],
+    )
     save_config(cfg, run_dir / "config.yaml")
     records = []
     for s in range(steps):
         if s % log_every and (s + 1) % 4 and s != steps - 1:
             continue
-        r = {"step": s, "loss": loss0 - 0.1 * s, "tokens": (s + 1) * 4096, "step_time_s": 0.25,
-             "sync_bytes": (s + 1) * sync_per_step}
+        r = {
+            "step": s,
+            "loss": loss0 - 0.1 * s,
+            "tokens": (s + 1) * 4096,
+            "step_time_s": 0.25,
+            "sync_bytes": (s + 1) * sync_per_step,
+        }
         if (s + 1) % 4 == 0 or s == steps - 1:
             r["val_loss"] = loss0 - 0.1 * s
         records.append(r)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (run_dir / "summary.json").write_text(json.dumps({
-        "final_val_loss": records[-1]["val_loss"], "sync_bytes": steps * sync_per_step, "steps": steps,
-        "tokens": steps * 4096, "median_step_time_s": 0.25, "train_time_s": 0.25 * steps, "wall_time_s": 3.0,
-        "shard_bytes": 0, "comm": {}}))
+    (run_dir / "summary.json").write_text(
+        json.dumps(
+            {
+                "final_val_loss": records[-1]["val_loss"],
+                "sync_bytes": steps * sync_per_step,
+                "steps": steps,
+                "tokens": steps * 4096,
+                "median_step_time_s": 0.25,
+                "train_time_s": 0.25 * steps,
+                "wall_time_s": 3.0,
+                "shard_bytes": 0,
+                "comm": {},
+            }
+        )
+    )
 
 
 def test_sweep_plot_from_existing_run_folders(tmp_path):
@@ -156,10 +215,17 @@ def test_sweep_plot_from_existing_run_folders(tmp_path):
     _fake_run(runs / "s-periodic", 16, 50, 5.2)
     _fake_run(runs / "s-sparse", 16, 50, 5.3, log_every=4)  # no wall-clock curve: not every step logged
     spec = tmp_path / "s.yaml"
-    spec.write_text(f"base: {REPO / 'configs' / 'tiny.yaml'}\nset: [run.out_dir={runs}]\n"
-                    "columns: [final_val_loss, sync_bytes]\nruns:\n  hsdp: []\n  periodic: []\n  sparse: []\n")
-    proc = subprocess.run([sys.executable, "-m", "hsdp.sweep", str(spec), "--plot", "--no-run"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    spec.write_text(
+        f"base: {REPO / 'configs' / 'tiny.yaml'}\nset: [run.out_dir={runs}]\n"
+        "columns: [final_val_loss, sync_bytes]\nruns:\n  hsdp: []\n  periodic: []\n  sparse: []\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsdp.sweep", str(spec), "--plot", "--no-run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     pngs = sorted(p.name for p in runs.glob("*.png"))
     assert pngs == ["s-sync_bytes.png", "s-tokens.png", "s-wall.png"], (pngs, proc.stdout)
@@ -174,19 +240,37 @@ def test_slowlink_plots_from_results(tmp_path):
     pytest.importorskip("matplotlib")
     _fake_run(tmp_path / "sl-hsdp-20mbit", 8, 1000, 5.0)
     _fake_run(tmp_path / "sl-periodic-20mbit", 16, 50, 5.2)
-    plan = slowlink.Plan(name="sl", base="", shared=[], rates=[("20mbit", 20_000_000)], default_rates=["20mbit"],
-                         delay_ms=0, target="hsdp", timeout_s=1, probe_s=1,
-                         runs={"hsdp": ([], None), "periodic": ([], None)}, out=tmp_path / "out",
-                         out_dir=tmp_path, mesh=(2, 2))
-    results = [{"run": run, "rate": "20mbit", "rate_bps": 20_000_000, "rate_mbit": 20.0,
-                "dir": str(tmp_path / f"sl-{run}-20mbit"), **slowlink.summarize(tmp_path / f"sl-{run}-20mbit")}
-               for run in ("hsdp", "periodic")]
+    plan = slowlink.Plan(
+        name="sl",
+        base="",
+        shared=[],
+        rates=[("20mbit", 20_000_000)],
+        default_rates=["20mbit"],
+        delay_ms=0,
+        target="hsdp",
+        timeout_s=1,
+        probe_s=1,
+        runs={"hsdp": ([], None), "periodic": ([], None)},
+        out=tmp_path / "out",
+        out_dir=tmp_path,
+        mesh=(2, 2),
+    )
+    results = [
+        {
+            "run": run,
+            "rate": "20mbit",
+            "rate_bps": 20_000_000,
+            "rate_mbit": 20.0,
+            "dir": str(tmp_path / f"sl-{run}-20mbit"),
+            **slowlink.summarize(tmp_path / f"sl-{run}-20mbit"),
+        }
+        for run in ("hsdp", "periodic")
+    ]
     slowlink.evaluate_results(plan, results)
     # target 5.0 - 0.7 = 4.3 (hsdp, 8 steps); periodic: 5.2 - 0.1·s <= 4.3 from s = 9, first eval there at s = 11
     assert results[1]["step_to_target"] == 11 and results[1]["time_to_target_s"] == pytest.approx(12 * 0.25)
     written = slowlink.make_plots(plan, results)
-    assert sorted(p.name for p in written) == ["sl-20mbit-sync_bytes.png", "sl-20mbit-tokens.png",
-                                               "sl-20mbit-wall.png"]
+    assert sorted(p.name for p in written) == ["sl-20mbit-sync_bytes.png", "sl-20mbit-tokens.png", "sl-20mbit-wall.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
 
 
@@ -197,18 +281,29 @@ def test_slowlink_no_run_tables_and_plots_from_outputs(tmp_path):
     _fake_run(runs / "sl-hsdp-20mbit", 8, 1000, 5.0)
     _fake_run(runs / "sl-periodic-20mbit", 16, 50, 5.2)
     spec = tmp_path / "sl.yaml"
-    spec.write_text(f"base: {REPO / 'configs' / 'tiny.yaml'}\nset: [run.out_dir={runs}]\nrates: [20mbit]\n"
-                    "runs:\n  hsdp: []\n  periodic: [sync.warmup_steps=0, sync.every=4]\n")
+    spec.write_text(
+        f"base: {REPO / 'configs' / 'tiny.yaml'}\nset: [run.out_dir={runs}]\nrates: [20mbit]\n"
+        "runs:\n  hsdp: []\n  periodic: [sync.warmup_steps=0, sync.every=4]\n"
+    )
     env = {**os.environ, "PATH": str(tmp_path)}  # no ip/tc: --no-run does not need them
-    proc = subprocess.run([sys.executable, "-m", "hsdp.slowlink", str(spec), "--no-run", "--plot"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsdp.slowlink", str(spec), "--no-run", "--plot"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((runs / "sl" / "slowlink.json").read_text())
     periodic = report["runs"][1]
     assert periodic["run"] == "periodic" and periodic["step_to_target"] == 11
     assert periodic["sync_bytes_to_target"] == 12 * 50
     assert sorted(p.name for p in (runs / "sl").glob("*.png")) == [
-        "sl-20mbit-sync_bytes.png", "sl-20mbit-tokens.png", "sl-20mbit-wall.png"]
+        "sl-20mbit-sync_bytes.png",
+        "sl-20mbit-tokens.png",
+        "sl-20mbit-wall.png",
+    ]
     assert "| periodic | 20 Mbit/s | 16 |" in proc.stdout
 
 
