@@ -108,3 +108,23 @@ def call(args):
         "start reduce_scatter buf4 <- buf3",
         "wait buf4",
     ]
+
+
+def test_buckets_respect_bucket_mb_and_never_hold_the_whole_model() -> None:
+    """plan_buckets: consecutive units up to bucket_mb (gathered bytes), 0 = one unit each, never all units."""
+    import torch.nn as nn
+
+    from hsdp.compile.graph import plan_buckets
+    from hsdp.layout import plan_layout
+
+    sizes = [1000, 3000, 3000, 500, 500, 4000]  # fp32 elements per unit
+    layouts = [plan_layout(nn.Linear(n, 1, bias=False), 2) for n in sizes]  # gathered: 2·n fp32 = 8·n bytes
+    gathered = [2 * lay.N * 4 for lay in layouts]
+    mb = 32000 / 2**20
+    buckets = plan_buckets(layouts, torch.float32, mb)
+    assert [u for b in buckets for u in b] == list(range(len(sizes)))  # every unit once, in order
+    for b in buckets:
+        assert sum(gathered[u] for u in b) <= 32000 or len(b) == 1
+    assert buckets == [[0, 1], [2, 3, 4], [5]]
+    assert plan_buckets(layouts, torch.float32, 0) == [[u] for u in range(len(sizes))]
+    assert plan_buckets(layouts, torch.float32, 1e6) == [[0, 1, 2], [3, 4, 5]]  # never one whole-model bucket
