@@ -181,3 +181,11 @@ def test_generated_backward_waits_reduce_scatters_late(runs) -> None:
             elif line.startswith("compute") and pending:
                 overlapped += 1
         assert overlapped >= 2, lines
+
+
+def test_buckets_pair_small_units(scheduled) -> None:
+    """bucket_mb=0.1: the 40-64 KB units pair up (embedding+block, block+head): 2 all-gathers per forward."""
+    summary = scheduled["ours0"].summary
+    assert summary["buckets"] == [[0, 1], [2, 3]]
+    for g in summary["compiled"]:
+        assert g["all_gathers"] == 2 and (g["graph"] == "forward" or g["reduce_scatters"] == 2)
