@@ -4,7 +4,7 @@ Same units, held shards, optimizer params and sync policy as the eager engine
 (it is one, with `forward_backward` replaced); eval forwards stay eager. One
 compiled function per reduce variant (`ReducePlan`: grad-sync steps all-reduce
 across replicas, local steps do not), each compiled once with fullgraph=True:
-a run compiles at most two graphs pairs (forward + backward each) and should
+a run compiles at most two pairs of graphs (forward + backward each) and should
 never recompile; `stats()` reports both counts and the compile time.
 
 Grad accumulation: each micro-step's backward reduce-scatters its grads (as
