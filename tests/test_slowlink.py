@@ -96,14 +96,16 @@ def test_exit_2_without_ip_or_tc(tmp_path):
 
 
 @needs_netns
-def test_namespaces_shaping_probe_and_teardown(tmp_path, removes_leftovers):
+@pytest.mark.parametrize("replicas", [2, 3])  # 3: one veth per replica into a bridge in its own namespace
+def test_namespaces_shaping_probe_and_teardown(tmp_path, removes_leftovers, replicas):
     """Build the network, see the qdisc, time an all_reduce through it (within 30% of bytes/rate), remove it all."""
-    link = slowlink.SlowLink(2, 40_000_000)
+    link = slowlink.SlowLink(replicas, 40_000_000)
     removes_leftovers.append(link.prefix)
     try:
         link.up()
         assert set(link.namespaces) <= set(slowlink.list_namespaces())
         assert "tbf" in link.qdiscs() and "40Mbit" in link.qdiscs()
+        assert (link.bridge_ns in slowlink.list_namespaces()) == (replicas > 2)
         probe = slowlink.run_probe(
             link, shard=1, seconds=0.4, reps=2, port=29391, log_dir=tmp_path, label="40mbit", timeout_s=90
         )
