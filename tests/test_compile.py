@@ -49,7 +49,7 @@ def scheduled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     """Compiled 1x2 runs scheduled by our passes (prefetch 0 and 2) and by inductor's (the ablation)."""
     tmp = tmp_path_factory.mktemp("passes")
     variants = {
-        "ours0": ["compile.passes=ours", "compile.prefetch=0"],
+        "ours0": ["compile.passes=ours", "compile.prefetch=0", "compile.bucket_mb=0.1"],
         "ours2": ["compile.passes=ours", "compile.prefetch=2"],
         "inductor": ["compile.passes=inductor"],
     }
