@@ -95,6 +95,7 @@ from typing import Any, Optional
 
 from hsdp.config import ConfigError, load_config, read_yaml
 from hsdp.launch import Interrupted
+from hsdp.sweep import read_records, str_list, wall_clock
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "hsl"  # every namespace and link we create: hsl<pid><tag>...
@@ -635,14 +636,6 @@ class Plan:
     mesh: tuple[int, int] = (0, 0)  # (M, S) of the base config with the shared overrides
 
 
-def _str_list(where: str, value: Any) -> list[str]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
-    return value
-
-
 def load_spec(path: str) -> dict:
     spec = read_yaml(path, key="spec", expected="a mapping with keys base, runs, rates")
     if not isinstance(spec, dict):
@@ -661,13 +654,13 @@ def load_spec(path: str) -> dict:
                 raise ConfigError(f"runs.{run}: {path}: unknown keys {bad} (expected: set, rates)")
             rates = entry.get("rates")
             parsed[str(run)] = (
-                _str_list(f"runs.{run}.set", entry.get("set")),
+                str_list(path, f"runs.{run}.set", entry.get("set")),
                 None if rates is None else [str(r) for r in rates],
             )
         else:
-            parsed[str(run)] = (_str_list(f"runs.{run}", entry), None)
+            parsed[str(run)] = (str_list(path, f"runs.{run}", entry), None)
     spec["runs"] = parsed
-    spec["set"] = _str_list("set", spec.get("set"))
+    spec["set"] = str_list(path, "set", spec.get("set"))
     if "base" in spec:
         base = Path(spec["base"]).expanduser()
         candidates = [base] if base.is_absolute() else [Path(path).resolve().parent / base, REPO / base]
@@ -771,36 +764,11 @@ def overrides(plan: Plan, run: str, label: str) -> list[str]:
 # ------------------------------------------------------------------ results
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
-def cumulative_times(records: list[dict], steps: int) -> Optional[dict[int, float]]:
-    """step → seconds of training up to the end of that step, if every step was logged (run.log_every=1)."""
-    by_step = {r["step"]: r for r in records}
-    if sorted(by_step) != list(range(steps)):
-        return None
-    total, out = 0.0, {}
-    for s in range(steps):
-        total += by_step[s]["step_time_s"]
-        out[s] = total
-    return out
-
-
-def time_to_target(records: list[dict], steps: int, target: Optional[float]) -> dict:
+def time_to_target(records: list[dict], target: Optional[float]) -> dict:
     """First eval at or below `target`: its step, tokens and the training seconds up to it."""
     if target is None:
         return {}
-    cum = cumulative_times(records, steps)
+    cum = wall_clock(records)
     for r in records:
         if "val_loss" in r and r["val_loss"] <= target + 1e-9:
             return {
@@ -847,7 +815,7 @@ def evaluate_results(plan: Plan, results: list[dict]) -> None:
             continue
         r["target_val_loss"] = targets.get(r["rate"], fallback)
         run_dir = Path(r["dir"])
-        r.update(time_to_target(read_metrics(run_dir), r["steps"], r["target_val_loss"]))
+        r.update(time_to_target(read_records(run_dir), r["target_val_loss"]))
         if r["rate_bps"]:  # every shard rank's sync group shares the replica's link
             r["sync_expected_s"] = S * r["sync_bytes"] * 8 / r["rate_bps"]
             r["sync_measured_over_expected"] = r["sync_seconds"] / r["sync_expected_s"] if r["sync_bytes"] else None

@@ -60,7 +60,8 @@ def resolve_base(base: str, sweep_file: Path) -> Path:
     raise ConfigError(f"base: {base} not found (looked for {' and '.join(str(c) for c in candidates)})")
 
 
-def _str_list(path: str, key: str, value: Any) -> list[str]:
+def str_list(path: str, key: str, value: Any) -> list[str]:
+    """A spec file's list of `section.key=value` strings ([] if absent), or ConfigError naming the key."""
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -82,8 +83,8 @@ def load_sweep(path: str) -> dict:
     if not isinstance(spec["base"], str):
         raise ConfigError(f"base: {path}: expected a config file path, got {spec['base']!r}")
     spec["base"] = str(resolve_base(spec["base"], Path(path).expanduser().resolve()))
-    spec["set"] = _str_list(path, "set", spec.get("set"))
-    spec["columns"] = _str_list(path, "columns", spec["columns"])
+    spec["set"] = str_list(path, "set", spec.get("set"))
+    spec["columns"] = str_list(path, "columns", spec["columns"])
     if not spec["columns"]:
         raise ConfigError(f"columns: {path}: expected at least one summary.json field")
     if spec.get("ratio") is not None and not isinstance(spec["ratio"], str):
@@ -91,7 +92,7 @@ def load_sweep(path: str) -> dict:
     runs = spec["runs"]
     if not isinstance(runs, dict) or not runs:
         raise ConfigError(f"runs: {path}: expected a mapping of run name to a list of overrides, got {runs!r}")
-    spec["runs"] = {str(run): _str_list(path, f"runs.{run}", extra) for run, extra in runs.items()}
+    spec["runs"] = {str(run): str_list(path, f"runs.{run}", extra) for run, extra in runs.items()}
     return spec
 
 

@@ -69,14 +69,14 @@ def test_parse_rate():
 def test_time_to_target_uses_cumulative_step_times():
     records = [{"step": s, "step_time_s": 0.5, "tokens": (s + 1) * 10, "sync_bytes": s} for s in range(6)]
     records[2]["val_loss"], records[5]["val_loss"] = 3.0, 2.0
-    assert slowlink.time_to_target(records, 6, 2.5) == {
+    assert slowlink.time_to_target(records, 2.5) == {
         "step_to_target": 5,
         "tokens_to_target": 60,
         "sync_bytes_to_target": 5,
         "time_to_target_s": 3.0,
     }
-    assert slowlink.time_to_target(records, 6, 1.0)["step_to_target"] is None
-    assert slowlink.time_to_target(records[::2], 6, 2.5)["time_to_target_s"] is None  # not every step logged
+    assert slowlink.time_to_target(records, 1.0)["step_to_target"] is None
+    assert slowlink.time_to_target(records[::2], 2.5)["time_to_target_s"] is None  # not every step logged
 
 
 def test_exit_2_without_ip_or_tc(tmp_path):
