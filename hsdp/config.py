@@ -313,7 +313,7 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 class _DuplicateKey(Exception):
-    pass
+    """A YAML mapping repeats a key (raised by the strict loader, turned into a ConfigError)."""
 
 
 def _position(mark: yaml.Mark) -> str:

@@ -252,8 +252,8 @@ def launch(cfg: Config, worker: Worker) -> None:
         )
         try:
             stop.arm()
-            while not context.join(timeout=1.0):
-                pass
+            while not context.join(timeout=1.0):  # wake every second so a signal handler can run
+                continue
         except Interrupted as e:
             stop.disarm()
             raise Interrupted(e.signum, stop_workers(context.processes)) from None
