@@ -106,6 +106,7 @@ def train_worker(cfg: Config) -> None:
             "sync_bytes": mesh.comm.group_bytes("sync"),
             "comm": mesh.comm.report(),
             "engine": cfg.mesh.engine,
+            "backend": dist.get_backend(),
             "world": mesh.world,
             **engine.stats(),
             **checkpoints.stats(),
@@ -187,6 +188,12 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
         if owns_run_dir():  # under torchrun, rank 0 only: another rank's copy would look like an old run
             save_config(cfg, cfg.run_dir / "config.yaml")
         warn_unsynced_end(cfg)
+        if cfg.mesh.backend == "fake":
+            print(
+                "note: mesh.backend=fake: collectives move no data (each rank keeps its own), so step times are "
+                "compute only and the losses are not a training result",
+                file=sys.stderr,
+            )
         launch(cfg, worker or train_worker)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -288,6 +288,8 @@ class Checkpoints:
     # ------------------------------------------------------------ resume
     def resume(self) -> Progress:
         """Restore the checkpoint `run.resume` names (decided by rank 0 for every rank); else a fresh start."""
+        if self.cfg.mesh.backend == "fake":  # nothing moves between ranks, so nothing could be restored right
+            return Progress()
         choice = [str(resolve_resume(self.cfg) or "") if self.mesh.rank == 0 else None]
         dist.broadcast_object_list(choice, src=0)  # every rank loads the same one, even if a save lands now
         if not choice[0]:

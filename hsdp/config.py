@@ -63,7 +63,7 @@ class MeshConfig:
     sync: int = 1  # replicas (slow links)
     shard: int = 1  # FSDP group size (fast links)
     engine: str = "hsdp"  # hsdp | fsdp2 | ddp
-    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl
+    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl | fake (no communication, timing only)
     timeout_s: float = 300.0  # process-group timeout: a hung collective fails after this
     prefetch: bool = True  # overlap the next unit's gather with this unit's compute
 
@@ -151,7 +151,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("stdlib", "text", "tokens", "synthetic"),
     "mesh.engine": ("hsdp", "fsdp2", "ddp"),
-    "mesh.backend": ("auto", "gloo", "nccl"),
+    "mesh.backend": ("auto", "gloo", "nccl", "fake"),
     "precision.param_dtype": DTYPES,
     "precision.reduce_dtype": DTYPES,
     "optim.name": ("adamw", "sgd"),
@@ -446,6 +446,14 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if s.alpha > 0 and s.delay == 0:
         raise ConfigError(
             f"sync.alpha: only used by an overlapped sync (sync.delay >= 1), got alpha {s.alpha} with delay 0"
+        )
+    saves = {"run.checkpoint_every": cfg.run.checkpoint_every, "run.save_model": cfg.run.save_model}
+    saves["run.resume"] = cfg.run.resume not in ("auto", "never")
+    if cfg.mesh.backend == "fake" and any(saves.values()):
+        what = next(k for k, v in saves.items() if v)
+        raise ConfigError(
+            f"{what}: mesh.backend=fake moves no data between ranks (timing only), so saved or loaded state "
+            "would be wrong; turn it off or use a real backend"
         )
     if cfg.compile.enabled and cfg.mesh.engine == "ddp":
         raise ConfigError("compile.enabled: the compiled path exists for mesh.engine hsdp and fsdp2, got ddp")

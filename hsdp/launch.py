@@ -130,9 +130,19 @@ def backend_for(cfg: Config, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def threads_per_rank(local_world: int) -> int:
+    """OMP_NUM_THREADS if set (torchrun and the slow-link launcher set it per node), else the cores / local ranks.
+
+    Sharing the CPU matters: oversubscribed gloo ranks mostly wait for each other.
+    """
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) >= 1:
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // local_world)
+
+
 def _init_and_run(cfg: Config, worker: Worker, rank: int, world: int, local_rank: int, local_world: int) -> None:
-    # Share the CPU among local ranks; oversubscription makes gloo runs crawl.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(threads_per_rank(local_world))
     device = pick_device(local_rank)
     timeout = datetime.timedelta(seconds=cfg.mesh.timeout_s)
     dist.init_process_group(
@@ -183,9 +193,14 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _spawned(local_rank: int, cfg: Config, worker: Worker, port: int, world: int, launcher_pid: int) -> None:
-    die_with_parent(launcher_pid)
+def _spawned(
+    local_rank: int, cfg: Config, worker: Worker, port: int, world: int, parent_pid: int, env: dict[str, str]
+) -> None:
+    let_fork_server_exit_with_launcher()
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides what a Ctrl-C stops
+    os.environ.clear()  # the launcher's environment now, not the fork server's from when it started
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -210,6 +225,41 @@ def stop_workers(processes: list, grace_s: float = STOP_GRACE_S) -> int:
             p.kill()
             p.join()
     return len(alive)
+
+
+def start_fork_server(worker: Worker) -> None:
+    """Workers fork from a server that has already imported torch and the worker's module.
+
+    Spawning would import them again in every worker (~2 s of CPU each: on a 2-core box a
+    4-rank run spent ~8 s of an 11 s, 3-step job starting up). The server starts once per
+    launcher process, before any CUDA or thread pool exists in it, and exits with the launcher.
+    """
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(["torch", "hsdp.launch", worker.__module__])
+    forkserver.ensure_running()
+
+
+def let_fork_server_exit_with_launcher() -> None:
+    """Close this worker's copy of the launcher's end of the fork server's "alive" pipe.
+
+    multiprocessing hands it to every forked child (so children could start processes too);
+    while a worker holds it, the server never sees the launcher die, and the workers, which
+    die with the server, would outlive a `kill -9` of the launcher.
+    """
+    from multiprocessing import forkserver
+
+    fd = forkserver._forkserver._forkserver_alive_fd
+    if fd is not None:
+        os.close(fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+
+
+def fork_server_pid() -> int:
+    """The fork server's pid: the workers' parent, whose death (it exits with the launcher) ends them."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid
 
 
 def under_torchrun() -> bool:
@@ -247,8 +297,13 @@ def launch(cfg: Config, worker: Worker) -> None:
             except Exception as e:  # same report as a spawned rank's failure
                 raise WorkerError(f"rank 0 failed:\n{traceback.format_exc()}") from e
             return
+        start_fork_server(worker)
         context = mp.start_processes(
-            _spawned, args=(cfg, worker, port, world, os.getpid()), nprocs=world, join=False, start_method="spawn"
+            _spawned,
+            args=(cfg, worker, port, world, fork_server_pid(), dict(os.environ)),
+            nprocs=world,
+            join=False,
+            start_method="forkserver",
         )
         try:
             stop.arm()

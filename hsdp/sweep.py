@@ -8,7 +8,9 @@ of overrides per run:
     base: configs/tiny.yaml
     set: [run.eval_every=100]
     columns: [final_val_loss, sync_bytes]        # summary.json fields
-    ratio: sync_bytes                            # optional: column / first run's
+    ratio: sync_bytes                            # optional: first run's / column ("N× fewer")
+    relative: [median_step_time_s, hsdp]         # optional: column / that run's ("0.72×")
+    nocomm: true                                 # optional: also run each with mesh.backend=fake
     runs:
       hsdp: []
       diloco-h32: [sync.warmup_steps=0, sync.every=32, sync.method=diloco]
@@ -16,7 +18,14 @@ of overrides per run:
 Each run is the checkout's `train.py` in its own process (so one crash does not
 end the sweep), started in the directory the sweep was started from and with
 `run.overwrite=true` (a sweep re-runs its runs) and `run.out_dir` made absolute;
-its outputs land in `<out_dir>/<sweep>-<run>/` as usual. A relative `base:`
+its outputs land in `<out_dir>/<sweep>-<run>/` as usual.
+
+`nocomm: true` measures exposed communication: each run also runs as
+`<run>-nocomm` with `mesh.backend=fake` (torch's fake process group: every
+collective returns at once, with this rank's own data, so the step is the same
+compute with no communication), and the table gets `nocomm_step_time_s` and
+`exposed_comm_s` = median step time − the no-comm twin's, i.e. the time the
+step spends on communication that was not hidden behind compute. A relative `base:`
 is looked up beside the sweep file first, then in the checkout. The table is
 printed and written to `<out_dir>/<sweep>.md` (the first run's out_dir).
 
@@ -46,7 +55,8 @@ from hsdp.config import ConfigError, load_config, read_yaml
 from hsdp.launch import Interrupted, StopSignals
 
 REPO = Path(__file__).resolve().parents[1]
-SWEEP_KEYS = ("base", "set", "columns", "ratio", "runs")
+SWEEP_KEYS = ("base", "set", "columns", "ratio", "relative", "nocomm", "runs")
+NOCOMM = "-nocomm"  # suffix of a run's no-communication twin (nocomm: true)
 STOP_WAIT_S = 30.0  # a run's launcher stops its workers within seconds; then it is killed
 
 
@@ -89,11 +99,29 @@ def load_sweep(path: str) -> dict:
         raise ConfigError(f"columns: {path}: expected at least one summary.json field")
     if spec.get("ratio") is not None and not isinstance(spec["ratio"], str):
         raise ConfigError(f"ratio: {path}: expected a summary.json field, got {spec['ratio']!r}")
+    if not isinstance(spec.setdefault("nocomm", False), bool):
+        raise ConfigError(f"nocomm: {path}: expected true or false, got {spec['nocomm']!r}")
     runs = spec["runs"]
     if not isinstance(runs, dict) or not runs:
         raise ConfigError(f"runs: {path}: expected a mapping of run name to a list of overrides, got {runs!r}")
     spec["runs"] = {str(run): str_list(path, f"runs.{run}", extra) for run, extra in runs.items()}
+    relative = spec.get("relative")
+    if relative is not None and not (
+        isinstance(relative, list) and len(relative) == 2 and all(isinstance(r, str) for r in relative)
+    ):
+        raise ConfigError(f"relative: {path}: expected [summary.json field, run name], got {relative!r}")
+    if relative is not None and relative[1] not in spec["runs"]:
+        raise ConfigError(f"relative: {path}: {relative[1]!r} is not one of the runs ({', '.join(spec['runs'])})")
     return spec
+
+
+def with_nocomm_twins(runs: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each run followed by its `<run>-nocomm` twin: the same overrides plus mesh.backend=fake."""
+    out = {}
+    for run, extra in runs.items():
+        out[run] = extra
+        out[run + NOCOMM] = [*extra, "mesh.backend=fake"]
+    return out
 
 
 def run_one(base: str, overrides: list[str], stop: StopSignals) -> int:
@@ -130,10 +158,26 @@ def format_value(column: str, value) -> str:
     return str(value)
 
 
+def exposed_comm(summary: dict, nocomm: dict) -> dict:
+    """The no-comm twin's median step and the difference: communication not hidden behind compute."""
+    step, bare = summary.get("median_step_time_s"), nocomm.get("median_step_time_s")
+    if step is None or bare is None:
+        return {}
+    return {"nocomm_step_time_s": bare, "exposed_comm_s": step - bare}
+
+
 def table(name: str, spec: dict, summaries: dict[str, dict]) -> str:
-    cols = spec["columns"]
-    ratio = spec.get("ratio")
-    head = ["run", *cols] + ([f"{ratio} ratio"] if ratio else [])
+    """The markdown table: one row per run (no-comm twins fold into their run's row)."""
+    cols = list(spec["columns"])
+    if spec.get("nocomm"):
+        cols += ["nocomm_step_time_s", "exposed_comm_s"]
+        summaries = {
+            run: {**s, **exposed_comm(s, summaries.get(run + NOCOMM, {}))}
+            for run, s in summaries.items()
+            if run in spec["runs"]
+        }
+    ratio, relative = spec.get("ratio"), spec.get("relative")
+    head = ["run", *cols] + ([f"{ratio} ratio"] if ratio else []) + ([" vs ".join(relative)] if relative else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     first = next(iter(summaries.values()), {})
     for run, s in summaries.items():
@@ -141,6 +185,9 @@ def table(name: str, spec: dict, summaries: dict[str, dict]) -> str:
         if ratio:
             a, b = s.get(ratio), first.get(ratio)
             row.append(f"{b / a:.1f}× fewer" if a and b else "–")
+        if relative:
+            a, b = s.get(relative[0]), summaries.get(relative[1], {}).get(relative[0])
+            row.append(f"{a / b:.2f}×" if a and b else "–")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -275,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 f"--only: unknown runs {sorted(only - set(spec['runs']))} (expected: {', '.join(spec['runs'])})"
             )
-        plans = {run: [*shared, *extra, f"run.name={name}-{run}"] for run, extra in spec["runs"].items()}
-        runs = [] if args.no_run else [run for run in plans if not only or run in only]
+        all_runs = with_nocomm_twins(spec["runs"]) if spec["nocomm"] else spec["runs"]
+        plans = {run: [*shared, *extra, f"run.name={name}-{run}"] for run, extra in all_runs.items()}
+        runs = [] if args.no_run else [run for run in plans if not only or run.removesuffix(NOCOMM) in only]
         for run in runs:  # a sweep re-runs its runs: replace their previous outputs
             plans[run].append("run.overwrite=true")
         cfgs = {run: load_config(spec["base"], o) for run, o in plans.items()}  # validate all before running any
@@ -303,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(md + "\n")
     print(md)
     if args.plot:
-        dirs = {run: cfgs[run].run_dir.resolve() for run in plans}
+        dirs = {run: cfgs[run].run_dir.resolve() for run in spec["runs"]}
         for path in plot_runs(dirs, out.parent, name, title=f"{name} ({Path(spec['base']).name})"):
             print(f"wrote {path}")
     return 0 if all(summaries.values()) else 1

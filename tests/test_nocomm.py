@@ -1,0 +1,101 @@
+"""mesh.backend=fake (no communication) and the sweep's exposed-communication columns built on it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hsdp import sweep
+from hsdp.config import ConfigError, load_config
+from hsdp.launch import threads_per_rank
+from tests.helpers import REPO, SMALL
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+PAIR = [*SMALL, "run.save_model=false", "mesh.sync=1", "mesh.shard=2", "run.steps=3"]
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("run.checkpoint_every=5", "run.checkpoint_every"),
+        ("run.save_model=true", "run.save_model"),
+        ("run.resume=runs/x/checkpoints/step_4", "run.resume"),
+    ],
+)
+def test_fake_backend_refuses_saving_or_loading_state(tmp_path, override, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, ["mesh.backend=fake", f"run.out_dir={tmp_path}", override])
+    msg = str(info.value)
+    assert msg.startswith(key) and "mesh.backend=fake" in msg and "\n" not in msg
+
+
+def test_threads_per_rank_respects_omp_num_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_rank(4) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert threads_per_rank(4) == 2 and threads_per_rank(16) == 1
+
+
+def test_nocomm_twins_and_table_columns():
+    runs = {"a": ["x.y=1"], "b": []}
+    assert sweep.with_nocomm_twins(runs) == {
+        "a": ["x.y=1"],
+        "a-nocomm": ["x.y=1", "mesh.backend=fake"],
+        "b": [],
+        "b-nocomm": ["mesh.backend=fake"],
+    }
+    spec = {"columns": ["median_step_time_s"], "runs": runs, "nocomm": True, "relative": ["median_step_time_s", "b"]}
+    summaries = {
+        "a": {"median_step_time_s": 0.30},
+        "a-nocomm": {"median_step_time_s": 0.20},
+        "b": {"median_step_time_s": 0.40},
+        "b-nocomm": {},  # a twin that failed: its row shows "–", the others are unaffected
+    }
+    lines = sweep.table("t", spec, summaries).splitlines()
+    assert lines[0] == "| run | median_step_time_s | nocomm_step_time_s | exposed_comm_s | median_step_time_s vs b |"
+    assert lines[2] == "| a | 0.3000 | 0.2000 | 0.1000 | 0.75× |"
+    assert lines[3] == "| b | 0.4000 | – | – | 1.00× |"
+    assert len(lines) == 4  # the twins fold into their runs' rows
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ("relative: [median_step_time_s, nope]\n", ["relative", "'nope' is not one of the runs"]),
+        ("relative: median_step_time_s\n", ["relative", "expected [summary.json field, run name]"]),
+        ("nocomm: yes please\n", ["nocomm", "expected true or false"]),
+    ],
+)
+def test_bad_relative_or_nocomm_exit_2(tmp_path, capsys, extra, words):
+    path = tmp_path / "sw.yaml"
+    path.write_text(f"base: configs/tiny.yaml\ncolumns: [steps]\nruns: {{a: []}}\n{extra}")
+    assert sweep.main([str(path)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_sweep_measures_exposed_communication_with_a_fake_twin(tmp_path):
+    """Real runs: each run and its no-comm twin; the twin sends the same bytes on paper but waits on none."""
+    path = tmp_path / "sw.yaml"
+    sets_ = ", ".join([*PAIR, f"run.out_dir={tmp_path / 'out'}"])
+    path.write_text(
+        f"base: {TINY}\nset: [{sets_}]\ncolumns: [median_step_time_s, shard_bytes]\nnocomm: true\n"
+        "relative: [median_step_time_s, hsdp]\nruns:\n  hsdp: []\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsdp.sweep", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = json.loads((tmp_path / "out" / "sw-hsdp" / "summary.json").read_text())
+    bare = json.loads((tmp_path / "out" / "sw-hsdp-nocomm" / "summary.json").read_text())
+    assert real["backend"] == "gloo" and bare["backend"] == "fake"
+    assert bare["shard_bytes"] == real["shard_bytes"] > 0  # the same collectives were issued
+    assert "compute only" in proc.stderr  # the fake run says what its numbers are
+    row = next(ln for ln in (tmp_path / "out" / "sw.md").read_text().splitlines() if ln.startswith("| hsdp |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[4]) == pytest.approx(float(cells[1]) - float(cells[3]), abs=2e-4)  # exposed = step − bare
+    assert cells[-1] == "1.00×"
