@@ -25,7 +25,7 @@ from hsdp.data import Data
 from hsdp.engine import Batch, Engine, build_engine
 from hsdp.launch import Interrupted, WorkerError, launch
 from hsdp.mesh import Mesh, build_mesh
-from hsdp.metrics import MetricsLogger, peak_memory_mb
+from hsdp.metrics import MetricsLogger, StepMemoryProbe, peak_memory_mb
 from hsdp.model import loss_fn
 from hsdp.optim import build_optimizer, lr_at, set_lr
 from hsdp.rundir import owns_run_dir, prepare_run_dir
@@ -47,13 +47,15 @@ def train_worker(cfg: Config) -> None:
         cfg, cfg.run_dir, enabled=mesh.rank == 0, continue_after=run.start_step - 1 if run.resumed_from else None
     )
     tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
+    memory = StepMemoryProbe(mesh.device, at=min(run.start_step + 2, cfg.run.steps - 1))  # past compile and warm-up
 
     for step in range(run.start_step, cfg.run.steps):  # batches and LR are functions of the step
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, cfg.run.steps)
         set_lr(optimizer, lr)
         engine.begin_step(step)  # the sync policy: are grads averaged across replicas this step?
-        step_loss = engine.forward_backward(micro_batches(data, step, cfg.optim.grad_accum, mesh.device))
+        with memory.step(step):  # one step's forward+backward is profiled for its tensor memory
+            step_loss = engine.forward_backward(micro_batches(data, step, cfg.optim.grad_accum, mesh.device))
         engine.clip_grad_norm_(cfg.optim.grad_clip)
         optimizer.step()
         engine.zero_grad()
@@ -88,7 +90,7 @@ def train_worker(cfg: Config) -> None:
             logger.progress(step, run.loss, tokens_per_step / run.step_times[-1])
         checkpoints.maybe_save(step, run)  # every run.checkpoint_every steps, after the update, sync and log
 
-    peak = torch.tensor([peak_memory_mb(mesh.device)], device=mesh.device)  # nccl needs it on the GPU
+    peak = torch.tensor([peak_memory_mb(mesh.device), memory.peak_mb or 0.0], device=mesh.device)  # nccl: GPU
     mesh.comm.all_reduce(peak, "world", op=dist.ReduceOp.MAX)
     train_time = sum(run.step_times)
     logger.summary(
@@ -101,7 +103,8 @@ def train_worker(cfg: Config) -> None:
             "median_step_time_s": statistics.median(run.step_times),
             "train_time_s": train_time,
             "wall_time_s": run.prior_wall_s + time.perf_counter() - t_start,
-            "peak_mem_mb": float(peak),
+            "peak_mem_mb": float(peak[0]),
+            "step_alloc_peak_mb": round(float(peak[1]), 2) if memory.peak_mb is not None else None,
             "shard_bytes": mesh.comm.group_bytes("shard"),
             "sync_bytes": mesh.comm.group_bytes("sync"),
             "comm": mesh.comm.report(),

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hsdp.comm import Comm, ring_bytes
+from hsdp.compile.clock import CompileClock
 from hsdp.config import Config
 from hsdp.engine import Batch, Engine, NoSync, SavedCheckpoint
 from hsdp.layout import DTYPES
@@ -121,6 +122,7 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
                 unit.set_custom_reduce_scatter(_CountedReduceScatter(mesh.comm))
         self.mesh = mesh
         self.policy = NoSync()
+        self.clock: CompileClock | None = None  # set when the blocks are compiled
 
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> "FSDP2Engine":
@@ -130,14 +132,20 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
             # FSDP2's hooks run around the compiled blocks, eagerly.
             for block in model.units[1:-1]:
                 block.compile(fullgraph=True)
-        return cls(model, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype)
+        engine = cls(model, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype)
+        engine.clock = CompileClock() if cfg.compile.enabled else None
+        return engine
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         return self.module(idx)
 
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
-        with count_all_reduces(self.mesh.comm):
+        with count_all_reduces(self.mesh.comm), self.clock.call() if self.clock else contextlib.nullcontext():
             return super().forward_backward(batches)
+
+    def stats(self) -> dict[str, Any]:
+        """Compiled blocks: compile time (the first step) and recompiles, as the hsdp compiled engine reports."""
+        return {**super().stats(), **(self.clock.stats() if self.clock else {})}
 
     def set_reduce_grads(self, reduce: bool) -> None:
         self.module.set_requires_gradient_sync(reduce)

@@ -1,10 +1,12 @@
 """Start the workers: torchrun's environment, or `sync·shard` local processes.
 
 Under torchrun (RANK/WORLD_SIZE set) this process is one worker. Otherwise a
-world of 1 runs in-process and a larger world is spawned locally (gloo on CPU,
-nccl on CUDA). A crash on any rank terminates every rank (torch.multiprocessing
-does that on the first failure) and `launch` raises `WorkerError` carrying that
-rank's traceback; a hung collective fails after `mesh.timeout_s`.
+world of 1 runs in-process and a larger world runs as local processes (gloo on
+CPU, nccl on CUDA), forked from a multiprocessing fork server that has already
+imported torch and the worker's module (`start_fork_server`). A crash on any
+rank terminates every rank (torch.multiprocessing does that on the first
+failure) and `launch` raises `WorkerError` carrying that rank's traceback; a
+hung collective fails after `mesh.timeout_s`.
 
 Stopping: SIGINT or SIGTERM to the launcher stops every local worker (SIGTERM,
 then SIGKILL after `STOP_GRACE_S`) and `launch` raises `Interrupted`, whose
@@ -12,8 +14,9 @@ then SIGKILL after `STOP_GRACE_S`) and `launch` raises `Interrupted`, whose
 inherited as ignored (a background job of a script) stays ignored. Workers
 ignore SIGINT themselves (a terminal's Ctrl-C reaches the whole process group,
 and the launcher coordinates the stop) and are killed by the kernel if the
-launcher dies without cleaning up (`kill -9`): PR_SET_PDEATHSIG on Linux, a
-parent-pid watchdog elsewhere.
+launcher dies without cleaning up (`kill -9`): the fork server exits when the
+launcher is gone, and the workers die with it (PR_SET_PDEATHSIG on Linux, a
+parent-pid watchdog elsewhere).
 """
 
 from __future__ import annotations
@@ -194,9 +197,17 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def _spawned(
-    local_rank: int, cfg: Config, worker: Worker, port: int, world: int, parent_pid: int, env: dict[str, str]
+    local_rank: int,
+    cfg: Config,
+    worker: Worker,
+    port: int,
+    world: int,
+    parent_pid: int,
+    launcher_pid: int,
+    env: dict[str, str],
 ) -> None:
     let_fork_server_exit_with_launcher()
+    write_where_the_launcher_writes(launcher_pid)
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides what a Ctrl-C stops
     os.environ.clear()  # the launcher's environment now, not the fork server's from when it started
@@ -236,7 +247,8 @@ def start_fork_server(worker: Worker) -> None:
     """
     from multiprocessing import forkserver
 
-    forkserver.set_forkserver_preload(["torch", "hsdp.launch", worker.__module__])
+    module = getattr(worker, "func", worker).__module__  # a functools.partial's function's module
+    forkserver.set_forkserver_preload(["torch", "hsdp.launch", module])
     forkserver.ensure_running()
 
 
@@ -253,6 +265,26 @@ def let_fork_server_exit_with_launcher() -> None:
     if fd is not None:
         os.close(fd)
         forkserver._forkserver._forkserver_alive_fd = None
+
+
+def write_where_the_launcher_writes(launcher_pid: int) -> None:
+    """Point this worker's stdout/stderr at the launcher's, if they differ (Linux).
+
+    A worker inherits them from the fork server, i.e. from whoever started it: the same
+    files for `python train.py`, but not for later runs of a long-lived process that
+    launches several (the test suite's warm launcher), whose output would be lost.
+    """
+    for fd in (1, 2):
+        source = f"/proc/{launcher_pid}/fd/{fd}"
+        try:
+            theirs, ours = os.stat(source), os.fstat(fd)
+            if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
+                continue
+            reopened = os.open(source, os.O_WRONLY | os.O_APPEND)
+        except OSError:  # not Linux, or the launcher's fd is closed: keep ours
+            continue
+        os.dup2(reopened, fd)
+        os.close(reopened)
 
 
 def fork_server_pid() -> int:
@@ -300,7 +332,7 @@ def launch(cfg: Config, worker: Worker) -> None:
         start_fork_server(worker)
         context = mp.start_processes(
             _spawned,
-            args=(cfg, worker, port, world, fork_server_pid(), dict(os.environ)),
+            args=(cfg, worker, port, world, fork_server_pid(), os.getpid(), dict(os.environ)),
             nprocs=world,
             join=False,
             start_method="forkserver",

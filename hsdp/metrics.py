@@ -9,12 +9,13 @@ failure prints one warning line and the run goes on with metrics.jsonl alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,6 +48,66 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class StepMemoryProbe:
+    """The most tensor memory that one step's forward+backward allocates and holds at once.
+
+    Measured once, on step `at`, from torch.profiler's allocation events (every c10 allocation on the
+    run's device, eager or inductor-generated code alike): the same measure on CPU and GPU, and
+    unlike peak RSS it leaves out the interpreter, libraries and compiler, and memory that glibc
+    keeps after a free. What it sees is what a step adds: full params gathered, activations,
+    full-size grads, collective buffers; the persistent shards and optimizer state (allocated
+    before the step) are not in it.
+    """
+
+    def __init__(self, device: torch.device, at: int) -> None:
+        self.device, self.at = device, at
+        self.peak_mb: Optional[float] = None
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Around the step's forward+backward: measured when `step` is the probed one, else a no-op."""
+        if step != self.at:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CUDA] if self.device.type == "cuda" else [ProfilerActivity.CPU]
+        with _native_stderr_silenced(), profile(activities=activities, profile_memory=True) as prof:
+            yield
+        self.peak_mb = peak_allocated(prof, self.device) / 2**20
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """fd 2 → /dev/null for the block: the profiler's native start/stop lines and its warning about
+    frees of blocks allocated before it started (those frees are simply not counted) would
+    otherwise print on every rank. Python exceptions still propagate and are reported as usual."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_allocated(prof: Any, device: torch.device) -> int:
+    """The running sum of the profile's allocation (+) and free (−) events on `device`, at its highest."""
+    kind = "CUDA" if device.type == "cuda" else "CPU"
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type().name == kind
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 def open_metrics(path: Path, continue_after: Optional[int]) -> Any:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,22 +75,106 @@ def run_train(
     env: dict[str, str] | None = None,
     script: list[str] | None = None,
 ) -> RunResult:
-    """`python train.py [--config] --set ...` in a subprocess; a hang fails after `timeout` seconds.
+    """`python train.py [--config] --set ...`; a hang fails after `timeout` seconds.
 
-    `script` replaces `train.py` (e.g. `["tests/faulty_train.py", "2", "3"]`).
+    Served by the warm launcher (tests/train_server.py), except with `env`: variables that a
+    process reads when it starts (e.g. MALLOC_*) need a fresh interpreter, so such a run is a
+    plain subprocess. `script` replaces `train.py` (e.g. `["tests/faulty_train.py", "2", "3"]`).
     """
     script = script or ["train.py"]
-    cmd = [sys.executable, str(REPO / script[0]), *script[1:]]
+    args = list(script[1:])
     if config:
-        cmd += ["--config", str(REPO / config)]
+        args += ["--config", str(REPO / config)]
     for o in [*overrides, f"run.out_dir={out_dir}", f"run.name={name}", "mesh.timeout_s=60"]:
-        cmd += ["--set", o]
-    env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-    result = RunResult(proc.returncode, proc.stderr, out_dir / name)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        args += ["--set", o]
+    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
+    if env:
+        cmd = [sys.executable, str(REPO / script[0]), *args]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+        returncode, stderr = proc.returncode, proc.stderr
+    else:
+        returncode, stderr = _SERVER.run(str(REPO / script[0]), args, full_env, timeout)
+    result = RunResult(returncode, stderr, out_dir / name)
+    if check and returncode != 0:
+        raise AssertionError(f"train.py failed ({returncode}):\n{stderr[-4000:]}")
     return result
+
+
+SERVER_ENV = {"HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore"}
+
+
+class TrainServer:
+    """The client of tests/train_server.py: started on first use, restarted after a run that hung."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.pending = b""  # reply bytes read but not yet consumed (read unbuffered, so select() is exact)
+
+    def start(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "train_server.py")],
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,
+                env={**os.environ, **SERVER_ENV},
+                start_new_session=True,  # its process group: the server, its fork server and every worker
+            )
+        return self.proc
+
+    def run(self, script: str, argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+        """One run: (exit code, its stdout+stderr). On a hang: SIGTERM the run, then kill everything."""
+        proc = self.start()
+        fd, output = tempfile.mkstemp(prefix="hsdp-run-", suffix=".log")
+        os.close(fd)
+        try:
+            request = {"script": script, "argv": argv, "cwd": str(REPO), "env": env, "output": output}
+            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.flush()
+            pid = self._reply(30)["pid"]
+            try:
+                returncode = self._reply(timeout)["returncode"]
+            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGTERM)  # the launcher stops its workers
+                try:
+                    self._reply(15)
+                except subprocess.TimeoutExpired:
+                    self.stop()
+                raise
+            return returncode, Path(output).read_text(errors="replace")
+        finally:
+            os.unlink(output)
+
+    def _reply(self, timeout: float) -> dict:
+        """The server's next JSON line, waiting at most `timeout` seconds for it."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            if not ready:
+                raise subprocess.TimeoutExpired(self.proc.args, timeout)
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                self.stop()
+                raise RuntimeError("the test suite's train server exited")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def stop(self) -> None:
+        """Kill the server, its fork server and any worker left (one process group)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc, self.pending = None, b""
+
+
+_SERVER = TrainServer()
+atexit.register(_SERVER.stop)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

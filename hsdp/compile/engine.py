@@ -15,15 +15,14 @@ sends grad_accum × the eager engine's reduce-scatter bytes; results agree.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
 import torch
-import torch._dynamo
 
 from hsdp.collectives import ReducePlan
+from hsdp.compile.clock import CompileClock
 from hsdp.compile.graph import Groups, plan_buckets, sharded_loss
 from hsdp.compile.passes import (
     CollectiveCensus,
@@ -56,10 +55,8 @@ class CompiledHSDPEngine(HSDPEngine):
         self.census = CollectiveCensus(labels=dict(self.mesh.comm.labels))
         self.buckets = [[u] for u in range(len(self.units))]  # units per all-gather (from_config: bucket_mb)
         self._compiled: dict[ReducePlan, Any] = {}
-        self._frames: dict[ReducePlan, int] = {}
         self.generated_code: list[str] = []  # inductor's output code of every graph compiled, in order
-        self.compile_time_s = 0.0
-        self.recompiles = 0
+        self.clock = CompileClock()
 
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> CompiledHSDPEngine:
@@ -101,20 +98,11 @@ class CompiledHSDPEngine(HSDPEngine):
         fn = self._step_fn(plan)
         total = torch.zeros((), device=self.mesh.device)
         for x, y in batches:
-            first = plan not in self._frames
-            frames_before = _frames_compiled()
-            t0 = time.perf_counter()
             self.census.current = plan
-            with _capture_generated_code(self.generated_code if first else None):
+            with self.clock.call(plan) as first, _capture_generated_code(self.generated_code if first else None):
                 loss = fn(self.leaves, x, y) / len(batches)
                 loss.backward()
             self.census.current = None
-            compiled_now = _frames_compiled() - frames_before
-            if first:
-                self._frames[plan] = compiled_now
-                self.compile_time_s += time.perf_counter() - t0
-            elif compiled_now:
-                self.recompiles += compiled_now
             self._count_bytes(plan)
             total += loss.detach()
         return total
@@ -137,9 +125,8 @@ class CompiledHSDPEngine(HSDPEngine):
         graphs = [g for p in self._compiled for g in self.census.graphs.get(p, [])]
         return {
             "compile_graphs": len(graphs),
-            "recompiles": self.recompiles,
+            **self.clock.stats(),
             "buckets": self.buckets,
-            "compile_time_s": round(self.compile_time_s, 2),
             "compiled": [
                 {
                     "graph": g.kind,
@@ -180,8 +167,3 @@ def _capture_generated_code(sink: list[str] | None) -> Iterator[None]:
         yield
     finally:
         GraphLowering.save_output_code = previous
-
-
-def _frames_compiled() -> int:
-    """Frames dynamo has compiled so far in this process (a new one after the first = a recompile)."""
-    return torch._dynamo.utils.counters["frames"]["ok"]

@@ -1,4 +1,5 @@
-"""mesh.backend=fake (no communication) and the sweep's exposed-communication columns built on it."""
+"""Measurement tools: mesh.backend=fake (no communication), the sweep's exposed-communication
+columns built on it, and the step memory probe (summary.json's step_alloc_peak_mb)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hsdp import sweep
+from hsdp.compile.clock import CompileClock, graphs_captured
 from hsdp.config import ConfigError, load_config
 from hsdp.launch import threads_per_rank
+from hsdp.metrics import StepMemoryProbe
 from tests.helpers import REPO, SMALL
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -99,3 +103,56 @@ def test_sweep_measures_exposed_communication_with_a_fake_twin(tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[4]) == pytest.approx(float(cells[1]) - float(cells[3]), abs=2e-4)  # exposed = step − bare
     assert cells[-1] == "1.00×"
+
+
+def test_step_memory_probe_sees_the_peak_of_what_the_step_allocates():
+    probe = StepMemoryProbe(torch.device("cpu"), at=3)
+    kept = torch.ones(1000)  # allocated before the step: not counted, and neither is its free
+    with probe.step(2):
+        pass
+    assert probe.peak_mb is None  # only step 3 is measured
+    with probe.step(3):
+        del kept
+        a = torch.ones(2**20)  # 4 MiB
+        b = torch.ones(3 * 2**20)  # +12 MiB → 16 MiB live: the peak
+        del a, b
+        c = torch.ones(2**19)  # 2 MiB, still live at the end
+    assert 16 <= probe.peak_mb < 16.5, probe.peak_mb
+    assert c.numel() == 2**19
+
+
+def test_step_memory_is_in_the_summary_of_a_run(tmp_path):
+    """A 1x2 run reports its probed step's peak, with either backend (gloo's own staging buffers count too)."""
+    out = tmp_path / "out"
+    peaks = {}
+    for backend in ("gloo", "fake"):
+        proc = subprocess.run(
+            [sys.executable, "train.py", *[a for o in PAIR for a in ("--set", o)]]
+            + ["--set", f"run.out_dir={out}", "--set", f"run.name={backend}", "--set", f"mesh.backend={backend}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        peaks[backend] = json.loads((out / backend / "summary.json").read_text())["step_alloc_peak_mb"]
+    assert peaks["gloo"] > 0 and peaks["fake"] > 0
+
+
+def test_compile_clock_times_first_calls_and_counts_recompiles():
+    """A new input shape under dynamic=False is a recompile; a variant's first call is its compile time."""
+    fn = torch.compile(lambda x: (x * 2).sum(), backend="eager", fullgraph=True, dynamic=False)
+    clock = CompileClock()
+    before = graphs_captured()
+    with clock.call("a") as first:
+        assert first
+        fn(torch.ones(3))
+    assert graphs_captured() == before + 1 and clock.recompiles == 0 and clock.compile_time_s > 0
+    with clock.call("a") as first:
+        assert not first
+        fn(torch.ones(3))  # cached: nothing captured
+    assert clock.recompiles == 0
+    with clock.call("a"):
+        fn(torch.ones(5))  # another shape: dynamo captures a new graph
+    assert clock.recompiles == 1
+    assert clock.stats()["recompiles"] == 1
