@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import gc
+import importlib
 import os
 import signal
 import socket
@@ -148,6 +149,8 @@ def _init_and_run(cfg: Config, worker: Worker, rank: int, world: int, local_rank
     torch.set_num_threads(threads_per_rank(local_world))
     device = pick_device(local_rank)
     timeout = datetime.timedelta(seconds=cfg.mesh.timeout_s)
+    if cfg.mesh.backend == "fake":  # older torch registers the fake backend only when this module is imported
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")
     dist.init_process_group(
         backend_for(cfg, device),
         rank=rank,
@@ -202,13 +205,13 @@ def _spawned(
     worker: Worker,
     port: int,
     world: int,
-    parent_pid: int,
+    parent_pid: Optional[int],
     launcher_pid: int,
     env: dict[str, str],
 ) -> None:
     let_fork_server_exit_with_launcher()
     write_where_the_launcher_writes(launcher_pid)
-    die_with_parent(parent_pid)
+    die_with_parent(parent_pid or os.getppid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides what a Ctrl-C stops
     os.environ.clear()  # the launcher's environment now, not the fork server's from when it started
     os.environ.update(env)
@@ -261,7 +264,7 @@ def let_fork_server_exit_with_launcher() -> None:
     """
     from multiprocessing import forkserver
 
-    fd = forkserver._forkserver._forkserver_alive_fd
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)  # a private attribute (3.10–3.13)
     if fd is not None:
         os.close(fd)
         forkserver._forkserver._forkserver_alive_fd = None
@@ -287,11 +290,14 @@ def write_where_the_launcher_writes(launcher_pid: int) -> None:
         os.close(reopened)
 
 
-def fork_server_pid() -> int:
-    """The fork server's pid: the workers' parent, whose death (it exits with the launcher) ends them."""
+def fork_server_pid() -> Optional[int]:
+    """The fork server's pid: the workers' parent, whose death (it exits with the launcher) ends them.
+
+    None if this Python does not expose it; then a worker takes its parent at start as the fork server.
+    """
     from multiprocessing import forkserver
 
-    return forkserver._forkserver._forkserver_pid
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
 def under_torchrun() -> bool:
