@@ -78,6 +78,7 @@ Spec file (all keys but `runs` optional; CLI flags override it):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -93,9 +94,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hsdp.config import ConfigError, load_config, read_yaml
+from hsdp.config import ConfigError, load_config
 from hsdp.launch import Interrupted
-from hsdp.sweep import read_records, str_list, wall_clock
+from hsdp.sweep import read_records, read_spec, str_list, wall_clock
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "hsl"  # every namespace and link we create: hsl<pid><tag>...
@@ -307,10 +308,8 @@ class SlowLink:
         alive = [pid for ns in self.created if ns in list_namespaces() for pid in namespace_pids(ns)]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in alive:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
             deadline = time.monotonic() + grace_s
             while alive and time.monotonic() < deadline:
                 alive = [pid for pid in alive if _alive(pid)]
@@ -370,10 +369,8 @@ def cleanup_stale() -> list[str]:
         if not ns.startswith(PREFIX) or not digits.isdigit() or _alive(int(digits)):
             continue
         for pid in namespace_pids(ns):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         _run(["ip", "netns", "del", ns], check=False)
         removed.append(ns)
     return removed
@@ -504,16 +501,12 @@ class Job:
         """SIGTERM each node's torchrun (it stops its workers), then SIGKILL whatever is left in the namespaces."""
         for p in self.procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + grace_s
         for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         self.link.stop_processes(grace_s=3.0)
         for p in self.procs:
             if p.poll() is None:
@@ -637,12 +630,7 @@ class Plan:
 
 
 def load_spec(path: str) -> dict:
-    spec = read_yaml(path, key="spec", expected="a mapping with keys base, runs, rates")
-    if not isinstance(spec, dict):
-        raise ConfigError(f"spec: {path}: expected a mapping with keys {', '.join(SPEC_KEYS)}")
-    unknown = [k for k in spec if k not in SPEC_KEYS]
-    if unknown:
-        raise ConfigError(f"spec: {path}: unknown keys {unknown} (expected: {', '.join(SPEC_KEYS)})")
+    spec = read_spec(path, "spec", SPEC_KEYS)
     runs = spec.get("runs")
     if not isinstance(runs, dict) or not runs:
         raise ConfigError(f"runs: {path}: expected a mapping of run name to overrides")

@@ -45,6 +45,7 @@ current run (and its workers) and exits 130/143.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -79,14 +80,21 @@ def str_list(path: str, key: str, value: Any) -> list[str]:
     return value
 
 
+def read_spec(path: str, kind: str, keys: tuple[str, ...]) -> dict:
+    """A spec file (sweep, slow-link) as a mapping whose keys are all in `keys`, or ConfigError naming the problem."""
+    expected = f"a mapping with keys {', '.join(keys)}"
+    spec = read_yaml(path, key=kind, expected=expected)
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{kind}: {path}: expected {expected}")
+    unknown = [k for k in spec if k not in keys]
+    if unknown:
+        raise ConfigError(f"{kind}: {path}: unknown keys {unknown} (expected: {', '.join(keys)})")
+    return spec
+
+
 def load_sweep(path: str) -> dict:
     """Read and check a sweep file; `base` comes back as an absolute path, lists as lists."""
-    spec = read_yaml(path, key="sweep", expected="a mapping with keys base, runs, columns")
-    if not isinstance(spec, dict):
-        raise ConfigError(f"sweep: {path}: expected a mapping with keys base, runs, columns")
-    unknown = [k for k in spec if k not in SWEEP_KEYS]
-    if unknown:
-        raise ConfigError(f"sweep: {path}: unknown keys {unknown} (expected: {', '.join(SWEEP_KEYS)})")
+    spec = read_spec(path, "sweep", SWEEP_KEYS)
     for key in ("base", "runs", "columns"):
         if key not in spec:
             raise ConfigError(f"sweep: {path}: missing key {key!r}")
@@ -204,10 +212,8 @@ def read_records(run_dir: Path) -> list[dict]:
         return []
     records = []
     for line in path.read_text().splitlines():
-        try:
+        with contextlib.suppress(ValueError):  # a torn last line
             records.append(json.loads(line))
-        except ValueError:
-            pass
     return records
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -87,7 +88,7 @@ def run_train(
         args += ["--config", str(REPO / config)]
     for o in [*overrides, f"run.out_dir={out_dir}", f"run.name={name}", "mesh.timeout_s=60"]:
         args += ["--set", o]
-    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
+    full_env = {**os.environ, **QUIET_ENV, **(env or {})}
     if env:
         cmd = [sys.executable, str(REPO / script[0]), *args]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
@@ -100,7 +101,7 @@ def run_train(
     return result
 
 
-SERVER_ENV = {"HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore"}
+QUIET_ENV = {"HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore"}  # what every test run of train.py sets
 
 
 class TrainServer:
@@ -118,7 +119,7 @@ class TrainServer:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 bufsize=0,
-                env={**os.environ, **SERVER_ENV},
+                env={**os.environ, **QUIET_ENV},
                 start_new_session=True,  # its process group: the server, its fork server and every worker
             )
         return self.proc
@@ -165,10 +166,8 @@ class TrainServer:
     def stop(self) -> None:
         """Kill the server, its fork server and any worker left (one process group)."""
         if self.proc is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.proc.wait()
             self.proc, self.pending = None, b""
 

@@ -24,7 +24,7 @@ from hsdp.checkpoint import check_resume, latest_checkpoint, prune, read_meta
 from hsdp.config import ConfigError, load_config
 from hsdp.export import main as export_main
 from hsdp.model import GPT
-from tests.helpers import REPO, SMALL, RunResult, max_param_rel_err, rel_err, run_train
+from tests.helpers import QUIET_ENV, REPO, SMALL, RunResult, max_param_rel_err, rel_err, run_train
 
 MESH = ["mesh.sync=2", "mesh.shard=2"]
 EXACT = SMALL + MESH + ["run.steps=30"]  # exact HSDP (grads averaged every step)
@@ -63,7 +63,7 @@ def train_cmd(script: list[str], out: Path, name: str, overrides: list[str]) -> 
     return cmd
 
 
-ENV = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore"}
+ENV = {**os.environ, **QUIET_ENV}
 
 
 def torchrun(out: Path, name: str, overrides: list[str], timeout: float = 240) -> RunResult:

@@ -109,7 +109,7 @@ def test_step_memory_probe_sees_the_peak_of_what_the_step_allocates():
     probe = StepMemoryProbe(torch.device("cpu"), at=3)
     kept = torch.ones(1000)  # allocated before the step: not counted, and neither is its free
     with probe.step(2):
-        pass
+        torch.ones(2**20)  # 4 MiB in an unprobed step: not measured
     assert probe.peak_mb is None  # only step 3 is measured
     with probe.step(3):
         del kept

@@ -26,7 +26,7 @@ from hsdp.metrics import MetricsLogger
 from hsdp.rundir import has_checkpoint, prepare_run_dir
 from kernels import bench
 from kernels.quant import MAX_BLOCK
-from tests.helpers import REPO, SMALL
+from tests.helpers import QUIET_ENV, REPO, SMALL
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 ONE = [*SMALL, "run.save_model=false", "mesh.sync=1", "mesh.shard=1"]  # a world of 1 runs in-process
@@ -60,7 +60,7 @@ def main_in_process(capsys, out: Path, *overrides: str, worker=stub_worker) -> t
 def run_cli(
     args: list[str], cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    env = {**os.environ, **QUIET_ENV, **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -4,6 +4,7 @@ no orphan. Real runs of train.py; processes are found by a unique marker in thei
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, SMALL
+from tests.helpers import QUIET_ENV, REPO, SMALL
 
 MARK_ENV = "HSDP_TEST_RUN_MARK"
 START_TIMEOUT_S = 150  # until the first metrics line (4 workers importing torch on a busy 2-core box)
@@ -63,7 +64,7 @@ class Run:
             "run.name=r",
         ]
         cmd = [sys.executable, str(REPO / "train.py"), *[a for o in overrides for a in ("--set", o)]]
-        env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore", MARK_ENV: self.mark}
+        env = {**os.environ, **QUIET_ENV, MARK_ENV: self.mark}
         # A script's background job (`cmd &`) starts with SIGINT ignored; reproduce that.
         preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
         self.proc = subprocess.Popen(
@@ -102,10 +103,8 @@ class Run:
     def cleanup(self) -> None:
         """Kill whatever this run left behind (only processes carrying this run's marker)."""
         for pid in marked_pids(self.mark):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()

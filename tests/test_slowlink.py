@@ -7,6 +7,7 @@ also when it fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -50,10 +51,8 @@ def removes_leftovers():
         for ns in slowlink.list_namespaces():
             if ns.startswith(prefix) and ns[len(prefix) :][:1].isalpha():  # hsl<pid> must not match hsl<pid>7...
                 for pid in slowlink.namespace_pids(ns):
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, 9)
-                    except ProcessLookupError:
-                        pass
                 subprocess.run(["ip", "netns", "del", ns], timeout=30)
 
 
