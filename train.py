@@ -19,17 +19,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hsdp.checkpoint import Checkpoints, check_resume
-from hsdp.config import Config, ConfigError, load_config, save_config
+from hsdp.comm.mesh import Mesh, build_mesh
+from hsdp.config.loader import load_config, save_config
+from hsdp.config.schema import Config, ConfigError
 from hsdp.data import Data
-from hsdp.engine import Batch, Engine, build_engine
-from hsdp.launch import Interrupted, WorkerError, launch
-from hsdp.mesh import Mesh, build_mesh
-from hsdp.metrics import MetricsLogger, StepMemoryProbe, peak_memory_mb
+from hsdp.engines.base import Batch, Engine
+from hsdp.engines.registry import build_engine
 from hsdp.model import loss_fn
 from hsdp.optim import build_optimizer, lr_at, set_lr
-from hsdp.rundir import owns_run_dir, prepare_run_dir
-from hsdp.sync import steps_after_last_sync
+from hsdp.run.checkpoint import Checkpoints, check_resume
+from hsdp.run.launch import Interrupted, WorkerError, launch
+from hsdp.run.metrics import MetricsLogger, StepMemoryProbe, peak_memory_mb
+from hsdp.run.rundir import owns_run_dir, prepare_run_dir
+from hsdp.sync.schedule import steps_after_last_sync
 from kernels.backend import set_backend
 
 

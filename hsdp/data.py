@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsdp.config import Config, ConfigError
+from hsdp.config.schema import Config, ConfigError
 
 SYNTHETIC_TRAIN, SYNTHETIC_VAL = 1 << 20, 1 << 16  # tokens of the synthetic source's splits
 SCAN_CHUNK = 1 << 26  # tokens per slice when scanning a .bin for its largest id (128 MiB of uint16)

@@ -22,29 +22,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from hsdp.checkpoint import read_dcp_metadata, read_meta, read_saved_config
-from hsdp.config import ConfigError
+from hsdp.config.schema import ConfigError
+from hsdp.engines.registry import saved_engine_class
 from hsdp.model import GPT
-
-
-def source_prefix(meta: dict, replica: Optional[int], use_global: bool) -> tuple[str, str]:
-    """(DCP key prefix of the params to export, a description of them)."""
-    if meta["engine"] != "hsdp":
-        if replica not in (None, 0) or use_global:
-            raise ConfigError(f"--replica/--global: a {meta['engine']} checkpoint holds one model")
-        return "model.", f"the {meta['engine']} model"
-    has_global = meta["engine_meta"]["sync"]["has_global"]
-    if use_global or (replica is None and has_global):
-        if not has_global:
-            raise ConfigError(
-                "--global: the checkpoint has no global copy θ_g (plain average keeps none, and "
-                "none exists before the end of the sync warmup); use --replica m"
-            )
-        return "sync.global.", "θ_g (the global model)"
-    m = replica or 0
-    if not 0 <= m < meta["mesh"]["sync"]:
-        raise ConfigError(f"--replica: expected 0..{meta['mesh']['sync'] - 1}, got {m}")
-    return f"replica{m}.model.", f"replica {m}"
+from hsdp.run.checkpoint import read_dcp_metadata, read_meta, read_saved_config
 
 
 def export(checkpoint: Path, replica: Optional[int] = None, use_global: bool = False) -> tuple[dict, str]:
@@ -52,7 +33,7 @@ def export(checkpoint: Path, replica: Optional[int] = None, use_global: bool = F
     meta = read_meta(checkpoint, key="checkpoint")
     cfg = read_saved_config(checkpoint, key="checkpoint")
     read_dcp_metadata(checkpoint, key="checkpoint")  # fails early (ConfigError) on missing or truncated files
-    prefix, what = source_prefix(meta, replica, use_global)
+    prefix, what = saved_engine_class(meta["engine"]).export_source(meta, replica, use_global)
     with torch.device("meta"):
         model = GPT(cfg.model)
     # Checkpoint tensors have the held layout's shape (a 0-d param is stored as (1,)).

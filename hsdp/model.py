@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from hsdp.config import ModelConfig
+from hsdp.config.schema import ModelConfig
 
 
 class Embedding(nn.Module):

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
-from hsdp.config import OptimConfig
+from hsdp.config.schema import OptimConfig
 from hsdp.model import no_decay
 
 

@@ -38,7 +38,7 @@ counters of the veths are read before and after each run to show it
 
 Before the runs of a rate, a probe (this module under the same torchrun setup)
 times one all_reduce of a known size on the sync group and compares it with
-bytes / rate (ring bytes as in hsdp.comm); the same size on a shard group shows
+bytes / rate (ring bytes as in hsdp.comm.groups); the same size on a shard group shows
 the local path is not shaped. Every run is bounded by its config's `run.steps`
 and by `--timeout-s`; the torchrun rendezvous by `--rdzv-timeout-s`.
 
@@ -94,8 +94,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hsdp.config import ConfigError, load_config
-from hsdp.launch import Interrupted
+from hsdp.config.schema import ConfigError
+from hsdp.config.loader import load_config
+from hsdp.run.launch import Interrupted
 from hsdp.sweep import read_records, read_spec, str_list, wall_clock
 
 REPO = Path(__file__).resolve().parents[1]
@@ -541,7 +542,7 @@ def probe_worker(out: str, nbytes: int, reps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from hsdp.mesh import build_mesh
+    from hsdp.comm.mesh import build_mesh
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     world, shard = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -564,7 +565,7 @@ def probe_worker(out: str, nbytes: int, reps: int) -> None:
         shard_s.append(time.perf_counter() - t0)
     dist.barrier()
     if mesh.rank == 0:
-        from hsdp.comm import ring_bytes_of
+        from hsdp.comm.groups import ring_bytes_of
 
         Path(out).write_text(
             json.dumps(

@@ -52,8 +52,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from hsdp.config import ConfigError, load_config, read_yaml
-from hsdp.launch import Interrupted, StopSignals
+from hsdp.config.schema import ConfigError
+from hsdp.config.loader import load_config, read_yaml
+from hsdp.run.launch import Interrupted, StopSignals
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEP_KEYS = ("base", "set", "columns", "ratio", "relative", "nocomm", "runs")

@@ -8,7 +8,7 @@ sections and their fields. The default is the dataclass default. The meaning
 is the key's entry in MEANINGS below if it has one, else the comment after the
 field in hsdp/config.py; a key with neither is an error, so a new key cannot
 be added without a description. For keys with a fixed set of values
-(`hsdp.config.CHOICES`) the choices are appended unless the meaning already
+(`hsdp.config.schema.CHOICES`) the choices are appended unless the meaning already
 names them all. tests/test_readme.py checks that the README holds exactly
 this output.
 """
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hsdp.config import CHOICES, Config  # noqa: E402
+from hsdp.config.schema import CHOICES, Config  # noqa: E402
 
 START = "<!-- config-table:start -->"
 END = "<!-- config-table:end -->"

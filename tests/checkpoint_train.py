@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 
 import train  # noqa: E402
-from hsdp.config import Config  # noqa: E402
+from hsdp.config.schema import Config  # noqa: E402
 from hsdp.data import Data  # noqa: E402
 
 SLOW_FROM_STEP, SLOW_S = 10, 0.3

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 
 def _mesh(world: int):
-    from hsdp.mesh import build_mesh
+    from hsdp.comm.mesh import build_mesh
 
     return build_mesh(1, world, torch.device("cpu"))
 
@@ -36,7 +36,7 @@ def _toy_units() -> nn.ModuleList:
 
 def check_odd_shapes(rank: int, world: int) -> dict:
     """Grads and SGD updates of the sharded engine equal plain torch on the full batch."""
-    from hsdp.shard import HSDPEngine
+    from hsdp.engines.hsdp import HSDPEngine
 
     mesh = _mesh(world)
     units = _toy_units()
@@ -67,9 +67,9 @@ def check_odd_shapes(rank: int, world: int) -> dict:
 
 def check_release(rank: int, world: int) -> dict:
     """After a unit's forward (and after backward) its full params hold no storage."""
-    from hsdp.config import ModelConfig
+    from hsdp.config.schema import ModelConfig
+    from hsdp.engines.hsdp import HSDPEngine
     from hsdp.model import build_model
-    from hsdp.shard import HSDPEngine
 
     mesh = _mesh(world)
     model = build_model(ModelConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16), 0)
@@ -110,7 +110,7 @@ CHECKS = {"odd_shapes": check_odd_shapes, "release": check_release}
 
 
 def _worker(rank: int, name: str, world: int, port: int, out: str) -> None:
-    from hsdp.launch import shutdown_process_group
+    from hsdp.run.launch import shutdown_process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

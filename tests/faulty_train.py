@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
-from hsdp.config import Config  # noqa: E402
+from hsdp.config.schema import Config  # noqa: E402
 from hsdp.data import Data  # noqa: E402
 
 

@@ -12,7 +12,8 @@ import dataclasses
 
 import torch
 
-from hsdp.config import Config, load_config
+from hsdp.config.loader import load_config
+from hsdp.config.schema import Config
 from hsdp.data import Data
 from hsdp.model import build_model, loss_fn
 from hsdp.optim import build_optimizer, lr_at, set_lr

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsdp.checkpoint import check_resume, latest_checkpoint, prune, read_meta
-from hsdp.config import ConfigError, load_config
+from hsdp.config.loader import load_config
+from hsdp.config.schema import ConfigError
 from hsdp.export import main as export_main
 from hsdp.model import GPT
+from hsdp.run.checkpoint import check_resume, latest_checkpoint, prune, read_meta
 from tests.helpers import QUIET_ENV, REPO, SMALL, RunResult, max_param_rel_err, rel_err, run_train
 
 MESH = ["mesh.sync=2", "mesh.shard=2"]

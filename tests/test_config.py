@@ -11,21 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hsdp.config import (
-    Config,
-    ConfigError,
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-    from_dict,
-    load_config,
-    parse_override,
-    save_config,
-    to_dict,
-    validate,
-)
+from hsdp.config.loader import from_dict, load_config, parse_override, save_config
+from hsdp.config.preflight import preflight
+from hsdp.config.schema import Config, ConfigError, ModelConfig, OptimConfig, RunConfig, to_dict
+from hsdp.config.validate import validate
+from tests.helpers import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
@@ -213,8 +205,8 @@ def test_bad_yaml_file_raises_one_line_error(tmp_path, text, key):
 
 def test_world_size_mismatch():
     cfg = load_config(TINY)  # 2 x 2 mesh
-    validate(cfg, world_size=4)  # matches: fine
-    msg = one_line_error(validate, cfg, world_size=3)
+    preflight(cfg, world_size=4)  # matches: fine
+    msg = one_line_error(preflight, cfg, world_size=3)
     assert "mesh" in msg and "3" in msg and "4" in msg
 
 

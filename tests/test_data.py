@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from hsdp.config import Config, ConfigError, load_config
+from hsdp.config.loader import load_config
+from hsdp.config.schema import Config, ConfigError
 from hsdp.data import Data, TokenStream, check_data, load_tokens, stdlib_files, synthetic_tokens
 
 

@@ -85,7 +85,7 @@ def test_comm_bytes_match_formula(tmp_path: Path) -> None:
     S, M, steps = 2, 2, 3
     overrides = SMALL + [f"run.steps={steps}", f"mesh.sync={M}", f"mesh.shard={S}", "run.save_model=false"]
     run = run_train(tmp_path, "bytes", overrides)
-    from hsdp.config import load_config
+    from hsdp.config.loader import load_config
     from hsdp.model import build_model
 
     cfg = load_config(None, overrides)

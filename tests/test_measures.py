@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from hsdp import sweep
-from hsdp.compile.clock import CompileClock, graphs_captured
-from hsdp.config import ConfigError, load_config
-from hsdp.launch import threads_per_rank
-from hsdp.metrics import StepMemoryProbe
+from hsdp.engines.clock import CompileClock, graphs_captured
+from hsdp.config.schema import ConfigError
+from hsdp.config.loader import load_config
+from hsdp.run.launch import threads_per_rank
+from hsdp.run.metrics import StepMemoryProbe
 from tests.helpers import REPO, SMALL
 
 TINY = str(REPO / "configs" / "tiny.yaml")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hsdp.config import Config, ModelConfig, OptimConfig
+from hsdp.config.schema import Config, ModelConfig, OptimConfig
 from hsdp.data import Data
 from hsdp.model import Block, Embedding, Head, build_model, loss_fn, no_decay
 from hsdp.optim import build_optimizer, lr_at, set_lr

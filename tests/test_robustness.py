@@ -21,9 +21,10 @@ import torch
 
 import train
 from hsdp import sweep
-from hsdp.config import ConfigError, load_config
-from hsdp.metrics import MetricsLogger
-from hsdp.rundir import has_checkpoint, prepare_run_dir
+from hsdp.config.schema import ConfigError
+from hsdp.config.loader import load_config
+from hsdp.run.metrics import MetricsLogger
+from hsdp.run.rundir import has_checkpoint, prepare_run_dir
 from kernels import bench
 from kernels.quant import MAX_BLOCK
 from tests.helpers import QUIET_ENV, REPO, SMALL

@@ -168,7 +168,7 @@ def test_smoke_run_through_shaped_link(tmp_path, removes_leftovers):
 
 def _fake_run(run_dir: Path, steps: int, sync_per_step: int, loss0: float, log_every: int = 1) -> None:
     """A run folder as train.py leaves it (config.yaml, metrics.jsonl, summary.json), without training."""
-    from hsdp.config import load_config, save_config
+    from hsdp.config.loader import load_config, save_config
 
     run_dir.mkdir(parents=True)
     cfg = load_config(

@@ -40,7 +40,8 @@ from typing import Optional
 import pytest
 import torch
 
-from hsdp.config import SyncConfig, load_config
+from hsdp.config.loader import load_config
+from hsdp.config.schema import SyncConfig
 from hsdp.model import build_model
 from tests.helpers import REPO, SMALL, max_param_rel_err, rel_err, run_train
 from tests.sync_reference import SyncReferenceResult, dequantize_int8, fragment_due, quantize_int8, sync_reference_run
@@ -123,7 +124,7 @@ def test_schedule_formula():
 
 def test_steps_after_last_sync():
     """The tail a run trains after its last param sync (train.py warns when it is not 0), worked by hand."""
-    from hsdp.sync import steps_after_last_sync
+    from hsdp.sync.schedule import steps_after_last_sync
 
     assert steps_after_last_sync(600, SyncConfig(warmup_steps=0, every=32)) == 24  # last sync after step 575
     assert steps_after_last_sync(640, SyncConfig(warmup_steps=0, every=32)) == 0
@@ -378,7 +379,8 @@ def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def check_delayed_landed_at_once_equals_blocking(rank: int, comm) -> dict[str, bool]:
     """τ = 0 is the blocking sync: start_sync + land_sync with nothing in between gives the same bits."""
-    from hsdp.sync import SyncPolicy
+    from hsdp.sync.policy import SyncPolicy
+    from hsdp.sync.transport import GroupTransport
 
     results = {}
     for name, cfg in {
@@ -386,8 +388,8 @@ def check_delayed_landed_at_once_equals_blocking(rank: int, comm) -> dict[str, b
         "diloco_int8": SyncConfig(warmup_steps=0, every=4, method="diloco", quantize="int8", quant_block=64),
         "average_int8": SyncConfig(warmup_steps=0, every=4, quantize="int8", quant_block=64),
     }.items():
-        blocking = SyncPolicy(cfg, initial_held(), comm)
-        delayed = SyncPolicy(dataclasses.replace(cfg, delay=1, alpha=0.0), initial_held(), comm)
+        blocking = SyncPolicy(cfg, initial_held(), GroupTransport(comm))
+        delayed = SyncPolicy(dataclasses.replace(cfg, delay=1, alpha=0.0), initial_held(), GroupTransport(comm))
         async_started = True
         for step in range(2):  # the second sync's momentum is not the first's Δ
             fake_update(blocking.held, step, rank, 0)
@@ -406,7 +408,8 @@ def check_resume_from_state_dict(rank: int, comm) -> dict[str, bool]:
     """state_dict → torch.save/load → a fresh policy → continue == never stopping, bit for bit."""
     import io
 
-    from hsdp.sync import SyncPolicy
+    from hsdp.sync.policy import SyncPolicy
+    from hsdp.sync.transport import GroupTransport
 
     steps, warmup = 14, 2
     # fragment 0 starts after 3, 7, 11 and lands 3 later; fragment 1 starts after 5, 9, 13
@@ -425,7 +428,7 @@ def check_resume_from_state_dict(rank: int, comm) -> dict[str, bool]:
 
         def run(cfg: SyncConfig, stop_after: Optional[int]) -> tuple[list[torch.Tensor], int]:
             held = initial_held()
-            policy = SyncPolicy(cfg, held, comm)
+            policy = SyncPolicy(cfg, held, GroupTransport(comm))
             in_flight_at_stop = -1
             for step in range(steps):
                 fake_update(held, step, rank, warmup)
@@ -436,7 +439,7 @@ def check_resume_from_state_dict(rank: int, comm) -> dict[str, bool]:
                     torch.save(policy.state_dict(), buf)
                     buf.seek(0)
                     held = [h.clone() for h in held]  # the engine restores its held shards from its own state
-                    policy = SyncPolicy(cfg, held, comm)
+                    policy = SyncPolicy(cfg, held, GroupTransport(comm))
                     policy.load_state_dict(torch.load(buf))  # weights_only: plain containers and tensors
             policy.finish()
             assert not policy.in_flight
@@ -456,8 +459,8 @@ def _policy_worker(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from hsdp.comm import Comm
-    from hsdp.launch import shutdown_process_group
+    from hsdp.comm.groups import Comm
+    from hsdp.run.launch import shutdown_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group(

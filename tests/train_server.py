@@ -58,7 +58,7 @@ def serve_one(request: dict) -> None:
 def main() -> None:
     sys.path.insert(0, str(REPO))
     import train
-    from hsdp.launch import start_fork_server
+    from hsdp.run.launch import start_fork_server
 
     start_fork_server(train.train_worker)
     reply = os.fdopen(os.dup(1), "w", buffering=1)  # the replies; a child's fd 1 goes to its output file

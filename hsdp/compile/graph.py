@@ -9,7 +9,7 @@ Per unit, in the graph:
     x      = functional_call(unit, params, x)
 
 and in backward (`_GatherShards.backward`), the same reduction as the eager
-engine (`hsdp.collectives.ReducePlan`):
+engine (`hsdp.engines.collectives.ReducePlan`):
 
     g = grad.to(reduce_dtype) · (1/pre) → wait(reduce_scatter(sum, shard))
       → [sync_grads] wait(all_reduce(sum, sync)) → g.float() · (1/post)
@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from hsdp.collectives import ReducePlan
-from hsdp.layout import UnitLayout
+from hsdp.engines.collectives import ReducePlan
+from hsdp.engines.layout import UnitLayout
 from hsdp.model import loss_fn
 
 C = torch.ops._c10d_functional

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from hsdp.comm import ring_bytes_of
+from hsdp.comm.groups import ring_bytes_of
 
 C = torch.ops._c10d_functional
 aten = torch.ops.aten

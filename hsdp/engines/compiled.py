@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from hsdp.collectives import ReducePlan
-from hsdp.compile.clock import CompileClock
 from hsdp.compile.graph import Groups, plan_buckets, sharded_loss
 from hsdp.compile.passes import (
     CollectiveCensus,
@@ -31,10 +29,11 @@ from hsdp.compile.passes import (
     recompute_gathers,
     schedule_of_code,
 )
-from hsdp.config import CompileConfig, Config
-from hsdp.engine import Batch
-from hsdp.mesh import Mesh
-from hsdp.shard import HSDPEngine
+from hsdp.config.schema import CompileConfig, Config
+from hsdp.engines.base import Batch
+from hsdp.engines.clock import CompileClock
+from hsdp.engines.collectives import ReducePlan
+from hsdp.engines.hsdp import HSDPEngine
 
 
 class CompiledHSDPEngine(HSDPEngine):
@@ -53,17 +52,15 @@ class CompiledHSDPEngine(HSDPEngine):
         for leaf, u in zip(self.leaves, self.units):
             leaf.grad = u.grad_flat
         self.census = CollectiveCensus(labels=dict(self.mesh.comm.labels))
-        self.buckets = [[u] for u in range(len(self.units))]  # units per all-gather (from_config: bucket_mb)
+        # Units per all-gather: neighbours share one up to compile.bucket_mb (0: one unit each).
+        self.buckets = plan_buckets([u.layout for u in self.units], self.param_dtype, self.compile_cfg.bucket_mb)
         self._compiled: dict[ReducePlan, Any] = {}
         self.generated_code: list[str] = []  # inductor's output code of every graph compiled, in order
         self.clock = CompileClock()
 
     @classmethod
-    def from_config(cls, cfg: Config, mesh: Mesh) -> CompiledHSDPEngine:
-        engine = super().from_config(cfg, mesh)
-        engine.compile_cfg = cfg.compile
-        engine.buckets = plan_buckets([u.layout for u in engine.units], engine.param_dtype, cfg.compile.bucket_mb)
-        return engine
+    def config_kwargs(cls, cfg: Config) -> dict[str, Any]:
+        return {"compile_cfg": cfg.compile}
 
     # ------------------------------------------------------------ compile
     def _step_fn(self, plan: ReducePlan):

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
-from hsdp.config import Config, to_dict
+from hsdp.config.schema import Config, to_dict
 
 WANDB_TIMEOUT_ENV = "HSDP_WANDB_TIMEOUT_S"
 WANDB_TIMEOUT_S = 60.0  # default bound on wandb.init (login + run creation)

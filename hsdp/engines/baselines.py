@@ -20,13 +20,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from hsdp.comm import Comm, ring_bytes
-from hsdp.compile.clock import CompileClock
-from hsdp.config import Config
-from hsdp.engine import Batch, Engine, NoSync, SavedCheckpoint
-from hsdp.layout import DTYPES
-from hsdp.mesh import Mesh
+from hsdp.comm.groups import Comm, ring_bytes
+from hsdp.comm.mesh import Mesh
+from hsdp.config.schema import Config
+from hsdp.engines.base import Batch, Engine, SavedCheckpoint
+from hsdp.engines.clock import CompileClock
+from hsdp.engines.layout import DTYPES
 from hsdp.model import build_model
+from hsdp.sync.policy import NoSync
 
 try:  # the custom-comm interfaces (torch >= 2.9); older torch leaves FSDP2's own comms in place, uncounted
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -109,6 +110,9 @@ class _TorchCheckpoint:
 class FSDP2Engine(_TorchCheckpoint, Engine):
     """`fully_shard` on every unit over the 2-D mesh: replicate over "sync", shard over "shard"."""
 
+    name = "fsdp2"
+    supports_compile = True  # each block compiled in place, as torchtitan does
+
     def __init__(self, model: nn.Module, mesh: Mesh, param_dtype: str, reduce_dtype: str) -> None:
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
         for unit in model.units:
@@ -172,6 +176,8 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
 
 class DDPEngine(_TorchCheckpoint, Engine):
     """DistributedDataParallel over all ranks; its all-reduces are counted through Comm."""
+
+    name = "ddp"
 
     def __init__(self, model: nn.Module, mesh: Mesh) -> None:
         self.module = DistributedDataParallel(

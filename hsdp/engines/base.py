@@ -1,4 +1,4 @@
-"""The engine interface every training engine implements, and `build_engine`.
+"""The engine interface every training engine implements (`build_engine` is in registry.py).
 
 `train.py` drives any engine the same way (docs/design.md §5):
 
@@ -12,7 +12,7 @@
         synced = engine.end_step(step)            # the sync policy's param sync, if due
     engine.finish()                               # land a param sync still in flight
 
-Checkpoints (hsdp/checkpoint.py, docs/design.md §7) go through three methods:
+Checkpoints (hsdp/run/checkpoint.py, docs/design.md §7) go through three methods:
 `checkpoint_state(optimizer)` is this rank's flat state dict for `dcp.save`
 (params, inner optimizer state, sync-policy state; sharded tensors as DTensors
 of their full shape, so DCP reshards on load), `checkpoint_meta()` the
@@ -20,9 +20,12 @@ JSON-able structure a load needs to know beforehand, and
 `load_checkpoint(optimizer, saved)` builds load targets shaped after `saved`,
 has `saved.load` fill them in place (one `dcp.load`) and installs them.
 
-Engines: `hsdp` (this project, eager: hsdp/shard.py; compiled: hsdp/compile/),
-`fsdp2` and `ddp` (PyTorch baselines: hsdp/baselines.py). Baselines always
-average grads across every rank, so their policy is `NoSync`.
+Engines (hsdp/engines/registry.py maps `mesh.engine` to a class): `hsdp` (this
+project, eager: hsdp/engines/hsdp.py; compiled: hsdp/engines/compiled.py), `fsdp2`
+and `ddp` (PyTorch baselines: hsdp/engines/baselines.py). An engine class also
+answers, before any engine exists, what the config and a checkpoint need to know:
+`check_config`, `model_key_prefix`, `check_checkpoint`, `export_source`.
+Baselines always average grads across every rank, so their policy is `NoSync`.
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.nn as nn
 
-from hsdp.config import Config
-from hsdp.mesh import Mesh
+from hsdp.comm.mesh import Mesh
+from hsdp.config.schema import Config, ConfigError
 from hsdp.model import loss_fn
+from hsdp.sync.policy import NoSync, Sync
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, targets)
 
@@ -52,30 +57,42 @@ class SavedCheckpoint:
     load: Callable[[dict[str, Any]], None]  # fills a state dict of targets in place (dcp.load)
 
 
-class NoSync:
-    """The sync policy of engines whose grads are always averaged over every rank."""
-
-    def grad_sync(self, step: int) -> bool:
-        return True
-
-    def after_step(self, step: int) -> bool:
-        return False
-
-    def finish(self) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
-
-
 class Engine(ABC):
     """A model on a mesh: forward/backward over micro-batches, grads reduced, a sync policy's seam."""
 
+    name: ClassVar[str]  # mesh.engine's value (the compiled hsdp engine shares "hsdp": same state)
+    supports_compile: ClassVar[bool] = False  # compile.enabled is allowed
+    supports_periodic_sync: ClassVar[bool] = False  # sync.warmup_steps < run.steps is allowed
+    sync_class: ClassVar[type] = NoSync  # the policy class whose checkpoint state this engine saves
     mesh: Mesh
-    policy: Any  # hsdp.sync.SyncPolicy or NoSync
+    policy: Sync
+
+    # ------------------------------------------------------------ what an engine class answers before it exists
+    @classmethod
+    @abstractmethod
+    def from_config(cls, cfg: Config, mesh: Mesh) -> Engine:
+        """The model built and wrapped on `mesh` with the config's sync policy (one phase: ready to train)."""
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """ConfigError (one line) if this engine cannot run `cfg` beyond what its flags say (registry's check)."""
+
+    @classmethod
+    def model_key_prefix(cls, replica: int) -> str:
+        """The checkpoint key prefix of replica `replica`'s model params (one model: the same for all)."""
+        return "model."
+
+    @classmethod
+    def check_checkpoint(cls, path: Path, meta: dict[str, Any], saved: Config, cfg: Config) -> None:
+        """ConfigError unless a run configured by `cfg` can resume this engine's checkpoint `meta`."""
+        cls.sync_class.check_resume(meta["engine_meta"].get("sync", {}), meta["step"], saved.sync, cfg.sync, path)
+
+    @classmethod
+    def export_source(cls, meta: dict[str, Any], replica: Optional[int], use_global: bool) -> tuple[str, str]:
+        """(checkpoint key prefix of the params to export, what they are) for `hsdp.export`."""
+        if replica not in (None, 0) or use_global:
+            raise ConfigError(f"--replica/--global: a {meta['engine']} checkpoint holds one model")
+        return cls.model_key_prefix(0), f"the {meta['engine']} model"
 
     # ------------------------------------------------------------ what each engine provides
     @abstractmethod
@@ -124,8 +141,8 @@ class Engine(ABC):
 
     def replicas_identical(self, step: int) -> bool:
         """Whether every replica holds the same params after `step` (then a checkpoint may load
-        onto another mesh.sync). Engines without periodic sync average grads every step."""
-        return True
+        onto another mesh.sync): the sync policy's answer."""
+        return self.policy.replicas_identical(step)
 
     # ------------------------------------------------------------ the step, shared by all engines
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
@@ -156,18 +173,3 @@ class Engine(ABC):
     def artifacts(self) -> dict[str, str]:
         """Extra files for the run folder, name → text (e.g. the compiled schedule.txt)."""
         return {}
-
-
-def build_engine(cfg: Config, mesh: Mesh) -> Engine:
-    """The model, wrapped by the engine the config asks for (eager or compiled)."""
-    if cfg.mesh.engine == "hsdp":
-        from hsdp.shard import HSDPEngine
-
-        if cfg.compile.enabled:
-            from hsdp.compile.engine import CompiledHSDPEngine
-
-            return CompiledHSDPEngine.from_config(cfg, mesh)
-        return HSDPEngine.from_config(cfg, mesh)
-    from hsdp.baselines import DDPEngine, FSDP2Engine
-
-    return {"fsdp2": FSDP2Engine, "ddp": DDPEngine}[cfg.mesh.engine].from_config(cfg, mesh)

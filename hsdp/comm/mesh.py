@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hsdp.comm import Comm
+from hsdp.comm.groups import Comm
 
 
 @dataclass

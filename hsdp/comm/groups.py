@@ -38,7 +38,7 @@ def ring_bytes_of(op: str, n: int, nbytes: int) -> int:
     return 2 * (n - 1) * nbytes // n if op == "all_reduce" else (n - 1) * nbytes
 
 
-class _TimedWork:
+class TimedWork:
     """Wraps an async Work so the time spent waiting on it is counted."""
 
     def __init__(self, work: Optional[dist.Work], comm: Comm, key: tuple[str, str]) -> None:
@@ -86,23 +86,23 @@ class Comm:
         self.bytes[(group, op)] += nbytes
         self.calls[(group, op)] += 1
 
-    def _run(self, group: str, op: str, nbytes: int, fn, async_op: bool) -> _TimedWork:
+    def _run(self, group: str, op: str, nbytes: int, fn, async_op: bool) -> TimedWork:
         key = (group, op)
         self.count(group, op, nbytes)
         t0 = time.perf_counter()
         work = fn(async_op)
         self.seconds[key] += time.perf_counter() - t0
-        timed = _TimedWork(work, self, key)
+        timed = TimedWork(work, self, key)
         if not async_op:
             timed.wait()
         return timed
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False) -> _TimedWork:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False) -> TimedWork:
         """out = concat over the group's ranks of inp (all_gather_into_tensor)."""
         n = self.sizes[group]
         if n == 1:
             out.copy_(inp)
-            return _TimedWork(None, self, (group, "all_gather"))
+            return TimedWork(None, self, (group, "all_gather"))
         return self._run(
             group,
             "all_gather",
@@ -118,12 +118,12 @@ class Comm:
         group: str,
         op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
         async_op: bool = False,
-    ) -> _TimedWork:
+    ) -> TimedWork:
         """out = this rank's chunk of the reduction (SUM by default) over the group of inp."""
         n = self.sizes[group]
         if n == 1:
             out.copy_(inp)
-            return _TimedWork(None, self, (group, "reduce_scatter"))
+            return TimedWork(None, self, (group, "reduce_scatter"))
         return self._run(
             group,
             "reduce_scatter",
@@ -134,11 +134,11 @@ class Comm:
 
     def all_reduce(
         self, t: torch.Tensor, group: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
-    ) -> _TimedWork:
+    ) -> TimedWork:
         """In-place all-reduce of t over the group (SUM by default)."""
         n = self.sizes[group]
         if n == 1:
-            return _TimedWork(None, self, (group, "all_reduce"))
+            return TimedWork(None, self, (group, "all_reduce"))
         return self._run(
             group,
             "all_reduce",

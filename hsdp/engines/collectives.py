@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from hsdp.comm import Comm
-from hsdp.layout import UnitLayout, divide_factors, grad_divisor
+from hsdp.comm.groups import Comm
+from hsdp.engines.layout import UnitLayout, divide_factors, grad_divisor
 from kernels.pack import pack_shards, unpack_full
 from kernels.reduce import accumulate_grad_shards, pack_grads
 

@@ -11,7 +11,7 @@ A run folder's checkpoints (docs/design.md §7):
 
 What a rank saves: its engine's `checkpoint_state` (held shards, inner optimizer
 state and sync-policy state, as DTensors of the full shapes so DCP reshards on
-load; see hsdp/shard.py, hsdp/baselines.py), plus `rank{r}.extra`: its RNG
+load; see hsdp/engines/hsdp.py, hsdp/engines/baselines.py), plus `rank{r}.extra`: its RNG
 states, Comm counters and the loop's progress (step times, last losses).
 
 Crash safety: rank 0 renames `.tmp_step_N` to `step_N` only after a barrier that
@@ -41,50 +41,17 @@ import yaml
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover - torch < 2.5
-    from torch.distributed._tensor import DTensor, Shard
-
-from hsdp.config import Config, ConfigError, from_dict, save_config
-from hsdp.engine import Engine, SavedCheckpoint
-from hsdp.mesh import Mesh
+from hsdp.comm.mesh import Mesh
+from hsdp.config.loader import from_dict, save_config
+from hsdp.config.schema import Config, ConfigError
+from hsdp.engines.base import Engine, SavedCheckpoint
+from hsdp.engines.registry import saved_engine_class
+from hsdp.model import GPT
 
 FORMAT = 1  # bump when the layout of meta.json or the DCP keys changes
 CHECKPOINTS = "checkpoints"
 COMPLETE = ".complete"
 _STEP_DIR = re.compile(r"step_(\d+)")
-
-
-# ---------------------------------------------------------------- helpers the engines use
-def shard_dtensor(local: torch.Tensor, full_shape: torch.Size, shard_mesh: Any) -> DTensor:
-    """`local` (this rank's dim-0 rows, torch.chunk's split) as a Shard(0) DTensor of `full_shape`.
-
-    No communication; DCP reads the global offset from the mesh coordinate, so a
-    checkpoint saved on S ranks loads onto any other number of shard ranks.
-    """
-    stride = torch.empty(full_shape, device="meta").stride()
-    return DTensor.from_local(
-        local, shard_mesh, [Shard(0)], run_check=False, shape=torch.Size(full_shape), stride=stride
-    )
-
-
-@torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (so DCP can load into them) by a step with lr = 0.
-
-    The grads must be zero: AdamW's update is then exactly zero (decay ×(1 − 0·wd),
-    step 0·m/(√v + ε)), so params are bit-for-bit unchanged; the loaded state
-    replaces the moments and step count.
-    """
-    if optimizer.state:
-        return
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
 
 
 # ---------------------------------------------------------------- finding checkpoints
@@ -187,15 +154,8 @@ def read_dcp_metadata(path: Path, key: str = "run.resume") -> Metadata:
     return metadata
 
 
-def model_key(engine: str, name: str) -> str:
-    """The DCP key of a model param in replica 0's state (hsdp) or the model's (baselines)."""
-    return f"replica0.model.{name}" if engine == "hsdp" else f"model.{name}"
-
-
 def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
     """ConfigError unless `path` is a complete, readable checkpoint `cfg` can continue; returns its meta."""
-    from hsdp.model import GPT  # the model module is heavier than this one needs at import
-
     meta = read_meta(path)
     saved = read_saved_config(path)
     for key, old in vars(saved.model).items():
@@ -208,16 +168,17 @@ def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
     ]:
         if old != new:
             raise ConfigError(f"{key}: checkpoint {path} was saved with {old!r}, config has {new!r}")
-    if meta["engine"] == "hsdp":
-        _check_hsdp_compatible(path, meta, saved, cfg)
+    engine = saved_engine_class(meta["engine"])
+    engine.check_checkpoint(path, meta, saved, cfg)
     metadata = read_dcp_metadata(path)
     with torch.device("meta"):
         model = GPT(cfg.model)
-    expected = {model_key(meta["engine"], n): tuple(p.shape) or (1,) for n, p in model.named_parameters()}
+    prefix = engine.model_key_prefix(0)
+    expected = {prefix + n: tuple(p.shape) or (1,) for n, p in model.named_parameters()}
     present = {
         k: tuple(md.size)
         for k, md in metadata.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata) and k.startswith(model_key(meta["engine"], ""))
+        if isinstance(md, TensorStorageMetadata) and k.startswith(prefix)
     }
     for key, shape in expected.items():
         if key not in present:
@@ -230,33 +191,6 @@ def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
     if extra:
         raise ConfigError(f"model: checkpoint {path} has tensor {extra[0]}, which the config's model lacks")
     return meta
-
-
-def _check_hsdp_compatible(path: Path, meta: dict[str, Any], saved: Config, cfg: Config) -> None:
-    """The mesh and sync-policy rules of an hsdp checkpoint (any mesh.shard loads; mesh.sync needs care)."""
-    m_old, m_new = meta["mesh"]["sync"], cfg.mesh.sync
-    if m_old != m_new and not meta["replicas_identical"]:
-        raise ConfigError(
-            f"mesh.sync: checkpoint {path} holds {m_old} replicas that differ at step {meta['step']} "
-            f"(between param syncs), config has {m_new}; resume with mesh.sync={m_old}"
-        )
-    sync = meta["engine_meta"]["sync"]
-    if sync["fragments"] != cfg.sync.fragments:
-        raise ConfigError(
-            f"sync.fragments: checkpoint {path} was saved with {sync['fragments']}, config has {cfg.sync.fragments}"
-        )
-    if sync["in_flight"] and cfg.sync.delay == 0:
-        raise ConfigError(
-            f"sync.delay: checkpoint {path} has a param sync in flight (saved with sync.delay="
-            f"{saved.sync.delay}), config has 0"
-        )
-    needs_global = cfg.sync.method == "diloco" or cfg.sync.quantize == "int8" or cfg.sync.delay > 0
-    w = cfg.sync.warmup_steps
-    if needs_global and w is not None and meta["step"] >= w - 1 and not sync["has_global"]:
-        raise ConfigError(
-            f"sync.method: checkpoint {path} (step {meta['step']}, past the warmup) has no global "
-            f"copy θ_g, which this config's sync needs"
-        )
 
 
 # ---------------------------------------------------------------- the loop's side

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from hsdp.checkpoint import init_optimizer_state, shard_dtensor
-from hsdp.collectives import (
+from hsdp.comm.groups import Comm
+from hsdp.comm.mesh import Mesh
+from hsdp.config.schema import Config, ConfigError, SyncConfig
+from hsdp.engines.base import Engine, SavedCheckpoint
+from hsdp.engines.collectives import (
     PendingGather,
     PendingReduce,
     ReducePlan,
@@ -37,13 +41,11 @@ from hsdp.collectives import (
     start_gather,
     start_reduce,
 )
-from hsdp.comm import Comm
-from hsdp.config import Config
-from hsdp.engine import Engine, NoSync, SavedCheckpoint
-from hsdp.layout import DTYPES, ParamSpec, plan_layout
-from hsdp.mesh import Mesh
+from hsdp.engines.dtensor import init_optimizer_state, shard_dtensor
+from hsdp.engines.layout import DTYPES, ParamSpec, plan_layout
 from hsdp.model import build_model, unit_initializer
-from hsdp.sync import STATE_FORMAT, SyncPolicy, fragments_due, grad_sync_due
+from hsdp.sync.policy import Buffers, NoSync, Sync, SyncPolicy, build_sync
+from hsdp.sync.transport import GroupTransport
 
 BackwardCallback = Callable[["ShardedUnit", list[Optional[torch.Tensor]]], None]
 
@@ -173,6 +175,11 @@ class _GatherFn(torch.autograd.Function):
 class HSDPEngine(Engine):
     """Runs a model's units with sharded params (eager). Owns the units and the backward bookkeeping."""
 
+    name: ClassVar[str] = "hsdp"
+    supports_compile: ClassVar[bool] = True
+    supports_periodic_sync: ClassVar[bool] = True
+    sync_class: ClassVar[type] = SyncPolicy
+
     def __init__(
         self,
         units: nn.ModuleList,
@@ -181,6 +188,7 @@ class HSDPEngine(Engine):
         reduce_dtype: str = "fp32",
         prefetch: bool = True,
         materialize: Optional[Callable[[int, nn.Module], None]] = None,
+        sync_cfg: Optional[SyncConfig] = None,
     ) -> None:
         self.mesh = mesh
         self.param_dtype = DTYPES[param_dtype]
@@ -195,23 +203,31 @@ class HSDPEngine(Engine):
         self.reduce_grads = True  # False on non-final micro-steps of gradient accumulation
         self._pending: list[PendingReduce] = []
         self._callback_queued = False
-        self.policy = NoSync()  # from_config installs the configured SyncPolicy
+        # Without a sync config (tests driving the engine directly) grads are always averaged.
+        self.policy: Sync = (
+            NoSync() if sync_cfg is None else build_sync(sync_cfg, self.held_buffers(), GroupTransport(mesh.comm))
+        )
         self.set_grad_sync(True)
 
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> HSDPEngine:
         """The GPT built on meta, materialised and sharded one unit at a time, with its sync policy."""
         model = build_model(cfg.model, cfg.run.seed, materialize=False)
-        engine = cls(
+        return cls(
             model.units,
             mesh,
             cfg.precision.param_dtype,
             cfg.precision.reduce_dtype,
             cfg.mesh.prefetch,
             materialize=unit_initializer(cfg.model, cfg.run.seed),
+            sync_cfg=cfg.sync,
+            **cls.config_kwargs(cfg),
         )
-        engine.policy = SyncPolicy(cfg.sync, engine.held_buffers(), mesh.comm)
-        return engine
+
+    @classmethod
+    def config_kwargs(cls, cfg: Config) -> dict[str, Any]:
+        """Constructor arguments a subclass takes from the config (the compiled engine: its compile section)."""
+        return {}
 
     # ------------------------------------------------------------ step-level switches
     def set_grad_sync(self, sync_grads: bool) -> None:
@@ -329,118 +345,89 @@ class HSDPEngine(Engine):
         """Full fp32 params of this replica (all-gathers on the shard group)."""
         return {k: v for u in self.units for k, v in u.gather_full_fp32().items()}
 
-    # ------------------------------------------------------------ checkpoints (hsdp/checkpoint.py)
+    # ------------------------------------------------------------ checkpoints (hsdp/run/checkpoint.py)
     # DCP keys, every tensor a Shard(0) DTensor of the param's full shape over the shard group:
     #   replica{m}.model.<name>             replica m's params (replicas differ between param syncs)
     #   replica{m}.optim.<name>.<state>     its inner optimizer state (AdamW exp_avg/exp_avg_sq; `step`
     #                                       is a plain scalar tensor)
-    #   sync.global.<name>, sync.momentum.<name>, sync.in_flight{i}.<name>
-    #                                       θ_g, b and an in-flight sync's mean Δ, cut from the policy's flat
-    #                                       per-unit buffers into per-param pieces (identical on every
-    #                                       replica, so DCP writes each chunk once)
+    #   sync.<buffer>.<name>                the sync policy's per-unit flat buffers (θ_g: sync.global, …),
+    #                                       cut into per-param pieces (identical on every replica, so DCP
+    #                                       writes each chunk once)
+    @classmethod
+    def model_key_prefix(cls, replica: int) -> str:
+        return f"replica{replica}.model."
+
+    @classmethod
+    def check_checkpoint(cls, path: Path, meta: dict[str, Any], saved: Config, cfg: Config) -> None:
+        """Any mesh.shard loads (DCP reshards); another mesh.sync only if the replicas were identical."""
+        m_old, m_new = meta["mesh"]["sync"], cfg.mesh.sync
+        if m_old != m_new and not meta["replicas_identical"]:
+            raise ConfigError(
+                f"mesh.sync: checkpoint {path} holds {m_old} replicas that differ at step {meta['step']} "
+                f"(between param syncs), config has {m_new}; resume with mesh.sync={m_old}"
+            )
+        super().check_checkpoint(path, meta, saved, cfg)
+
+    @classmethod
+    def export_source(cls, meta: dict[str, Any], replica: Optional[int], use_global: bool) -> tuple[str, str]:
+        """θ_g by default when the sync state has it, else replica 0; `--replica m` picks replica m."""
+        global_buffer = cls.sync_class.global_buffer(meta["engine_meta"]["sync"])
+        if use_global or (replica is None and global_buffer is not None):
+            if global_buffer is None:
+                raise ConfigError(
+                    "--global: the checkpoint has no global copy θ_g (plain average keeps none, and "
+                    "none exists before the end of the sync warmup); use --replica m"
+                )
+            return f"sync.{global_buffer}.", "θ_g (the global model)"
+        m = replica or 0
+        if not 0 <= m < meta["mesh"]["sync"]:
+            raise ConfigError(f"--replica: expected 0..{meta['mesh']['sync'] - 1}, got {m}")
+        return cls.model_key_prefix(m), f"replica {m}"
+
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state = self._model_and_optimizer_state(optimizer, self.mesh.sync_rank)
-        state.update(self._sync_pieces(self.policy.state_dict()))
+        state.update(self._sync_pieces(self.policy.checkpoint_buffers()))
         return state
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """The sync state's structure: which buffers exist (the load allocates them before reading)."""
-        sync = self.policy.state_dict()
-        return {
-            "sync": {
-                "format": sync.get("format", STATE_FORMAT),
-                "fragments": sync.get("fragments", 1),
-                "has_global": bool(sync.get("has_global", False)),
-                "momentum_units": [u for u, b in enumerate(sync.get("momentum", [])) if b is not None],
-                "in_flight": [{k: s[k] for k in ("fragment", "start", "land")} for s in sync.get("in_flight", [])],
-            }
-        }
+        return {"sync": self.policy.checkpoint_meta()}
 
     def load_checkpoint(self, optimizer: torch.optim.Optimizer, saved: SavedCheckpoint) -> None:
         self.zero_grad()  # init_optimizer_state's lr = 0 step needs zero grads
         init_optimizer_state(optimizer)
         state = self._model_and_optimizer_state(optimizer, saved.replica)  # views: loaded in place
-        sync = self._empty_sync_state(saved.meta["sync"])
-        state.update(self._sync_pieces(sync))  # views of sync's zeroed flat buffers
+        sync_meta = saved.meta["sync"]
+        buffers = self.policy.empty_checkpoint_buffers(sync_meta)
+        state.update(self._sync_pieces(buffers))  # views of the zeroed flat buffers
         saved.load(state)
-        if isinstance(self.policy, SyncPolicy):
-            self.policy.load_state_dict(sync)
-
-    def replicas_identical(self, step: int) -> bool:
-        """True after an exact-HSDP (warmup) step, or when every fragment landed θ_m ← θ_g after `step`.
-
-        Only the params: the inner optimizer states are never synced, so they differ after the warmup.
-        """
-        policy = self.policy
-        if self.mesh.sync_size == 1 or not isinstance(policy, SyncPolicy) or grad_sync_due(step, policy.cfg):
-            return True
-        if policy.in_flight or (policy.delay > 0 and policy.alpha > 0):
-            return False
-        # The syncs that landed after `step` started τ steps earlier (τ = 0: blocking, they started now).
-        return len(fragments_due(step - policy.delay, policy.cfg)) == len(policy.fragments)
+        self.policy.load_checkpoint(sync_meta, buffers)
 
     def _held_specs(self) -> list[tuple[str, ParamSpec, torch.nn.Parameter]]:
         return [(u.prefix + s.name, s, p) for u in self.units for s, p in zip(u.specs, u.held_params)]
 
     def _model_and_optimizer_state(self, optimizer: torch.optim.Optimizer, replica: int) -> dict[str, Any]:
         shard_mesh = self.mesh.device_mesh["shard"]
+        model, optim = self.model_key_prefix(replica), f"replica{replica}.optim."
         state: dict[str, Any] = {}
         for name, spec, p in self._held_specs():
-            state[f"replica{replica}.model.{name}"] = shard_dtensor(p.detach(), spec.shape, shard_mesh)
+            state[model + name] = shard_dtensor(p.detach(), spec.shape, shard_mesh)
             for key, value in optimizer.state.get(p, {}).items():
                 if torch.is_tensor(value):  # param-shaped state is sharded like the param; `step` is a scalar
                     sharded = value.shape == p.shape
-                    state[f"replica{replica}.optim.{name}.{key}"] = (
-                        shard_dtensor(value, spec.shape, shard_mesh) if sharded else value
-                    )
+                    state[f"{optim}{name}.{key}"] = shard_dtensor(value, spec.shape, shard_mesh) if sharded else value
         return state
 
-    def _sync_pieces(self, sync: dict[str, Any]) -> dict[str, Any]:
+    def _sync_pieces(self, buffers: Buffers) -> dict[str, Any]:
         """The policy's flat per-unit buffers as per-param DTensors (views: padding rows are left out)."""
-        if not sync:
-            return {}
         shard_mesh = self.mesh.device_mesh["shard"]
         pieces: dict[str, Any] = {}
-
-        def add(prefix: str, flats: list[Optional[torch.Tensor]]) -> None:
+        for name, flats in buffers.items():
             for unit, flat in zip(self.units, flats):
                 if flat is None:
                     continue
                 for spec in unit.specs:
                     rows = spec.held_rows(self.mesh.shard_rank)
                     local = flat[spec.offset : spec.offset + rows * spec.row_numel].view(rows, *spec.shape[1:])
-                    pieces[f"{prefix}.{unit.prefix}{spec.name}"] = shard_dtensor(local, spec.shape, shard_mesh)
-
-        add("sync.global", sync["global_params"])
-        add("sync.momentum", sync["momentum"])
-        for i, s in enumerate(sync["in_flight"]):
-            flats: list[Optional[torch.Tensor]] = [None] * len(self.units)
-            for u, delta in zip(self.policy.fragments[s["fragment"]], s["mean_delta"]):
-                flats[u] = delta
-            add(f"sync.in_flight{i}", flats)
+                    pieces[f"sync.{name}.{unit.prefix}{spec.name}"] = shard_dtensor(local, spec.shape, shard_mesh)
         return pieces
-
-    def _empty_sync_state(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """SyncPolicy.state_dict()'s shape for the saved structure, zero-filled (padding stays zero)."""
-        if not isinstance(self.policy, SyncPolicy):
-            return {}
-        n = len(self.units)
-        has_global = meta["has_global"]
-        return {
-            "format": meta["format"],
-            "fragments": meta["fragments"],
-            "has_global": has_global,
-            "global_params": [torch.zeros_like(u.held_flat) if has_global else None for u in self.units],
-            "momentum": [
-                torch.zeros_like(self.units[u].held_flat) if u in meta["momentum_units"] else None for u in range(n)
-            ],
-            "in_flight": [
-                {
-                    **s,
-                    "mean_delta": [
-                        torch.zeros_like(self.units[u].held_flat) for u in self.policy.fragments[s["fragment"]]
-                    ],
-                }
-                for s in meta["in_flight"]
-            ],
-        }

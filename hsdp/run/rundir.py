@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from hsdp.config import Config, ConfigError
+from hsdp.config.schema import Config, ConfigError
 
 # What a run writes into its folder (train.py, hsdp/metrics.py, wandb with dir=run folder).
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml")

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hsdp.config import Config, check_world_size
+from hsdp.config.schema import Config
+from hsdp.config.preflight import check_world_size
 
 Worker = Callable[[Config], None]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -251,7 +252,7 @@ def start_fork_server(worker: Worker) -> None:
     from multiprocessing import forkserver
 
     module = getattr(worker, "func", worker).__module__  # a functools.partial's function's module
-    forkserver.set_forkserver_preload(["torch", "hsdp.launch", module])
+    forkserver.set_forkserver_preload(["torch", "hsdp.run.launch", module])
     forkserver.ensure_running()
 
 

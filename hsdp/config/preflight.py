@@ -1,0 +1,97 @@
+"""Checks of a config against the machine, run before any worker starts or any file is written.
+
+Devices (CUDA for nccl / Triton), the local world's size, optional packages
+(wandb), the output folder and the data files. Separate from `validate.py`
+because these import torch and look at the disk.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from pathlib import Path
+from typing import Optional
+
+from hsdp.config.schema import Config, ConfigError
+from hsdp.data import check_data
+from hsdp.engines.registry import check_engine_config
+from hsdp.run.rundir import check_output_dir
+from hsdp.sync.codec import check_codec
+
+
+def preflight(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Everything about `cfg` that depends on this machine, the engine or the disk (ConfigError on the first).
+
+    `world_size` is the torchrun world, if any. Run after `validate` and before any worker
+    starts or any file is written, so that bad input exits 2 with nothing changed.
+    """
+    check_engine_config(cfg)
+    check_codec(cfg.sync)
+    check_data_paths(cfg)
+    if cfg.kernels.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch  # only here: config parsing stays light otherwise
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "kernels.backend: triton needs a CUDA GPU (or TRITON_INTERPRET=1 to interpret "
+                "the kernels on CPU); use auto or torch here"
+            )
+    if cfg.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"wandb.mode: {cfg.wandb.mode} needs the wandb package (pip install wandb); or set wandb.mode=disabled"
+        )
+    if world_size is not None:
+        check_world_size(cfg, world_size)
+    check_mesh_fits(cfg)
+    check_output_dir(cfg)
+    check_data(cfg)
+
+
+def check_data_paths(cfg: Config) -> None:
+    """The data files the config names exist (their contents are `check_data`'s)."""
+    d = cfg.data
+    if d.source == "text" and (not d.path or not any(os.path.isfile(p) for p in glob.glob(os.path.expanduser(d.path)))):
+        raise ConfigError(f"data.path: expected a text file or glob that matches files, got {d.path!r}")
+    if d.source == "tokens" and (not d.path or not Path(d.path).expanduser().is_file()):
+        raise ConfigError(f"data.path: expected an existing uint16 .bin token file, got {d.path!r}")
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """The mesh must match the world torchrun launched."""
+    if world_size != cfg.world_size:
+        raise ConfigError(
+            f"mesh: sync×shard = {cfg.mesh.sync}×{cfg.mesh.shard} = {cfg.world_size} does not match "
+            f"the launched world size {world_size}"
+        )
+
+
+def check_mesh_fits(cfg: Config) -> None:
+    """nccl needs CUDA; a locally spawned world must fit this machine (torchrun worlds are its business).
+
+    Local cap: one rank per GPU with nccl (the default on CUDA), else 4 ranks per CPU core
+    (beyond that gloo ranks mostly wait for each other, and memory runs out first).
+    """
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if cfg.mesh.backend != "nccl" and (torchrun or cfg.world_size == 1):
+        return
+    import torch  # lazy: only a multi-rank or nccl config needs to know the machine
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.mesh.backend == "nccl" and not gpus:
+        raise ConfigError("mesh.backend: nccl needs CUDA GPUs and none are available here; use auto or gloo")
+    if torchrun:
+        return
+    mesh = f"mesh.sync×mesh.shard = {cfg.mesh.sync}×{cfg.mesh.shard} = {cfg.world_size} local ranks"
+    if gpus and cfg.mesh.backend != "gloo":
+        if cfg.world_size > gpus:
+            raise ConfigError(
+                f"{mesh}, but this machine has {gpus} GPUs; use torchrun across nodes or mesh.backend=gloo"
+            )
+        return
+    cap = (os.cpu_count() or 1) * 4
+    if cfg.world_size > cap:
+        raise ConfigError(
+            f"{mesh}, but this machine runs at most {cap} (4 per CPU core); "
+            "use a smaller mesh or torchrun across machines"
+        )

@@ -1,0 +1,161 @@
+"""The run configuration's schema: typed dataclasses, one per section, and their choices.
+
+This module only describes a config; `loader.py` reads one (YAML, `--set`),
+`validate.py` checks its values against each other, `preflight.py` checks it
+against the machine (devices, data files, output folder). Every user error is a
+`ConfigError` with one line naming the key; `train.py` turns it into exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    out_dir: str = "runs"
+    seed: int = 0
+    steps: int = 200
+    log_every: int = 10
+    eval_every: int = 50  # 0 = only at the end
+    eval_batches: int = 4
+    save_model: bool = False  # write model.replica{m}.pt (full params) at the end
+    overwrite: bool = False  # replace an existing run folder of the same name (otherwise refuse)
+    checkpoint_every: int = 0  # steps between checkpoints (0 = off)
+    resume: str = "auto"  # auto (latest checkpoint in the run folder, if any) | never | a checkpoint path
+    keep_checkpoints: int = 2  # complete checkpoints kept (older ones deleted after a new one is complete)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    bias: bool = True
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | text | tokens | synthetic
+    path: str = ""  # text: file or glob; tokens: train .bin (val.bin beside it, if present)
+    batch_size: int = 8  # sequences per rank per micro-step
+    val_fraction: float = 0.1  # text/tokens without a val file: share held out
+
+
+@dataclass
+class MeshConfig:
+    sync: int = 1  # replicas (slow links)
+    shard: int = 1  # FSDP group size (fast links)
+    engine: str = "hsdp"  # hsdp | fsdp2 | ddp
+    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl | fake (no communication, timing only)
+    timeout_s: float = 300.0  # process-group timeout: a hung collective fails after this
+    prefetch: bool = True  # overlap the next unit's gather with this unit's compute
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: str = "fp32"  # dtype of gathered full params (compute)
+    reduce_dtype: str = "fp32"  # dtype of gradient reduce-scatter / all-reduce
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_warmup: int = 20  # linear LR warmup steps (not the sync warmup)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.0  # sgd only
+    grad_clip: float = 1.0  # 0 disables clipping
+    grad_accum: int = 1
+
+
+@dataclass
+class SyncConfig:
+    warmup_steps: Optional[int] = None  # None: every step syncs grads (exact HSDP)
+    every: int = 1  # H: param sync period after warmup
+    method: str = "average"  # average | diloco
+    outer_lr: Optional[float] = None  # None: 1.0 for average, 0.7 for diloco
+    outer_momentum: Optional[float] = None  # None: 0.0 for average, 0.9 for diloco
+    nesterov: bool = True
+    fragments: int = 1  # P: streaming fragments
+    quantize: str = "none"  # none | int8
+    quant_block: int = 256  # elements per int8 scale
+    delay: int = 0  # τ: local steps a param sync's reduction overlaps before it lands (0 = blocking sync)
+    alpha: float = 0.0  # α: when a delayed sync lands, θ_m ← α·θ_m + (1 − α)·θ_g (needs delay ≥ 1)
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False  # hsdp: fwd+bwd as torch.compile graphs, collectives inside; fsdp2: compiled per block
+    passes: str = "ours"  # hsdp: who schedules the graph's collectives (ours: prefetch + late waits; inductor's; none)
+    prefetch: int = 1  # passes=ours: all-gathers start this many units ahead of their use
+    bucket_mb: float = 0.0  # hsdp: neighbouring units share one all-gather/reduce-scatter up to this size (0 = off)
+
+
+@dataclass
+class KernelsConfig:
+    backend: str = "auto"  # auto (Triton on CUDA, torch on CPU) | triton | torch
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "hsdp"
+    entity: Optional[str] = None
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.sync * self.mesh.shard
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir).expanduser() / self.run.name
+
+
+# ---------------------------------------------------------------- validation rules
+DTYPES = ("fp32", "bf16", "fp16")
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.source": ("stdlib", "text", "tokens", "synthetic"),
+    "mesh.engine": ("hsdp", "fsdp2", "ddp"),
+    "mesh.backend": ("auto", "gloo", "nccl", "fake"),
+    "precision.param_dtype": DTYPES,
+    "precision.reduce_dtype": DTYPES,
+    "optim.name": ("adamw", "sgd"),
+    "sync.method": ("average", "diloco"),
+    "sync.quantize": ("none", "int8"),
+    "compile.passes": ("ours", "inductor", "none"),
+    "kernels.backend": ("auto", "triton", "torch"),
+    "wandb.mode": ("offline", "online", "disabled"),
+}
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

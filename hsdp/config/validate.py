@@ -1,0 +1,122 @@
+"""Value checks of a config on its own: choices, ranges and rules that tie fields together.
+
+Pure: no torch, no files. What needs the machine (devices, data, the output
+folder, the engine's capabilities) is `preflight.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hsdp.config.schema import CHOICES, Config, ConfigError
+
+# Range rules by key: integers >= 1, values >= 0 (null allowed where the field is optional), values > 0.
+AT_LEAST_ONE = [
+    "run.steps",
+    "run.log_every",
+    "run.eval_batches",
+    "model.vocab_size",
+    "model.seq_len",
+    "model.n_layer",
+    "model.n_head",
+    "model.d_model",
+    "data.batch_size",
+    "mesh.sync",
+    "mesh.shard",
+    "optim.grad_accum",
+    "sync.every",
+    "sync.fragments",
+    "sync.quant_block",
+    "run.keep_checkpoints",
+]
+NON_NEGATIVE = [
+    "run.eval_every",
+    "optim.lr_warmup",
+    "optim.weight_decay",
+    "optim.momentum",
+    "optim.grad_clip",
+    "optim.min_lr",
+    "sync.warmup_steps",
+    "sync.outer_momentum",
+    "run.checkpoint_every",
+    "sync.delay",
+    "compile.prefetch",
+    "compile.bucket_mb",
+]
+POSITIVE = ["optim.lr", "optim.eps", "mesh.timeout_s", "sync.outer_lr"]
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def validate(cfg: Config) -> None:
+    """Range, choice and cross-field checks of the values alone (ConfigError, one line, on the first)."""
+    for key, choices in CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key}: expected one of {' | '.join(choices)}, got {_get(cfg, key)!r}")
+    for key in AT_LEAST_ONE:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}: expected an integer >= 1, got {_get(cfg, key)!r}")
+    for key in NON_NEGATIVE:
+        v = _get(cfg, key)
+        if v is not None and v < 0:
+            raise ConfigError(f"{key}: expected a value >= 0, got {v!r}")
+    for key in POSITIVE:
+        v = _get(cfg, key)
+        if v is not None and v <= 0:
+            raise ConfigError(f"{key}: expected a value > 0, got {v!r}")
+    check_run_name(cfg.run.name)
+    if cfg.model.vocab_size < 2:
+        raise ConfigError(f"model.vocab_size: expected at least 2 tokens, got {cfg.model.vocab_size}")
+    if cfg.model.d_model % cfg.model.n_head:
+        raise ConfigError(
+            f"model.n_head: expected a divisor of model.d_model={cfg.model.d_model}, got {cfg.model.n_head}"
+        )
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr: expected a value <= optim.lr={cfg.optim.lr}, got {cfg.optim.min_lr}")
+    if not 0 <= cfg.optim.beta1 < 1 or not 0 <= cfg.optim.beta2 < 1:
+        raise ConfigError(f"optim.beta1/beta2: expected values in [0, 1), got {cfg.optim.beta1}, {cfg.optim.beta2}")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction: expected a value in (0, 1), got {cfg.data.val_fraction}")
+    if cfg.data.source == "synthetic" or cfg.data.source == "stdlib":
+        if cfg.data.source == "stdlib" and cfg.model.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
+    elif cfg.data.source == "text" and cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
+    s = cfg.sync
+    if s.fragments > 1 and s.every % s.fragments:
+        raise ConfigError(f"sync.fragments: expected a divisor of sync.every={s.every}, got {s.fragments}")
+    units = cfg.model.n_layer + 2  # hsdp/model.py: embedding, one unit per block, head
+    if s.fragments > units:
+        raise ConfigError(
+            f"sync.fragments: expected at most the model's {units} units (model.n_layer + 2: "
+            f"embedding, blocks, head), got {s.fragments}"
+        )
+    if s.delay >= s.every and s.delay > 0:
+        raise ConfigError(f"sync.delay: expected a value < sync.every={s.every}, got {s.delay}")
+    if not 0 <= s.alpha <= 1:
+        raise ConfigError(f"sync.alpha: expected a value in [0, 1], got {s.alpha}")
+    if s.alpha > 0 and s.delay == 0:
+        raise ConfigError(
+            f"sync.alpha: only used by an overlapped sync (sync.delay >= 1), got alpha {s.alpha} with delay 0"
+        )
+    saves = {"run.checkpoint_every": cfg.run.checkpoint_every, "run.save_model": cfg.run.save_model}
+    saves["run.resume"] = cfg.run.resume not in ("auto", "never")
+    if cfg.mesh.backend == "fake" and any(saves.values()):
+        what = next(k for k, v in saves.items() if v)
+        raise ConfigError(
+            f"{what}: mesh.backend=fake moves no data between ranks (timing only), so saved or loaded state "
+            "would be wrong; turn it off or use a real backend"
+        )
+    if s.outer_momentum is not None and s.outer_momentum >= 1:
+        raise ConfigError(f"sync.outer_momentum: expected a value in [0, 1), got {s.outer_momentum}")
+    if cfg.sync.method == "average" and (cfg.sync.outer_lr is not None or cfg.sync.outer_momentum is not None):
+        raise ConfigError("sync.outer_lr/outer_momentum: only used by sync.method=diloco, got method average")
+
+
+def check_run_name(name: str) -> None:
+    """run.name is one folder name inside run.out_dir: not empty, `.`, `..`, nor a path."""
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise ConfigError(f"run.name: expected a folder name (not empty, '.', '..', no '/'), got {name!r}")

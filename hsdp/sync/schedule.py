@@ -1,0 +1,55 @@
+"""When things cross the sync group (docs/design.md §2): the schedule of one SyncConfig.
+
+    step s < warmup_steps        grads averaged across replicas (exact HSDP)
+    after the update of step s   fragment f's sync starts iff s >= warmup and
+                                 (s + 1 − warmup − (f+1)·every/P) % every == 0
+    units → fragments            round-robin: fragment f holds units f, f+P, f+2P, …
+
+Pure functions of the config and the step; the policy, `train.py` (the end-of-run
+note) and the tests share them.
+"""
+
+from __future__ import annotations
+
+from hsdp.config.schema import SyncConfig
+
+
+def grad_sync_due(step: int, cfg: SyncConfig) -> bool:
+    """Grads are averaged across the sync group on step s iff s < warmup_steps (None: always)."""
+    return cfg.warmup_steps is None or step < cfg.warmup_steps
+
+
+def fragments_due(step: int, cfg: SyncConfig) -> list[int]:
+    """The fragments whose param sync starts after the local update of `step` (and lands τ steps later)."""
+    if cfg.warmup_steps is None or step < cfg.warmup_steps:
+        return []
+    P, H = cfg.fragments, cfg.every
+    return [f for f in range(P) if (step + 1 - cfg.warmup_steps - (f + 1) * H // P) % H == 0]
+
+
+def steps_after_last_sync(steps: int, cfg: SyncConfig) -> int:
+    """How many final steps of a `steps`-step run come after some fragment's last param sync (start).
+
+    0 means the run ends on a full sync, so the final model (and val loss) is θ_g;
+    otherwise it is each replica's local model. With warmup_steps None it is 0 (exact HSDP).
+    With delay τ > 0 the count is from the sync's start (its Δ snapshot): those steps are not
+    in θ_g, whether or not the sync landed (finish() lands it at the end of the run).
+    """
+    if cfg.warmup_steps is None or steps <= cfg.warmup_steps:
+        return 0
+    last = [
+        max((s for s in range(cfg.warmup_steps, steps) if f in fragments_due(s, cfg)), default=-1)
+        for f in range(cfg.fragments)
+    ]
+    return steps - 1 - min(last)
+
+
+def fragment_units(n_units: int, fragments: int) -> list[list[int]]:
+    """The units of each fragment (dealt round-robin, so each fragment holds a similar share of params)."""
+    return [list(range(f, n_units, fragments)) for f in range(fragments)]
+
+
+def uses_global_copy(cfg: SyncConfig) -> bool:
+    """Whether the sync keeps θ_g: DiLoCo, a lossy codec (Δ is taken against θ_g) or a delayed sync
+    (its Δ_m is snapshotted against θ_g, even for plain averaging)."""
+    return cfg.method == "diloco" or cfg.quantize != "none" or cfg.delay > 0
