@@ -1,11 +1,12 @@
 """The README and the project's docs stay consistent with the code and self-contained.
 
 - the setup/test/run command markers are there once each, in the format .ci/run parses;
-- the config table is exactly what scripts/config_table.py prints from hsdp/config.py,
+- the config table is exactly what scripts/config_table.py prints from hsdp/config/schema.py,
   so a new config key cannot be added without documenting it;
 - no file points outside the project (the design document is docs/design.md), and
   every "docs/design.md §n" citation names a section that exists;
-- the README holds no process notes.
+- the README holds no process notes (measured results live in docs/results/, checked by
+  tests/test_docs.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hsdp.config.schema import Config, ConfigError
 
-# What a run writes into its folder (train.py, hsdp/metrics.py, wandb with dir=run folder).
+# What a run writes into its folder (train.py, hsdp/run/metrics.py, wandb with dir=run folder).
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 OUTPUT_DIRS = ("checkpoints", "wandb")
 OUTPUT_GLOBS = ("model.replica*.pt",)
@@ -52,9 +52,9 @@ def prepare_run_dir(cfg: Config) -> None:
     - `run.overwrite=true`: delete the previous run's outputs (only the files a run
       writes: other files in the folder are left alone) and start fresh;
     - a complete checkpoint in `checkpoints/` and `run.resume != never`: return with
-      the folder untouched. Resuming from it is a later feature (train.py will load
-      the checkpoint and continue metrics.jsonl); this function only makes sure that
-      nothing is deleted or overwritten before then;
+      the folder untouched: train.py then resumes from the checkpoint
+      (hsdp/run/checkpoint.py) and continues metrics.jsonl; this function only makes
+      sure that nothing is deleted or overwritten before that;
     - otherwise: ConfigError naming `run.overwrite=true`.
 
     Under torchrun only global rank 0 checks and deletes (every rank runs train.py's
