@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks only a GPU can do, as one script for a lent device (see README "Results" → Kernels):
+# The checks only a GPU can do, as one script for a lent device (see docs/results/kernels.md):
 #   1. python -m kernels.bench --size 7b   (Triton compiled for real vs the torch references)
 #   2. the engine on one CUDA GPU with kernels.backend=triton vs torch (bf16 params, int8 DiLoCo):
 #      same losses = the compiled kernels compute what the references compute.

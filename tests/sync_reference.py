@@ -1,7 +1,7 @@
 """An independent single-process reference for periodic param sync (docs/design.md §2).
 
 M replicas are simulated in one process, each a full model with its own
-optimizer: no torch.distributed, no hsdp engine (hsdp.shard / hsdp.sync are
+optimizer: no torch.distributed, no hsdp engine (hsdp.engines / hsdp.sync are
 not imported). Replica m's batch at each micro-step is rows [m·S·B, (m+1)·S·B)
 of the global batch of one process with batch size B·M·S (the data module's
 contract), i.e. the concatenation of its S shard ranks' batches.

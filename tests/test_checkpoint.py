@@ -1,4 +1,4 @@
-"""Checkpoints (hsdp/checkpoint.py): bitwise resume, resharding, crashes, validation, export, torchrun.
+"""Checkpoints (hsdp/run/checkpoint.py): bitwise resume, resharding, crashes, validation, export, torchrun.
 
 Real processes and real files; every subprocess has a timeout. A launch costs ~15 s on
 2 cores (mostly process start-up), so runs are shared through module-scoped fixtures:

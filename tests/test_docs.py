@@ -18,25 +18,26 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
+from tests.helpers import REPO
+
+RESULTS = REPO / "docs" / "results"
 
 STALE_PHRASES = ("planned", "later issue", "later feature", "(not measured then)")
 PROCESS_NOTES = (r"\bsession\b", r"\(issue:", r"\bowed\b", r"\blent\b", r"steering")
 
 
 def _markdown_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def _code_files() -> list[Path]:
-    files = [*sorted((ROOT / "hsdp").rglob("*.py")), *sorted((ROOT / "kernels").rglob("*.py"))]
-    files += [ROOT / "train.py", *sorted((ROOT / "scripts").glob("*.py"))]
+    files = [*sorted((REPO / "hsdp").rglob("*.py")), *sorted((REPO / "kernels").rglob("*.py"))]
+    files += [REPO / "train.py", *sorted((REPO / "scripts").glob("*.py"))]
     return [p for p in files if p.is_file() and "__pycache__" not in p.parts]
 
 
 def _rel(path: Path) -> str:
-    return str(path.relative_to(ROOT))
+    return str(path.relative_to(REPO))
 
 
 def _prose_of_python(source: str) -> list[tuple[int, str]]:
@@ -149,7 +150,7 @@ def _names_a_command(markdown: str) -> bool:
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -185,8 +186,8 @@ def test_results_file_names_command_commit_and_date(path: Path) -> None:
 
 def test_readme_links_every_results_file() -> None:
     linked = {
-        (ROOT / t.split("#", 1)[0]).resolve()
-        for t in _link_targets((ROOT / "README.md").read_text("utf-8"))
+        (REPO / t.split("#", 1)[0]).resolve()
+        for t in _link_targets((REPO / "README.md").read_text("utf-8"))
         if not _is_external(t)
     }
     missing = [_rel(p) for p in _results_files() if p.resolve() not in linked]

@@ -81,7 +81,7 @@ def test_grad_accum_equals_bigger_batch(tmp_path: Path) -> None:
 
 
 def test_comm_bytes_match_formula(tmp_path: Path) -> None:
-    """shard_bytes and sync_bytes per step equal the README's formula."""
+    """shard_bytes and sync_bytes per step equal the formula of docs/design.md §4."""
     S, M, steps = 2, 2, 3
     overrides = SMALL + [f"run.steps={steps}", f"mesh.sync={M}", f"mesh.shard={S}", "run.save_model=false"]
     run = run_train(tmp_path, "bytes", overrides)

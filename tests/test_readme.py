@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
-DESIGN = ROOT / "docs" / "design.md"
+from tests.helpers import REPO
+
+README = REPO / "README.md"
+DESIGN = REPO / "docs" / "design.md"
 
 
 def _config_table_module():
-    spec = importlib.util.spec_from_file_location("config_table", ROOT / "scripts" / "config_table.py")
+    spec = importlib.util.spec_from_file_location("config_table", REPO / "scripts" / "config_table.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -55,7 +56,7 @@ def test_command_marker_once_in_ci_format(readme: str, name: str) -> None:
 
 
 def test_ci_parses_the_markers_this_way() -> None:
-    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     for name, sed in CI_SED.items():
         assert sed in ci, f".ci/run no longer reads the {name} command with {sed!r}; update this test"
 
@@ -99,14 +100,14 @@ def _project_files() -> list[Path]:
     try:
         out = subprocess.run(
             ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT,
+            cwd=REPO,
             capture_output=True,
             check=True,
         ).stdout.decode()
-        paths = [ROOT / p for p in out.split("\0") if p]
+        paths = [REPO / p for p in out.split("\0") if p]
     except (OSError, subprocess.CalledProcessError):
         paths = [
-            p for p in ROOT.rglob("*") if not BUILD_DIRS & set(p.relative_to(ROOT).parts) and ".egg-info" not in str(p)
+            p for p in REPO.rglob("*") if not BUILD_DIRS & set(p.relative_to(REPO).parts) and ".egg-info" not in str(p)
         ]
     return sorted({p for p in paths if p.is_file() and p.suffix in TEXT_SUFFIXES})
 
@@ -128,7 +129,7 @@ def test_no_file_points_outside_the_project() -> None:
         for n, line in enumerate(text.splitlines(), 1):
             for s in FORBIDDEN:
                 if s in line:
-                    hits.append(f"{path.relative_to(ROOT)}:{n}: {s}")
+                    hits.append(f"{path.relative_to(REPO)}:{n}: {s}")
     assert not hits, "references to a design file outside the project (use docs/design.md §n):\n" + "\n".join(hits)
 
 
@@ -143,7 +144,7 @@ def test_design_citations_name_existing_sections() -> None:
         for m in re.finditer(r"docs/design\.md\s+((?:§\d+(?:\.\d+)?(?:\s*[,–-]\s*)?)+)", text):
             for ref in re.findall(r"§(\d+(?:\.\d+)?)", m.group(1)):
                 if ref not in sections:
-                    bad.append(f"{path.relative_to(ROOT)}: docs/design.md §{ref}")
+                    bad.append(f"{path.relative_to(REPO)}: docs/design.md §{ref}")
     assert not bad, "citations of sections docs/design.md does not have:\n" + "\n".join(bad)
 
 

@@ -23,6 +23,7 @@ embedding) saves nothing and is not re-gathered.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -46,11 +47,27 @@ class Groups:
 
 
 class _GatherShards(torch.autograd.Function):
-    """Forward: all-gather the cast held shard. Backward: reduce-scatter (+ sync all-reduce) its grad."""
+    """Forward: all-gather the cast held shard. Backward: reduce-scatter (+ sync all-reduce) its grad.
+
+    Gradient accumulation (the engine's `set_reduce_grads(False)`): with `acc` (a leaf of the
+    gathered size) the backward reduces nothing and hands the scaled full grad to `acc` instead,
+    where autograd sums it over micro-steps; the final micro-step passes that sum as `pending`,
+    which is added before its one reduce-scatter, as the eager engine does.
+    """
 
     @staticmethod
-    def forward(ctx, held: torch.Tensor, param_dtype: torch.dtype, groups: Groups, plan: ReducePlan) -> torch.Tensor:
-        ctx.groups, ctx.plan = groups, plan
+    def forward(
+        ctx,
+        held: torch.Tensor,
+        acc: Optional[torch.Tensor],
+        pending: Optional[torch.Tensor],
+        param_dtype: torch.dtype,
+        groups: Groups,
+        plan: ReducePlan,
+    ) -> torch.Tensor:
+        ctx.groups, ctx.plan, ctx.accumulate, ctx.has_pending = groups, plan, acc is not None, pending is not None
+        if pending is not None:
+            ctx.save_for_backward(pending)
         ag_in = held.to(param_dtype)
         if groups.shard_size == 1:
             return ag_in
@@ -62,6 +79,11 @@ class _GatherShards(torch.autograd.Function):
         g = grad.to(plan.reduce_dtype)
         if plan.pre != 1:
             g = g * (1.0 / plan.pre)
+        if ctx.accumulate:
+            return None, g, None, None, None, None
+        if ctx.has_pending:
+            (pending,) = ctx.saved_tensors
+            g = pending + g  # the earlier micro-steps' sum first: the eager engine's order
         if groups.shard_size > 1:
             g = C.wait_tensor(C.reduce_scatter_tensor(g, "sum", groups.shard_size, groups.shard))
         if plan.sync_grads and groups.sync_size > 1:
@@ -69,7 +91,7 @@ class _GatherShards(torch.autograd.Function):
         g = g.to(torch.float32)
         if plan.post != 1:
             g = g * (1.0 / plan.post)
-        return g, None, None, None
+        return g, None, None, None, None, None
 
 
 def unpack_params(gathered: torch.Tensor, layout: UnitLayout) -> list[torch.Tensor]:
@@ -103,7 +125,13 @@ def plan_buckets(layouts: list[UnitLayout], param_dtype: torch.dtype, bucket_mb:
 
 
 def gather_bucket(
-    helds: list[torch.Tensor], layouts: list[UnitLayout], param_dtype: torch.dtype, groups: Groups, plan: ReducePlan
+    helds: list[torch.Tensor],
+    layouts: list[UnitLayout],
+    param_dtype: torch.dtype,
+    groups: Groups,
+    plan: ReducePlan,
+    acc: Optional[torch.Tensor] = None,
+    pending: Optional[torch.Tensor] = None,
 ) -> list[list[torch.Tensor]]:
     """Full params of a bucket of units from one all-gather of their concatenated shards.
 
@@ -111,7 +139,7 @@ def gather_bucket(
     result back into each unit's grad shard.
     """
     held = helds[0] if len(helds) == 1 else torch.cat(helds)
-    gathered = _GatherShards.apply(held, param_dtype, groups, plan).view(groups.shard_size, -1)
+    gathered = _GatherShards.apply(held, acc, pending, param_dtype, groups, plan).view(groups.shard_size, -1)
     per_unit = gathered.split([layout.N for layout in layouts], dim=1)
     return [unpack_params(g, layout) for g, layout in zip(per_unit, layouts)]
 
@@ -125,11 +153,19 @@ def sharded_loss(
     groups: Groups,
     plan: ReducePlan,
     buckets: list[list[int]],
+    accs: Optional[list[torch.Tensor]] = None,
+    pendings: Optional[list[torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """The whole model's loss from the held shards: the function torch.compile captures."""
-    for bucket in buckets:
+    """The whole model's loss from the held shards: the function torch.compile captures.
+
+    `accs` (one leaf per bucket): a micro-step that accumulates instead of reducing;
+    `pendings` (one sum per bucket): the final micro-step after such steps.
+    """
+    for b, bucket in enumerate(buckets):
         layouts = [units[u][1] for u in bucket]
-        for u, params in zip(bucket, gather_bucket([helds[u] for u in bucket], layouts, param_dtype, groups, plan)):
+        acc, pending = accs[b] if accs else None, pendings[b] if pendings else None
+        gathered = gather_bucket([helds[u] for u in bucket], layouts, param_dtype, groups, plan, acc, pending)
+        for u, params in zip(bucket, gathered):
             module, layout = units[u]
             names = [s.name for s in layout.specs]
             # tie_weights=False: between uses every param of the module points at one empty placeholder.

@@ -4,12 +4,15 @@ Same units, held shards, optimizer params and sync policy as the eager engine
 (it is one, with `forward_backward` replaced); eval forwards stay eager. One
 compiled function per reduce variant (`ReducePlan`: grad-sync steps all-reduce
 across replicas, local steps do not), each compiled once with fullgraph=True:
-a run compiles at most two pairs of graphs (forward + backward each) and should
+a run compiles at most two pairs of graphs (forward + backward each; with
+grad accumulation up to three more, see below) and should
 never recompile; `stats()` reports both counts and the compile time.
 
-Grad accumulation: each micro-step's backward reduce-scatters its grads (as
-SimpleFSDP/torchtitan do), so with optim.grad_accum > 1 the compiled path
-sends grad_accum × the eager engine's reduce-scatter bytes; results agree.
+Grad accumulation (`set_reduce_grads(False)` on non-final micro-steps): those
+micro-steps run a variant whose backward reduces nothing and sums the full
+grads into a per-bucket accumulator; the final micro-step's variant adds that
+sum before its one reduce-scatter. So the compiled path sends the eager
+engine's bytes for any optim.grad_accum (up to 3 more graph pairs are compiled).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -34,6 +37,8 @@ from hsdp.engines.base import Batch
 from hsdp.engines.clock import CompileClock
 from hsdp.engines.collectives import ReducePlan
 from hsdp.engines.hsdp import HSDPEngine
+
+Variant = tuple[ReducePlan, str]  # (how grads are reduced, reduce | accumulate | reduce_pending)
 
 
 class CompiledHSDPEngine(HSDPEngine):
@@ -54,7 +59,8 @@ class CompiledHSDPEngine(HSDPEngine):
         self.census = CollectiveCensus(labels=dict(self.mesh.comm.labels))
         # Units per all-gather: neighbours share one up to compile.bucket_mb (0: one unit each).
         self.buckets = plan_buckets([u.layout for u in self.units], self.param_dtype, self.compile_cfg.bucket_mb)
-        self._compiled: dict[ReducePlan, Any] = {}
+        self._compiled: dict[Variant, Any] = {}
+        self.accs: Optional[list[torch.Tensor]] = None  # gradient-accumulation leaves (see _accumulators)
         self.generated_code: list[str] = []  # inductor's output code of every graph compiled, in order
         self.clock = CompileClock()
 
@@ -63,17 +69,18 @@ class CompiledHSDPEngine(HSDPEngine):
         return {"compile_cfg": cfg.compile}
 
     # ------------------------------------------------------------ compile
-    def _step_fn(self, plan: ReducePlan):
-        """The compiled loss function of this reduce variant (compiled on first use)."""
-        if plan not in self._compiled:
+    def _step_fn(self, variant: Variant):
+        """The compiled loss function of this variant (compiled on first use)."""
+        if variant not in self._compiled:
             units = [(u.module, u.layout) for u in self.units]
+            plan, _ = variant
             fn = partial(
                 sharded_loss, units, param_dtype=self.param_dtype, groups=self.groups, plan=plan, buckets=self.buckets
             )
-            # dynamic=False: both variants trace the same code, and dynamo would otherwise make the
-            # divide factors that differ between them symbolic ("automatic dynamic") on the second compile.
-            self._compiled[plan] = torch.compile(fn, fullgraph=True, dynamic=False, options=self._inductor_options())
-        return self._compiled[plan]
+            # dynamic=False: the variants trace the same code, and dynamo would otherwise make the
+            # divide factors that differ between them symbolic ("automatic dynamic") on a later compile.
+            self._compiled[variant] = torch.compile(fn, fullgraph=True, dynamic=False, options=self._inductor_options())
+        return self._compiled[variant]
 
     def _inductor_options(self) -> dict[str, Any]:
         """Our joint pass always (release); who schedules the collectives is compile.passes."""
@@ -90,27 +97,53 @@ class CompiledHSDPEngine(HSDPEngine):
 
     # ------------------------------------------------------------ the step
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
-        """Each micro-batch through the compiled forward and backward; bytes counted from the graphs."""
-        plan = self.plan
-        fn = self._step_fn(plan)
+        """Each micro-batch through the compiled forward and backward; grads reduced once, on the last."""
         total = torch.zeros((), device=self.mesh.device)
-        for x, y in batches:
-            self.census.current = plan
-            with self.clock.call(plan) as first, _capture_generated_code(self.generated_code if first else None):
-                loss = fn(self.leaves, x, y) / len(batches)
-                loss.backward()
-            self.census.current = None
-            self._count_bytes(plan)
-            total += loss.detach()
+        for i, (x, y) in enumerate(batches):
+            self.set_reduce_grads(i == len(batches) - 1)
+            total += self.micro_step(x, y, len(batches))
         return total
 
-    def _count_bytes(self, plan: ReducePlan) -> None:
-        """Add what the compiled forward+backward of `plan` sent (read off its graphs at compile time)."""
-        for label, op, nbytes in self.census.per_call(plan):
-            self.mesh.comm.count(label, op, nbytes)
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, n_micro: int) -> torch.Tensor:
+        """One micro-batch: accumulate its full grads (set_reduce_grads(False)) or reduce them with what
+        earlier micro-steps accumulated; bytes counted from the compiled graphs."""
+        kwargs: dict[str, Any] = {}
+        if not self.reduce_grads:
+            mode = "accumulate"
+            kwargs["accs"] = self._accumulators()
+        elif self.accs is not None and self.accs[0].grad is not None:
+            mode = "reduce_pending"
+            kwargs["pendings"] = [acc.grad for acc in self.accs]
+            for acc in self.accs:
+                acc.grad = None  # the sum is handed over: freed once this backward used it
+        else:
+            mode = "reduce"
+        variant: Variant = (self.plan, mode)
+        fn = self._step_fn(variant)
+        self.census.current = variant
+        with self.clock.call(variant) as first, _capture_generated_code(self.generated_code if first else None):
+            loss = fn(self.leaves, x, y, **kwargs) / n_micro
+            loss.backward()
+        self.census.current = None
+        self._count_bytes(variant)
+        return loss.detach()
 
-    def set_reduce_grads(self, reduce: bool) -> None:
-        """Every micro-step reduces in the compiled path (see the module doc)."""
+    def _accumulators(self) -> list[torch.Tensor]:
+        """One leaf per bucket, of its gathered size, whose .grad sums the micro-steps' full grads.
+
+        Its value is never read: a single zero expanded to the size, so only the grad takes memory
+        (the eager engine's packed reduce-scatter input, [S, N] in reduce_dtype).
+        """
+        if self.accs is None:
+            sizes = [self.mesh.shard_size * sum(self.units[u].layout.N for u in b) for b in self.buckets]
+            one = torch.zeros(1, dtype=self.reduce_dtype, device=self.mesh.device)
+            self.accs = [one.expand(n).requires_grad_(True) for n in sizes]
+        return self.accs
+
+    def _count_bytes(self, variant: Variant) -> None:
+        """Add what the compiled forward+backward of `variant` sent (read off its graphs at compile time)."""
+        for label, op, nbytes in self.census.per_call(variant):
+            self.mesh.comm.count(label, op, nbytes)
 
     def artifacts(self) -> dict[str, str]:
         """schedule.txt, and inductor's generated code of each graph (what the schedule was read from)."""
