@@ -12,7 +12,9 @@ from kernels.backend import get_backend, set_backend, use_triton
 from kernels.outer import compute_delta, outer_step
 from kernels.pack import pack_shards, unpack_full
 from kernels.quant import dequantize_mean, quantize_int8
+from kernels.quant4 import dequantize_int4, dequantize_int4_mean, quantize_int4
 from kernels.reduce import accumulate_grad_shards, pack_grads
+from kernels.topk import scatter_add_chunks, topk_error_feedback, topk_index_dtype, topk_numel, topk_select
 
 __all__ = [
     "set_backend",
@@ -26,4 +28,12 @@ __all__ = [
     "outer_step",
     "quantize_int8",
     "dequantize_mean",
+    "quantize_int4",
+    "dequantize_int4_mean",
+    "dequantize_int4",
+    "topk_select",
+    "topk_error_feedback",
+    "scatter_add_chunks",
+    "topk_index_dtype",
+    "topk_numel",
 ]

@@ -21,10 +21,23 @@ import kernels
 from kernels import backend
 
 UNITS = {"small": (1024, 2816), "7b": (4096, 11008)}  # (d_model, d_ffn) of one transformer block
-KERNELS = ("pack", "unpack", "pack_grads", "accumulate", "delta", "outer", "quantize", "dequantize")
+KERNELS = (
+    "pack",
+    "unpack",
+    "pack_grads",
+    "accumulate",
+    "delta",
+    "outer",
+    "quantize",
+    "dequantize",
+    "quantize_int4",
+    "dequantize_int4",
+    "topk_ef",
+)
 S = 8  # shard-group size (one node)
-M = 4  # sync-group size for dequantize_mean
-QBLOCK = 256  # int8 quantization block
+M = 4  # sync-group size for the dequantize rows
+QBLOCK = 256  # int8 and int4 quantization block
+TOPK_CHUNK, TOPK_K = 1024, 10  # top-k: 10 of every 1024 elements (~1% density)
 
 
 def block_shapes(d: int, ffn: int) -> list[tuple[int, ...]]:
@@ -79,6 +92,10 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
     mom, delta, out = randn(N), randn(N) * 1e-3, torch.empty(N, device=device)
     q = torch.randint(-127, 128, (M, N), dtype=torch.int8, device=device, generator=g)
     scales = torch.rand(M, nb, device=device, generator=g)
+    packed4 = torch.randint(0, 256, (M, (N + 1) // 2), dtype=torch.uint8, device=device, generator=g)
+    err = randn(N) * 1e-3
+    n_sel = kernels.topk_numel(N, TOPK_CHUNK, TOPK_K)
+    idx_bytes = kernels.topk_index_dtype(TOPK_CHUNK).itemsize
     return {
         "pack": (f"{label} fp32→bf16", N * (4 + 2), lambda: kernels.pack_shards(held, shard_bf16)),
         "unpack": (f"S={S}, {label} bf16", 2 * S * N * 2, lambda: kernels.unpack_full(gathered, sizes, unpacked)),
@@ -99,6 +116,21 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
             f"M={M}, {label}",
             M * (N + nb * 4) + N * 4,
             lambda: kernels.dequantize_mean(q, scales, QBLOCK, out),
+        ),
+        "quantize_int4": (
+            f"{label}, block {QBLOCK}",
+            N * 4 + (N + 1) // 2 + nb * 4,
+            lambda: kernels.quantize_int4(held, QBLOCK),
+        ),
+        "dequantize_int4": (
+            f"M={M}, {label}",
+            M * ((N + 1) // 2 + nb * 4) + N * 4,
+            lambda: kernels.dequantize_int4_mean(packed4, scales, QBLOCK, out),
+        ),
+        "topk_ef": (  # reads delta and err, writes err, idx and vals
+            f"{label}, {TOPK_K} of {TOPK_CHUNK}",
+            3 * N * 4 + n_sel * (idx_bytes + 4),
+            lambda: kernels.topk_error_feedback(delta, err, TOPK_CHUNK, TOPK_K),
         ),
     }
 

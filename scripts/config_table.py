@@ -1,4 +1,4 @@
-"""Print the README's config reference table from the dataclasses in hsdp/config.py.
+"""Print the README's config reference table from the dataclasses in hsdp/config/schema.py.
 
     python scripts/config_table.py            # print the table
     python scripts/config_table.py --write    # replace the table between the README's markers
@@ -6,7 +6,7 @@
 One row per key, `section.key | default | meaning`, in the order of `Config`'s
 sections and their fields. The default is the dataclass default. The meaning
 is the key's entry in MEANINGS below if it has one, else the comment after the
-field in hsdp/config.py; a key with neither is an error, so a new key cannot
+field in hsdp/config/schema.py; a key with neither is an error, so a new key cannot
 be added without a description. For keys with a fixed set of values
 (`hsdp.config.schema.CHOICES`) the choices are appended unless the meaning already
 names them all. tests/test_readme.py checks that the README holds exactly
@@ -75,7 +75,7 @@ MEANINGS: dict[str, str] = {
     "sync.outer_momentum": "outer momentum μ (null: 0.9 for diloco; average is μ = 0 and may not set it)",
     "sync.nesterov": "Nesterov outer momentum (diloco)",
     "sync.fragments": "P: streaming fragments (units round-robin, synced every/P steps apart; must divide every)",
-    "sync.quantize": "`int8`: Δ sent as int8 values + one fp32 scale per block",
+    "sync.quantize": "`int8` / `int4`: Δ (or its top-k values) sent as 8/4-bit values + one fp32 scale per block",
     "wandb.project": "wandb project",
     "wandb.entity": "wandb entity (null: the account's default)",
 }
@@ -123,7 +123,7 @@ def meaning(key: str, comments: dict[str, str]) -> str:
     text = MEANINGS.get(key) or comments.get(name)
     if not text:
         raise ValueError(
-            f"config key {key} has no meaning: add a comment to its field in hsdp/config.py "
+            f"config key {key} has no meaning: add a comment to its field in hsdp/config/schema.py "
             f"or an entry to MEANINGS in scripts/config_table.py"
         )
     choices = CHOICES.get(key)

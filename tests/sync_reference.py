@@ -31,6 +31,21 @@ concatenation, over the unit's params in named_parameters order, of rows
 [k·rows, (k+1)·rows) of the param (rows = ceil(d0/S)), flattened and
 zero-padded to rows·prod(rest) elements. Blocks of `quant_block` elements
 start at the beginning of each such flat shard.
+
+The other lossy codecs (docs/design.md §2.5) use the same flat held shards, written
+here from the spec, not from kernels/ or hsdp.sync:
+  int4     as int8 with 7 for 127 (scale = absmax/7, q = clamp(round_half_away(x/scale), ±7));
+           the nibble packing changes only the bytes, so it is not simulated.
+  top-k ρ  chunks of C = topk_chunk elements from the shard's start; chunk c keeps its
+           k_c = min(⌈ρ·C⌉, len_c) elements of largest |x| (ties: lowest index; |−0| = |0|),
+           positions ascending; the selected values, in that order (chunk by chunk), are sent
+           as fp32 or quantized (int8 / int4 blocks over the selected values).
+  decode   replica m's decoded values at their positions in a zero vector; the mean sums
+           m = 0..M−1 in order, then ÷ M.
+  error feedback (`error_feedback`): replica m keeps e_m per unit and shard rank (fp32, zero
+           at the unit's first sync), sends C(Δ_m + e_m) and sets e_m ← (Δ_m + e_m) − D(C(Δ_m + e_m)).
+The int8 case without top-k and error feedback keeps its own path (`quantized_mean_delta`, which
+also writes `int8_trace`); every other lossy codec writes `codec_trace` (see there).
 """
 
 from __future__ import annotations
@@ -60,6 +75,16 @@ class SyncReferenceResult:
     #   quant_step = Σ_m scale_m / M: the most one rounding flip per replica can move mean Δ
     #   tie_margin = min_m | |Δ_m/scale_m| − floor(|Δ_m/scale_m|) − ½ |: how near a rounding tie it was
     int8_trace: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = dataclasses.field(default_factory=dict)
+    # other lossy codecs (int4, top-k, error feedback), per synced (started) step: name → (flip_bound,
+    # margin), per element of the param:
+    #   margin     = min over replicas of the relative perturbation of Δ_m (+ e_m) that could change
+    #                what the codec sends for this element: a rounding tie, a top-k selection
+    #                boundary, or (top-k + quantized values) a selection boundary of any chunk whose
+    #                values share a quant block with it (it may move that block's absmax)
+    #   flip_bound = mean over replicas of how far such a change can move this element's decoded
+    #                value (a quant step; top-k: |x| + 2 quant steps of its chunk's blocks)
+    codec_trace: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = dataclasses.field(default_factory=dict)
+    global_params: Optional[dict[str, torch.Tensor]] = None  # θ_g after the run (None: no θ_g)
 
 
 # ---------------------------------------------------------------- schedule (docs/design.md §2)
@@ -89,27 +114,32 @@ def _round_half_away(v: torch.Tensor) -> torch.Tensor:
 
 def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat fp32 → (int8 values, one fp32 scale per block of `block` elements)."""
+    return quantize_blocks(x, block, 127)
+
+
+def quantize_int4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat fp32 → (values in −7..7 as int8, one fp32 scale = absmax/7 per block); unpacked."""
+    return quantize_blocks(x, block, 7)
+
+
+def quantize_blocks(x: torch.Tensor, block: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block: scale = absmax/qmax, q = clamp(round_half_away(x/scale), ±qmax) (q = 0 where scale = 0)."""
     x = x.reshape(-1).float()
     n = x.numel()
     nb = math.ceil(n / block)
-    q = torch.zeros(n, dtype=torch.int8)
-    scales = torch.zeros(nb, dtype=torch.float32)
-    for i in range(nb):
-        xb = x[i * block : (i + 1) * block]
-        amax = xb.abs().max()
-        scale = amax / 127
-        scales[i] = scale
-        if float(amax) == 0.0:
-            continue  # all-zero block: scale 0, q 0
-        q[i * block : (i + 1) * block] = _round_half_away(xb / scale).clamp(-127, 127).to(torch.int8)
-    return q, scales
+    xb = torch.zeros(nb * block, dtype=torch.float32)  # a short last block, zero-padded: same absmax and q
+    xb[:n] = x
+    xb = xb.view(nb, block)
+    scales = xb.abs().amax(dim=1) / qmax
+    nonzero = scales > 0
+    q = _round_half_away(xb / torch.where(nonzero, scales, torch.ones_like(scales))[:, None]).clamp(-qmax, qmax)
+    q[~nonzero] = 0  # all-zero block: scale 0, q 0
+    return q.reshape(-1)[:n].to(torch.int8), scales
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    out = torch.empty(q.numel(), dtype=torch.float32)
-    for i in range(scales.numel()):
-        out[i * block : (i + 1) * block] = q[i * block : (i + 1) * block].float() * scales[i]
-    return out
+    """q · the scale of its block (any integer q: int8 or int4 values)."""
+    return q.float() * scales.repeat_interleave(block)[: q.numel()]
 
 
 def shard_rows(shape: torch.Size, shard: int) -> int:
@@ -175,6 +205,134 @@ def quantized_mean_delta(
     return out, qstep, margin
 
 
+# ---------------------------------------------------------------- int4, top-k, error feedback
+@dataclass(frozen=True)
+class CodecSpec:
+    """A lossy codec as the config names it (docs/design.md §2.5)."""
+
+    quantize: str  # none | int8 | int4: the dense values, or top-k's selected values
+    block: int  # quant_block
+    k: int  # top-k entries per chunk, ⌈ρ·C⌉ (0: dense, no top-k)
+    chunk: int  # topk_chunk
+    error_feedback: bool
+
+    @staticmethod
+    def of(sc) -> Optional[CodecSpec]:
+        """The lossy codec of a SyncConfig, None for fp32."""
+        k = math.ceil(sc.topk * sc.topk_chunk) if sc.topk > 0 else 0
+        if sc.quantize == "none" and k == 0:
+            return None
+        return CodecSpec(sc.quantize, sc.quant_block, k, sc.topk_chunk, sc.error_feedback)
+
+    @property
+    def qmax(self) -> int:
+        return {"int8": 127, "int4": 7}[self.quantize]
+
+    @property
+    def legacy_int8(self) -> bool:
+        """Plain int8 (no top-k, no error feedback): the original path of this reference."""
+        return self.quantize == "int8" and self.k == 0 and not self.error_feedback
+
+
+def topk_positions(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    """Flat positions kept by top-k: per chunk the min(k, len) largest |x|, ties to the lowest index,
+    ascending within the chunk, chunks in order."""
+    n = x.numel()
+    nc = math.ceil(n / chunk)
+    mag = torch.full((nc * chunk,), -1.0)  # padding of the last chunk: below every |x|
+    mag[:n] = x.abs()  # |−0.0| = 0.0: a tie, as the spec's sign-cleared bit pattern
+    # a stable descending sort keeps equal magnitudes in index order: the lowest index comes first
+    order = torch.sort(mag.view(nc, chunk), dim=1, descending=True, stable=True).indices[:, :k]
+    pos = (order.sort(dim=1).values + torch.arange(nc)[:, None] * chunk).reshape(-1)
+    return pos[pos < n]  # a short last chunk: its padding sorted last and is dropped
+
+
+def _rounding_margin(x: torch.Tensor, scales: torch.Tensor, block: int, qmax: int) -> torch.Tensor:
+    """Per element: the relative change of x that moves x/scale onto a rounding tie (inf for 0)."""
+    s = scales.repeat_interleave(block)[: x.numel()]
+    y = x.abs() / torch.where(s > 0, s, torch.ones_like(s))
+    frac = (y - y.floor() - 0.5).abs()
+    margin = frac / y
+    margin[y == 0] = math.inf
+    return torch.where(y >= qmax, torch.full_like(margin, 0.5 / qmax), margin)  # the absmax: scale moves with it
+
+
+def encode_decode(x: torch.Tensor, spec: CodecSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(D(C(x)), margin, flip_bound) of one replica's flat held shard (see SyncReferenceResult.codec_trace)."""
+    n = x.numel()
+    if spec.k == 0:
+        q, scales = quantize_blocks(x, spec.block, spec.qmax)
+        bound = scales.repeat_interleave(spec.block)[:n]  # one rounding flip: one step
+        return dequantize_int8(q, scales, spec.block), _rounding_margin(x, scales, spec.block, spec.qmax), bound
+    chunk, k = spec.chunk, spec.k
+    pos = topk_positions(x, chunk, k)
+    vals = x[pos]
+    # selection margins: how close each element is to its chunk's k-th / (k+1)-th largest |x|
+    nc = math.ceil(n / chunk)
+    mag = torch.full((nc * chunk,), -1.0)
+    mag[:n] = x.abs()
+    ranked = torch.sort(mag.view(nc, chunk), dim=1, descending=True).values
+    kth = ranked[:, k - 1]
+    nxt = ranked[:, k] if k < chunk else torch.full((nc,), -1.0)  # -1: the chunk sends all its elements
+    c_of = torch.arange(n) // chunk
+    selected = torch.zeros(n, dtype=torch.bool)
+    selected[pos] = True
+    a = x.abs()
+    gap = torch.where(selected, a - nxt[c_of], kth[c_of] - a)
+    ref = torch.where(selected, a, kth[c_of])
+    margin = torch.where(ref > 0, gap / torch.where(ref > 0, ref, torch.ones_like(ref)), torch.full_like(a, math.inf))
+    margin[(nxt[c_of] < 0)] = math.inf  # nothing left out of this chunk: no selection to flip
+    dec = torch.zeros(n)
+    bound = a.clone()  # a selection flip: the element is sent or not
+    if spec.quantize == "none":
+        dec[pos] = vals
+        return dec, margin, bound
+    q, scales = quantize_blocks(vals, spec.block, spec.qmax)
+    dec[pos] = dequantize_int8(q, scales, spec.block)
+    nv = vals.numel()
+    slot_block = torch.arange(nv) // spec.block
+    slot_chunk = c_of[pos]
+    # a chunk's selection flip can move any value of the blocks its slots share (their absmax)
+    chunk_gap = (kth - nxt) / torch.where(kth > 0, kth, torch.ones_like(kth))
+    chunk_gap[(nxt < 0) | (kth == 0)] = math.inf
+    block_gap = torch.full((scales.numel(),), math.inf).scatter_reduce(0, slot_block, chunk_gap[slot_chunk], "amin")
+    round_m = _rounding_margin(vals, scales, spec.block, spec.qmax)
+    margin[pos] = torch.minimum(torch.minimum(margin[pos], round_m), block_gap[slot_block])
+    chunk_scale = torch.zeros(nc).scatter_reduce(0, slot_chunk, scales[slot_block], "amax")
+    bound += 2 * chunk_scale[c_of]  # re-rounding, also with another scale
+    return dec, margin, bound
+
+
+def compressed_mean_delta(
+    deltas: list[list[torch.Tensor]], shard: int, spec: CodecSpec, errors: list[list[torch.Tensor]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """mean_m D(C(Δ_m + e_m)) of one unit, per shard rank's flat held shard; deltas[m] per param.
+
+    errors[m][k] is replica m's residual on shard rank k (updated in place with error feedback).
+    Returns the mean per param, and per param the flip_bound and margin of `codec_trace`.
+    """
+    M = len(deltas)
+    out = [torch.zeros_like(t) for t in deltas[0]]
+    bounds = [torch.zeros_like(t) for t in deltas[0]]
+    margins = [torch.zeros_like(t) for t in deltas[0]]
+    for k in range(shard):
+        acc = bnd = marg = None
+        for m in range(M):
+            x = flat_shard(deltas[m], k, shard)
+            if spec.error_feedback:
+                x = x + errors[m][k]
+            dec, mg, bd = encode_decode(x, spec)
+            if spec.error_feedback:
+                errors[m][k] = x - dec
+            acc = dec if acc is None else acc + dec
+            bnd = bd / M if bnd is None else bnd + bd / M
+            marg = mg if marg is None else torch.minimum(marg, mg)
+        unflat_shard(acc / M, out, k, shard)
+        unflat_shard(bnd, bounds, k, shard)
+        unflat_shard(marg, margins, k, shard)
+    return out, bounds, margins
+
+
 # ---------------------------------------------------------------- the simulation
 def reference_config(overrides: list[str], sync: int, shard: int) -> Config:
     """One process holding the global batch (B·M·S rows)."""
@@ -195,10 +353,10 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
     sc = cfg.sync
     warmup, every, P = sc.warmup_steps, sc.every, sc.fragments
     eta, mu = outer_hparams(sc.method, sc.outer_lr, sc.outer_momentum)
-    int8 = sc.quantize == "int8"
+    codec = CodecSpec.of(sc)  # None: fp32
     delay, alpha = sc.delay, sc.alpha
     # A delayed sync always takes the outer-step path: Δ is snapshotted against θ_g.
-    plain_average = sc.method == "average" and not int8 and eta == 1.0 and mu == 0.0 and delay == 0
+    plain_average = sc.method == "average" and codec is None and eta == 1.0 and mu == 0.0 and delay == 0
 
     models = [build_model(cfg.model, cfg.run.seed) for _ in range(M)]
     opts = [build_optimizer(list(mdl.named_parameters()), cfg.optim) for mdl in models]
@@ -223,6 +381,21 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
     losses, synced_flags, frag_log, land_log = [], [], [], []
     in_flight: list[tuple[int, int, dict[int, dict[str, torch.Tensor]]]] = []  # (land step, fragment, Δ per unit)
     int8_trace: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    codec_trace: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    # error feedback: unit → [replica m][shard rank k] residual, flat fp32 (allocated at the unit's first sync)
+    errors: dict[int, list[list[torch.Tensor]]] = {}
+
+    def unit_errors(u: int) -> Optional[list[list[torch.Tensor]]]:
+        if codec is None or not codec.error_feedback:
+            return None
+        if u not in errors:
+            n = sum(held_numel(params[0][name].shape, S) for name in unit_names[u])
+            errors[u] = [[torch.zeros(n) for _ in range(S)] for _ in range(M)]
+        return errors[u]
+
+    def record(step: int, trace: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if trace:
+            (int8_trace if codec.legacy_int8 else codec_trace).setdefault(step, {}).update(trace)
 
     def land(entry: tuple[int, int, dict[int, dict[str, torch.Tensor]]], landed: list[int]) -> None:
         """A delayed sync's outer step and merge, with the mean Δ taken when it started."""
@@ -275,9 +448,8 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
                 if delay > 0:  # only the mean Δ now; the outer step after step + delay
                     mean_deltas = {}
                     for u in frag_units[f]:
-                        mean_deltas[u], trace = _mean_delta(unit_names[u], params, theta_g, int8, S, sc.quant_block)
-                        if trace:
-                            int8_trace.setdefault(step, {}).update(trace)
+                        mean_deltas[u], trace = _mean_delta(unit_names[u], params, theta_g, codec, S, unit_errors(u))
+                        record(step, trace)
                     in_flight.append((step + delay, f, mean_deltas))
                     continue
                 for u in frag_units[f]:
@@ -287,15 +459,14 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
                         theta_g,
                         buf,
                         plain_average,
-                        int8,
+                        codec,
                         eta,
                         mu,
                         sc.nesterov,
                         S,
-                        sc.quant_block,
+                        unit_errors(u),
                     )
-                    if trace:
-                        int8_trace.setdefault(step, {}).update(trace)
+                    record(step, trace)
                 landed.append(f)
             if step == cfg.run.steps - 1:  # the run ends: what is still in flight lands now
                 for entry in list(in_flight):
@@ -305,7 +476,8 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
         land_log.append(landed)
 
     final = [{n: p.detach().clone() for n, p in mdl.named_parameters()} for mdl in models]
-    return SyncReferenceResult(losses, synced_flags, final, frag_log, land_log, int8_trace)
+    final_g = None if theta_g is None else {n: t.clone() for n, t in theta_g.items()}
+    return SyncReferenceResult(losses, synced_flags, final, frag_log, land_log, int8_trace, codec_trace, final_g)
 
 
 def _sync_unit(
@@ -314,14 +486,14 @@ def _sync_unit(
     theta_g,
     buf,
     plain_average: bool,
-    int8: bool,
+    codec: Optional[CodecSpec],
     eta: float,
     mu: float,
     nesterov: bool,
     shard: int,
-    block: int,
+    errors: Optional[list[list[torch.Tensor]]],
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Sync one unit's params across replicas now; int8 returns its trace (name → (quant_step, tie_margin))."""
+    """Sync one unit's params across replicas now; a lossy codec returns its trace (see _mean_delta)."""
     M = len(params)
     if plain_average:
         for n in unit:
@@ -332,19 +504,31 @@ def _sync_unit(
             for m in range(M):
                 params[m][n].copy_(acc)
         return {}
-    mean_delta, trace = _mean_delta(unit, params, theta_g, int8, shard, block)
+    mean_delta, trace = _mean_delta(unit, params, theta_g, codec, shard, errors)
     _outer_update(unit, params, theta_g, buf, mean_delta, eta, mu, nesterov, None)
     return trace
 
 
 def _mean_delta(
-    unit: list[str], params: list[dict[str, torch.Tensor]], theta_g, int8: bool, shard: int, block: int
+    unit: list[str],
+    params: list[dict[str, torch.Tensor]],
+    theta_g,
+    codec: Optional[CodecSpec],
+    shard: int,
+    errors: Optional[list[list[torch.Tensor]]],
 ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """The mean over replicas of Δ_m = θ_g − θ_m per param of the unit (int8: quantized per shard), and the trace."""
+    """The mean over replicas of Δ_m = θ_g − θ_m per param of the unit (lossy: coded per shard), and the trace.
+
+    The trace is int8_trace's (quant_step, tie_margin) for plain int8, codec_trace's (flip_bound, margin)
+    for the other lossy codecs; `errors` (error feedback) is updated in place.
+    """
     M = len(params)
-    if int8:
+    if codec is not None:
         deltas = [[theta_g[n] - params[m][n].detach() for n in unit] for m in range(M)]
-        means, qsteps, margins = quantized_mean_delta(deltas, shard, block)
+        if codec.legacy_int8:
+            means, qsteps, margins = quantized_mean_delta(deltas, shard, codec.block)
+        else:
+            means, qsteps, margins = compressed_mean_delta(deltas, shard, codec, errors)
         return dict(zip(unit, means)), {n: (qs, mg) for n, qs, mg in zip(unit, qsteps, margins)}
     mean_delta = {}
     for n in unit:

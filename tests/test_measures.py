@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from hsdp import sweep
-from hsdp.engines.clock import CompileClock, graphs_captured
-from hsdp.config.schema import ConfigError
+from hsdp.bench.plan import with_nocomm_twins
+from hsdp.bench.records import RunRecord
+from hsdp.bench.report import sweep_table
 from hsdp.config.loader import load_config
+from hsdp.config.schema import ConfigError
+from hsdp.engines.clock import CompileClock, graphs_captured
 from hsdp.run.launch import threads_per_rank
 from hsdp.run.metrics import StepMemoryProbe
 from tests.helpers import REPO, SMALL
@@ -47,7 +51,7 @@ def test_threads_per_rank_respects_omp_num_threads(monkeypatch):
 
 def test_nocomm_twins_and_table_columns():
     runs = {"a": ["x.y=1"], "b": []}
-    assert sweep.with_nocomm_twins(runs) == {
+    assert with_nocomm_twins(runs) == {
         "a": ["x.y=1"],
         "a-nocomm": ["x.y=1", "mesh.backend=fake"],
         "b": [],
@@ -60,7 +64,8 @@ def test_nocomm_twins_and_table_columns():
         "b": {"median_step_time_s": 0.40},
         "b-nocomm": {},  # a twin that failed: its row shows "–", the others are unaffected
     }
-    lines = sweep.table("t", spec, summaries).splitlines()
+    records = {run: RunRecord.from_summary(Path(run), s) if s else None for run, s in summaries.items()}
+    lines = sweep_table(spec, records).splitlines()
     assert lines[0] == "| run | median_step_time_s | nocomm_step_time_s | exposed_comm_s | median_step_time_s vs b |"
     assert lines[2] == "| a | 0.3000 | 0.2000 | 0.1000 | 0.75× |"
     assert lines[3] == "| b | 0.4000 | – | – | 1.00× |"

@@ -1,4 +1,4 @@
-"""hsdp.slowlink: namespaces + shaped veths, a probe through them, a 2-replica run, and --plot from run folders.
+"""hsdp.slowlink (hsdp.bench): shaped veths between namespaces, a probe through them, a 2-replica run, plots.
 
 Namespace tests need root and iproute2 (CI here has both) and are skipped otherwise. Every
 subprocess has a timeout, and every test removes what it (or the slowlink it started) created,
@@ -8,6 +8,7 @@ also when it fails.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -17,12 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from hsdp import slowlink
+from hsdp.bench import analysis, netns, plot, probe
+from hsdp.bench.plan import LinkPlan
+from hsdp.bench.records import LinkRun, LoggedStep, Measured
+from hsdp.bench.spec import LinkRunSpec, parse_rate
+from hsdp.config.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-needs_netns = pytest.mark.skipif(
-    slowlink.missing_requirements() is not None, reason=slowlink.missing_requirements() or ""
-)
+needs_netns = pytest.mark.skipif(netns.missing_requirements() is not None, reason=netns.missing_requirements() or "")
 # A small job: 2 replicas x 1 shard, synthetic data, a 2-layer GPT (a step is ~10 ms of compute).
 SMOKE = [
     "model.n_layer=2",
@@ -48,34 +51,35 @@ def removes_leftovers():
     prefixes: list[str] = []
     yield prefixes
     for prefix in prefixes:
-        for ns in slowlink.list_namespaces():
+        for ns in netns.list_namespaces():
             if ns.startswith(prefix) and ns[len(prefix) :][:1].isalpha():  # hsl<pid> must not match hsl<pid>7...
-                for pid in slowlink.namespace_pids(ns):
+                for pid in netns.namespace_pids(ns):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, 9)
                 subprocess.run(["ip", "netns", "del", ns], timeout=30)
 
 
 def test_parse_rate():
-    assert slowlink.parse_rate("20mbit") == ("20mbit", 20_000_000)
-    assert slowlink.parse_rate("1gbit") == ("1gbit", 10**9)
-    assert slowlink.parse_rate("unshaped") == ("unshaped", None)
+    assert parse_rate("20mbit") == ("20mbit", 20_000_000)
+    assert parse_rate("1gbit") == ("1gbit", 10**9)
+    assert parse_rate("unshaped") == ("unshaped", None)
     for bad in ("20", "fast", "-1mbit", "0mbit"):
-        with pytest.raises(slowlink.ConfigError):
-            slowlink.parse_rate(bad)
+        with pytest.raises(ConfigError):
+            parse_rate(bad)
 
 
 def test_time_to_target_uses_cumulative_step_times():
     records = [{"step": s, "step_time_s": 0.5, "tokens": (s + 1) * 10, "sync_bytes": s} for s in range(6)]
     records[2]["val_loss"], records[5]["val_loss"] = 3.0, 2.0
-    assert slowlink.time_to_target(records, 2.5) == {
+    records = [LoggedStep.from_json(r) for r in records]
+    assert dataclasses.asdict(analysis.time_to_target(records, 2.5)) == {
         "step_to_target": 5,
         "tokens_to_target": 60,
         "sync_bytes_to_target": 5,
         "time_to_target_s": 3.0,
     }
-    assert slowlink.time_to_target(records, 1.0)["step_to_target"] is None
-    assert slowlink.time_to_target(records[::2], 2.5)["time_to_target_s"] is None  # not every step logged
+    assert analysis.time_to_target(records, 1.0).step_to_target is None
+    assert analysis.time_to_target(records[::2], 2.5).time_to_target_s is None  # not every step logged
 
 
 def test_exit_2_without_ip_or_tc(tmp_path):
@@ -98,22 +102,22 @@ def test_exit_2_without_ip_or_tc(tmp_path):
 @pytest.mark.parametrize("replicas", [2, 3])  # 3: one veth per replica into a bridge in its own namespace
 def test_namespaces_shaping_probe_and_teardown(tmp_path, removes_leftovers, replicas):
     """Build the network, see the qdisc, time an all_reduce through it (within 30% of bytes/rate), remove it all."""
-    link = slowlink.SlowLink(replicas, 40_000_000)
+    link = netns.SlowLink(replicas, 40_000_000)
     removes_leftovers.append(link.prefix)
     try:
         link.up()
-        assert set(link.namespaces) <= set(slowlink.list_namespaces())
+        assert set(link.namespaces) <= set(netns.list_namespaces())
         assert "tbf" in link.qdiscs() and "40Mbit" in link.qdiscs()
-        assert (link.bridge_ns in slowlink.list_namespaces()) == (replicas > 2)
-        probe = slowlink.run_probe(
+        assert (link.bridge_ns in netns.list_namespaces()) == (replicas > 2)
+        result = probe.run_probe(
             link, shard=1, seconds=0.4, reps=2, port=29391, log_dir=tmp_path, label="40mbit", timeout_s=90
         )
-        assert probe["expected_s"] == pytest.approx(probe["ring_bytes"] * 8 / 40e6)
-        assert 0.7 <= probe["measured_over_expected"] <= 1.3, probe
+        assert result.expected_s == pytest.approx(result.ring_bytes * 8 / 40e6)
+        assert 0.7 <= result.measured_over_expected <= 1.3, result
     finally:
         left = link.down()
     assert left == []
-    assert not [ns for ns in slowlink.list_namespaces() if ns.startswith(link.prefix)]
+    assert not [ns for ns in netns.list_namespaces() if ns.startswith(link.prefix)]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
     assert link.prefix not in links
 
@@ -143,7 +147,7 @@ def test_smoke_run_through_shaped_link(tmp_path, removes_leftovers):
     for o in SMOKE:
         cmd[3:3] = ["--set", o]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    removes_leftovers.append(f"{slowlink.PREFIX}{proc.pid}")  # (a pid prefix: only its own names match)
+    removes_leftovers.append(f"{netns.PREFIX}{proc.pid}")  # (a pid prefix: only its own names match)
     try:
         out, _ = proc.communicate(timeout=150)
     finally:
@@ -163,7 +167,7 @@ def test_smoke_run_through_shaped_link(tmp_path, removes_leftovers):
     assert runs["hsdp"]["time_to_target_s"] == pytest.approx(runs["hsdp"]["train_time_s"], rel=1e-6)
     assert (tmp_path / "runs" / "smoke-hsdp-100mbit" / "summary.json").is_file()
     assert "| hsdp | 100 Mbit/s | 10 |" in out
-    assert slowlink.names_of_pid(proc.pid) == []
+    assert netns.names_of_pid(proc.pid) == []
 
 
 def _fake_run(run_dir: Path, steps: int, sync_per_step: int, loss0: float, log_every: int = 1) -> None:
@@ -241,7 +245,7 @@ def test_slowlink_plots_from_results(tmp_path):
     pytest.importorskip("matplotlib")
     _fake_run(tmp_path / "sl-hsdp-20mbit", 8, 1000, 5.0)
     _fake_run(tmp_path / "sl-periodic-20mbit", 16, 50, 5.2)
-    plan = slowlink.Plan(
+    plan = LinkPlan(
         name="sl",
         base="",
         shared=[],
@@ -251,26 +255,19 @@ def test_slowlink_plots_from_results(tmp_path):
         target="hsdp",
         timeout_s=1,
         probe_s=1,
-        runs={"hsdp": ([], None), "periodic": ([], None)},
+        runs={"hsdp": LinkRunSpec([]), "periodic": LinkRunSpec([])},
         out=tmp_path / "out",
         out_dir=tmp_path,
         mesh=(2, 2),
     )
     results = [
-        {
-            "run": run,
-            "rate": "20mbit",
-            "rate_bps": 20_000_000,
-            "rate_mbit": 20.0,
-            "dir": str(tmp_path / f"sl-{run}-20mbit"),
-            **slowlink.summarize(tmp_path / f"sl-{run}-20mbit"),
-        }
+        LinkRun.read(run, "20mbit", 20_000_000, 0, tmp_path / f"sl-{run}-20mbit", Measured())
         for run in ("hsdp", "periodic")
     ]
-    slowlink.evaluate_results(plan, results)
+    periodic = analysis.evaluate_results(plan, results)[("periodic", "20mbit")]
     # target 5.0 - 0.7 = 4.3 (hsdp, 8 steps); periodic: 5.2 - 0.1·s <= 4.3 from s = 9, first eval there at s = 11
-    assert results[1]["step_to_target"] == 11 and results[1]["time_to_target_s"] == pytest.approx(12 * 0.25)
-    written = slowlink.make_plots(plan, results)
+    assert periodic.reached.step_to_target == 11 and periodic.time_to_target_s == pytest.approx(12 * 0.25)
+    written = plot.plot_rates(plan, results)
     assert sorted(p.name for p in written) == ["sl-20mbit-sync_bytes.png", "sl-20mbit-tokens.png", "sl-20mbit-wall.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
 
@@ -311,4 +308,4 @@ def test_slowlink_no_run_tables_and_plots_from_outputs(tmp_path):
 @pytest.mark.skipif(shutil.which("ip") is None, reason="needs iproute2")
 def test_no_leftovers_from_this_module():
     """Nothing named by this test process is left (the fixtures above clean up on failure too)."""
-    assert slowlink.names_of_pid(os.getpid()) == []
+    assert netns.names_of_pid(os.getpid()) == []

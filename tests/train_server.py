@@ -2,14 +2,15 @@
 
     python tests/train_server.py        (started by tests/helpers.py; one per pytest process)
 
-It imports train.py (torch, hsdp) and starts the workers' fork server once. Each
-request (one JSON line on stdin: argv, cwd, env, output file) is served by a
-forked child that *is* the launcher of that run: it runs the script as
-`__main__` with that argv, environment and directory, its stdout/stderr going to
-the output file, and uses the already-running fork server for its workers. Two
-JSON lines come back on stdout: the child's pid when it starts, its exit status
-when it ends. A run of the small test GPT
-saves ~4 s of imports (the launcher's and the fork server's) this way.
+It imports train.py (torch, hsdp) and starts the workers' zygote once
+(hsdp.run.launch.start_zygote). Each request (one JSON line on stdin: argv, cwd,
+env, output file) is served by a forked child that *is* the launcher of that
+run: it runs the script as `__main__` with that argv, environment and directory,
+its stdout/stderr going to the output file, and its `launch` finds the zygote
+already running (inherited) and has it fork the workers, which get the child's
+stdout/stderr and die with the child. Two JSON lines come back on stdout: the
+child's pid when it starts, its exit status when it ends. A run of the small
+test GPT saves ~4 s of imports (the launcher's and the zygote's) this way.
 """
 
 from __future__ import annotations
@@ -27,15 +28,10 @@ def serve_one(request: dict) -> None:
     """In the forked child: become `python <script> <argv...>` of the request, then exit with its code."""
     code = 1
     try:
-        # The fork server is our parent's child, not ours: multiprocessing's liveness check (waitpid)
-        # would fail here, and the server lives as long as our parent does anyway.
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running = forkserver._forkserver.ensure_running = lambda: None
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        # O_APPEND: the workers reopen this file (they write where the launcher writes) and append too.
+        # The workers write to these descriptors too (the zygote hands them ours); O_APPEND keeps it a log.
         out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         os.dup2(out, 1)
         os.dup2(out, 2)
@@ -58,9 +54,9 @@ def serve_one(request: dict) -> None:
 def main() -> None:
     sys.path.insert(0, str(REPO))
     import train
-    from hsdp.run.launch import start_fork_server
+    from hsdp.run.launch import start_zygote
 
-    start_fork_server(train.train_worker)
+    start_zygote(train.train_worker)
     reply = os.fdopen(os.dup(1), "w", buffering=1)  # the replies; a child's fd 1 goes to its output file
     for line in sys.stdin:
         pid = os.fork()

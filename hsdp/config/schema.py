@@ -92,8 +92,11 @@ class SyncConfig:
     outer_momentum: Optional[float] = None  # None: 0.0 for average, 0.9 for diloco
     nesterov: bool = True
     fragments: int = 1  # P: streaming fragments
-    quantize: str = "none"  # none | int8
-    quant_block: int = 256  # elements per int8 scale
+    quantize: str = "none"  # none | int8 | int4
+    quant_block: int = 256  # elements per int8/int4 scale (even for int4: two values per byte)
+    topk: float = 0.0  # density in (0, 1]: send the largest-|x| ⌈topk·topk_chunk⌉ of each chunk (0 = off)
+    topk_chunk: int = 1024  # elements per top-k chunk (indices are sent within the chunk)
+    error_feedback: bool = False  # lossy codecs: each replica keeps what it did not send and adds it next time
     delay: int = 0  # τ: local steps a param sync's reduction overlaps before it lands (0 = blocking sync)
     alpha: float = 0.0  # α: when a delayed sync lands, θ_m ← α·θ_m + (1 − α)·θ_g (needs delay ≥ 1)
 
@@ -150,7 +153,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.reduce_dtype": DTYPES,
     "optim.name": ("adamw", "sgd"),
     "sync.method": ("average", "diloco"),
-    "sync.quantize": ("none", "int8"),
+    "sync.quantize": ("none", "int8", "int4"),
     "compile.passes": ("ours", "inductor", "none"),
     "kernels.backend": ("auto", "triton", "torch"),
     "wandb.mode": ("offline", "online", "disabled"),

@@ -27,6 +27,7 @@ AT_LEAST_ONE = [
     "sync.every",
     "sync.fragments",
     "sync.quant_block",
+    "sync.topk_chunk",
     "run.keep_checkpoints",
 ]
 NON_NEGATIVE = [
@@ -96,6 +97,14 @@ def validate(cfg: Config) -> None:
         )
     if s.delay >= s.every and s.delay > 0:
         raise ConfigError(f"sync.delay: expected a value < sync.every={s.every}, got {s.delay}")
+    if not 0 <= s.topk <= 1:
+        raise ConfigError(f"sync.topk: expected a density in [0, 1] (0 = off), got {s.topk}")
+    if s.quantize == "int4" and s.quant_block % 2:
+        raise ConfigError(
+            f"sync.quant_block: int4 packs two values per byte, so expected an even block, got {s.quant_block}"
+        )
+    if s.error_feedback and s.quantize == "none" and s.topk == 0:
+        raise ConfigError("sync.error_feedback: only for a lossy codec (sync.quantize int8/int4 or sync.topk > 0)")
     if not 0 <= s.alpha <= 1:
         raise ConfigError(f"sync.alpha: expected a value in [0, 1], got {s.alpha}")
     if s.alpha > 0 and s.delay == 0:

@@ -55,6 +55,7 @@ class SavedCheckpoint:
     replica: int  # the saved replica this rank's replica loads (0 for all when mesh.sync changed)
     meta: dict[str, Any]  # the saving engine's checkpoint_meta()
     load: Callable[[dict[str, Any]], None]  # fills a state dict of targets in place (dcp.load)
+    same_replicas: bool = True  # saved on this mesh.sync (else replica-own state such as residuals is not loaded)
 
 
 class Engine(ABC):
@@ -72,10 +73,6 @@ class Engine(ABC):
     @abstractmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> Engine:
         """The model built and wrapped on `mesh` with the config's sync policy (one phase: ready to train)."""
-
-    @classmethod
-    def check_config(cls, cfg: Config) -> None:
-        """ConfigError (one line) if this engine cannot run `cfg` beyond what its flags say (registry's check)."""
 
     @classmethod
     def model_key_prefix(cls, replica: int) -> str:

@@ -2,11 +2,11 @@
 
 Per unit (docs/design.md §3):
 
-    held_flat  [N]       fp32, this rank's dim-0 shard of every param, padded (hsdp/layout.py)
-    gather:    pack → all-gather (shard group) → unpack into full_flat [S·N]   (hsdp/collectives.py)
+    held_flat  [N]       fp32, this rank's dim-0 shard of every param, padded (hsdp/engines/layout.py)
+    gather:    pack → all-gather (shard group) → unpack into full_flat [S·N]   (hsdp/engines/collectives.py)
     release:   full_flat's storage is resized to 0 (views keep their identity)
     backward:  pack grads → reduce-scatter (shard group) → [warmup] all-reduce (sync group)
-               → accumulate into the fp32 grad shard                          (hsdp/collectives.py)
+               → accumulate into the fp32 grad shard                          (hsdp/engines/collectives.py)
 
 Autograd wiring: `_GatherFn` turns held shards into full params; its backward
 hands the full grads to the unit's `on_backward` callback (the engine). Saved
@@ -386,7 +386,7 @@ class HSDPEngine(Engine):
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state = self._model_and_optimizer_state(optimizer, self.mesh.sync_rank)
-        state.update(self._sync_pieces(self.policy.checkpoint_buffers()))
+        state.update(self._sync_pieces(self.policy.checkpoint_buffers(), self.mesh.sync_rank))
         return state
 
     def checkpoint_meta(self) -> dict[str, Any]:
@@ -399,7 +399,10 @@ class HSDPEngine(Engine):
         state = self._model_and_optimizer_state(optimizer, saved.replica)  # views: loaded in place
         sync_meta = saved.meta["sync"]
         buffers = self.policy.empty_checkpoint_buffers(sync_meta)
-        state.update(self._sync_pieces(buffers))  # views of the zeroed flat buffers
+        # Another mesh.sync: a replica's own sync state (error-feedback residuals) belongs to no
+        # replica of the new mesh, so it starts from zero.
+        loadable = {k: v for k, v in buffers.items() if saved.same_replicas or k not in self.policy.replica_buffers}
+        state.update(self._sync_pieces(loadable, saved.replica))  # views of the zeroed flat buffers
         saved.load(state)
         self.policy.load_checkpoint(sync_meta, buffers)
 
@@ -418,16 +421,20 @@ class HSDPEngine(Engine):
                     state[f"{optim}{name}.{key}"] = shard_dtensor(value, spec.shape, shard_mesh) if sharded else value
         return state
 
-    def _sync_pieces(self, buffers: Buffers) -> dict[str, Any]:
-        """The policy's flat per-unit buffers as per-param DTensors (views: padding rows are left out)."""
+    def _sync_pieces(self, buffers: Buffers, replica: int) -> dict[str, Any]:
+        """The policy's flat per-unit buffers as per-param DTensors (views: padding rows are left out).
+
+        Keys `sync.<buffer>.<name>`; a buffer that differs between replicas: `replica{m}.sync.<buffer>.<name>`.
+        """
         shard_mesh = self.mesh.device_mesh["shard"]
         pieces: dict[str, Any] = {}
         for name, flats in buffers.items():
+            prefix = f"replica{replica}.sync.{name}" if name in self.policy.replica_buffers else f"sync.{name}"
             for unit, flat in zip(self.units, flats):
                 if flat is None:
                     continue
                 for spec in unit.specs:
                     rows = spec.held_rows(self.mesh.shard_rank)
                     local = flat[spec.offset : spec.offset + rows * spec.row_numel].view(rows, *spec.shape[1:])
-                    pieces[f"sync.{name}.{unit.prefix}{spec.name}"] = shard_dtensor(local, spec.shape, shard_mesh)
+                    pieces[f"{prefix}.{unit.prefix}{spec.name}"] = shard_dtensor(local, spec.shape, shard_mesh)
         return pieces

@@ -42,7 +42,6 @@ def check_engine_config(cfg: Config) -> None:
         raise ConfigError(
             f"mesh.engine: periodic sync (sync.warmup_steps < run.steps) needs engine {able}, got {cls.name!r}"
         )
-    engine_class(cfg).check_config(cfg)
 
 
 def build_engine(cfg: Config, mesh: Mesh) -> Engine:

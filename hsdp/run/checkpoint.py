@@ -243,7 +243,11 @@ class Checkpoints:
             extras.update(pickle.loads(targets.pop(extra_key)))
 
         saved = SavedCheckpoint(
-            keys=keys, replica=self.mesh.sync_rank if same_replicas else 0, meta=meta["engine_meta"], load=load
+            keys=keys,
+            replica=self.mesh.sync_rank if same_replicas else 0,
+            meta=meta["engine_meta"],
+            load=load,
+            same_replicas=same_replicas,
         )
         t0 = time.perf_counter()
         self.engine.load_checkpoint(self.optimizer, saved)

@@ -2,32 +2,31 @@
 
 Under torchrun (RANK/WORLD_SIZE set) this process is one worker. Otherwise a
 world of 1 runs in-process and a larger world runs as local processes (gloo on
-CPU, nccl on CUDA), forked from a multiprocessing fork server that has already
-imported torch and the worker's module (`start_fork_server`). A crash on any
-rank terminates every rank (torch.multiprocessing does that on the first
-failure) and `launch` raises `WorkerError` carrying that rank's traceback; a
-hung collective fails after `mesh.timeout_s`.
+CPU, nccl on CUDA), forked by this launcher's zygote, a process that has already
+imported torch and the worker's module (`start_zygote`, hsdp.run.zygote). The
+first rank to fail ends every rank and `launch` raises `WorkerError` carrying
+that rank's traceback; a hung collective fails after `mesh.timeout_s`.
 
 Stopping: SIGINT or SIGTERM to the launcher stops every local worker (SIGTERM,
 then SIGKILL after `STOP_GRACE_S`) and `launch` raises `Interrupted`, whose
 `exit_code` is 128 + the signal number (130 / 143). A SIGINT that the launcher
 inherited as ignored (a background job of a script) stays ignored. Workers
 ignore SIGINT themselves (a terminal's Ctrl-C reaches the whole process group,
-and the launcher coordinates the stop) and are killed by the kernel if the
-launcher dies without cleaning up (`kill -9`): the fork server exits when the
-launcher is gone, and the workers die with it (PR_SET_PDEATHSIG on Linux, a
-parent-pid watchdog elsewhere).
+and the launcher coordinates the stop) and die if the launcher dies without
+cleaning up (`kill -9`): the zygote kills them and exits when the launcher's
+ends of its socket and of the launch's lifeline pipe close, and a worker dies
+with the zygote (PR_SET_PDEATHSIG on Linux, a parent-pid watchdog elsewhere).
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import gc
 import importlib
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -36,15 +35,16 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from hsdp.config.schema import Config
 from hsdp.config.preflight import check_world_size
+from hsdp.config.schema import Config
+from hsdp.run.zygote import Exit, Workers, Zygote
 
 Worker = Callable[[Config], None]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_GRACE_S = 3.0  # seconds a worker gets to exit after SIGTERM before it is killed
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+KILL_WAIT_S = 10.0  # seconds to wait for the zygote to report SIGKILLed workers gone
+_zygote: Optional[Zygote] = None  # start_zygote's
 
 
 class WorkerError(RuntimeError):
@@ -182,123 +182,62 @@ def shutdown_process_group() -> None:
     gc.collect()
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Make this process exit when `parent_pid` (the launcher) dies, even by SIGKILL."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl failed")
-    except (AttributeError, OSError):  # not Linux: poll the parent instead
-
-        def watch() -> None:
-            while os.getppid() == parent_pid:
-                time.sleep(1.0)
-            os._exit(1)
-
-        threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-        os._exit(1)
-
-
-def _spawned(
-    local_rank: int,
-    cfg: Config,
-    worker: Worker,
-    port: int,
-    world: int,
-    parent_pid: Optional[int],
-    launcher_pid: int,
-    env: dict[str, str],
-) -> None:
-    let_fork_server_exit_with_launcher()
-    write_where_the_launcher_writes(launcher_pid)
-    die_with_parent(parent_pid or os.getppid())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides what a Ctrl-C stops
-    os.environ.clear()  # the launcher's environment now, not the fork server's from when it started
-    os.environ.update(env)
+def _local_worker(rank: int, cfg: Config, worker: Worker, port: int, world: int) -> None:
+    """A local worker, forked by the zygote (which already gave it the launcher's environment and stdio)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        RANK=str(local_rank),
+        RANK=str(rank),
         WORLD_SIZE=str(world),
-        LOCAL_RANK=str(local_rank),
+        LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
     )
-    _init_and_run(cfg, worker, local_rank, world, local_rank, world)
+    _init_and_run(cfg, worker, rank, world, rank, world)
 
 
-def stop_workers(processes: list, grace_s: float = STOP_GRACE_S) -> int:
-    """SIGTERM every live worker, SIGKILL those still alive after `grace_s`; return how many were alive."""
-    alive = [p for p in processes if p is not None and p.is_alive()]
-    for p in alive:
-        p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in alive:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return len(alive)
+def stop_workers(workers: Workers, grace_s: float = STOP_GRACE_S) -> int:
+    """SIGTERM every running worker, SIGKILL those still running after `grace_s`; return how many were running."""
+    running = len(workers.running())
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILL_WAIT_S)):
+        if not workers.running():
+            break
+        workers.send_signal(sig)
+        deadline = time.monotonic() + wait_s
+        while workers.running() and (left := deadline - time.monotonic()) > 0:
+            workers.wait(left)
+    return running
 
 
-def start_fork_server(worker: Worker) -> None:
-    """Workers fork from a server that has already imported torch and the worker's module.
+def start_zygote(worker: Worker) -> Zygote:
+    """This process's zygote (started on first use): it has imported torch and the worker's module, and forks workers.
 
     Spawning would import them again in every worker (~2 s of CPU each: on a 2-core box a
-    4-rank run spent ~8 s of an 11 s, 3-step job starting up). The server starts once per
-    launcher process, before any CUDA or thread pool exists in it, and exits with the launcher.
+    4-rank run spent ~8 s of an 11 s, 3-step job starting up). The zygote is a fresh
+    interpreter (no thread or CUDA state of ours), started once per launcher process and
+    reused by later launches, including those of processes forked from this one (the test
+    suite's warm launcher); it exits with the launcher (hsdp.run.zygote).
     """
-    from multiprocessing import forkserver
-
-    module = getattr(worker, "func", worker).__module__  # a functools.partial's function's module
-    forkserver.set_forkserver_preload(["torch", "hsdp.run.launch", module])
-    forkserver.ensure_running()
-
-
-def let_fork_server_exit_with_launcher() -> None:
-    """Close this worker's copy of the launcher's end of the fork server's "alive" pipe.
-
-    multiprocessing hands it to every forked child (so children could start processes too);
-    while a worker holds it, the server never sees the launcher die, and the workers, which
-    die with the server, would outlive a `kill -9` of the launcher.
-    """
-    from multiprocessing import forkserver
-
-    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)  # a private attribute (3.10–3.13)
-    if fd is not None:
-        os.close(fd)
-        forkserver._forkserver._forkserver_alive_fd = None
+    global _zygote
+    if _zygote is None or not _zygote.alive():
+        if _zygote is not None:
+            _zygote.close()  # reap the dead one
+        module = getattr(worker, "func", worker).__module__  # a functools.partial's function's module
+        main = getattr(sys.modules["__main__"], "__file__", None) if module == "__main__" else None
+        preload = ["torch", "hsdp.run.launch"] + ([] if module == "__main__" else [module])
+        _zygote = Zygote(preload, main_path=os.path.abspath(main) if main else None)
+    return _zygote
 
 
-def write_where_the_launcher_writes(launcher_pid: int) -> None:
-    """Point this worker's stdout/stderr at the launcher's, if they differ (Linux).
-
-    A worker inherits them from the fork server, i.e. from whoever started it: the same
-    files for `python train.py`, but not for later runs of a long-lived process that
-    launches several (the test suite's warm launcher), whose output would be lost.
-    """
-    for fd in (1, 2):
-        source = f"/proc/{launcher_pid}/fd/{fd}"
-        try:
-            theirs, ours = os.stat(source), os.fstat(fd)
-            if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
-                continue
-            reopened = os.open(source, os.O_WRONLY | os.O_APPEND)
-        except OSError:  # not Linux, or the launcher's fd is closed: keep ours
-            continue
-        os.dup2(reopened, fd)
-        os.close(reopened)
-
-
-def fork_server_pid() -> Optional[int]:
-    """The fork server's pid: the workers' parent, whose death (it exits with the launcher) ends them.
-
-    None if this Python does not expose it; then a worker takes its parent at start as the fork server.
-    """
-    from multiprocessing import forkserver
-
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+def _failure(ended: Exit) -> str:
+    """WorkerError's message for a worker that did not exit cleanly."""
+    rank = f"rank {ended.index}"
+    if ended.code is None:
+        return f"{rank} ended with an unknown status ({ended.traceback})"
+    if ended.traceback:
+        return f"{rank} failed:\n{ended.traceback.rstrip()}"
+    if ended.code < 0:
+        return f"{rank} was killed by {signal.Signals(-ended.code).name}"
+    return f"{rank} exited with code {ended.code}"
 
 
 def under_torchrun() -> bool:
@@ -336,25 +275,18 @@ def launch(cfg: Config, worker: Worker) -> None:
             except Exception as e:  # same report as a spawned rank's failure
                 raise WorkerError(f"rank 0 failed:\n{traceback.format_exc()}") from e
             return
-        start_fork_server(worker)
-        context = mp.start_processes(
-            _spawned,
-            args=(cfg, worker, port, world, fork_server_pid(), os.getpid(), dict(os.environ)),
-            nprocs=world,
-            join=False,
-            start_method="forkserver",
-        )
-        try:
-            stop.arm()
-            while not context.join(timeout=1.0):  # wake every second so a signal handler can run
-                continue
-        except Interrupted as e:
-            stop.disarm()
-            raise Interrupted(e.signum, stop_workers(context.processes)) from None
-        except mp.ProcessRaisedException as e:
-            raise WorkerError(f"rank {e.error_index} failed:{str(e).split('following error:', 1)[-1]}") from None
-        except mp.ProcessExitedException as e:
-            raise WorkerError(f"rank {e.error_index} exited with code {e.exit_code}") from None
-        finally:
-            stop.disarm()
-            stop_workers(context.processes)  # no-op after a clean join; never leave a worker behind
+        with start_zygote(worker).workers() as workers:
+            workers.start([(_local_worker, (rank, cfg, worker, port, world)) for rank in range(world)])
+            failed = None
+            try:
+                stop.arm()
+                while failed is None and workers.running():
+                    failed = next((e for e in workers.wait(1.0) if e.code != 0), None)
+            except Interrupted as e:
+                stop.disarm()
+                raise Interrupted(e.signum, stop_workers(workers)) from None
+            finally:
+                stop.disarm()
+                stop_workers(workers)  # the others after a failure; no-op after a clean run
+            if failed is not None:
+                raise WorkerError(_failure(failed))

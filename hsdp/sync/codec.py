@@ -1,25 +1,45 @@
-"""How Δ travels: a codec turns each replica's Δ_m into what crosses the transport and back
-into the replicas' mean (docs/design.md §2.5).
+"""How Δ travels: a codec turns each replica's Δ_m into what crosses the transport and back into the
+replicas' mean (docs/design.md §2.5). n = the unit's held elements, M = replicas, B = `quant_block`.
 
-    none:  Δ_m in fp32, summed by one all-reduce, ÷ M              bytes 2(M−1)/M · 4n
-    int8:  Δ_m as int8 + one fp32 scale per `quant_block` elements,
-           all-gathered, dequantized and averaged in fp32            bytes (M−1)·(n + 4⌈n/B⌉)
+    codec                          collective            bytes one rank sends
+    none   fp32                    all-reduce (sum) ÷ M  2(M−1)/M · 4n
+    int8   8-bit + fp32 scale/B    all-gather ×2         (M−1)·(n + 4⌈n/B⌉)
+    int4   4-bit (2/byte) + scale  all-gather (packed)   (M−1)·(⌈n/2⌉ + 4⌈n/B⌉)
+    top-k  per chunk of C: the k = ⌈ρC⌉ largest |x| as (index within the chunk, value), ties to
+           the lowest index (a last chunk shorter than k sends all of its elements); values fp32,
+           int8 or int4 as above over the c = (⌈n/C⌉ − 1)·k + min(k, n − (⌈n/C⌉ − 1)·C) selected
+                                   all-gather (packed)   (M−1)·(c·b_idx + value bytes of c)
 
-A codec's reduction is started (`start`, possibly async) and finished (`finish`:
-waited, the mean written into `red.delta`). What the codec keeps alive between
-the two lives in the `Reduction`, so several can be in flight at once.
+b_idx is 1 byte for C ≤ 256, 2 for C ≤ 32768, else 4. Lossy codecs decode every replica's
+payload and average in fp32 (replicas summed in order m = 0..M−1, then ÷ M).
+
+Error feedback (`sync.error_feedback`, lossy codecs): replica m keeps e_m (fp32, the unit's size)
+and sends C(Δ_m + e_m); then e_m ← (Δ_m + e_m) − D(C(Δ_m + e_m)), what it did not get across.
+
+A reduction is started (`start`, possibly async) and finished (`finish`: waited, the mean written
+into `red.delta`); what the codec keeps alive between the two lives in the `Reduction`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
 from hsdp.config.schema import ConfigError, SyncConfig
 from hsdp.sync.transport import Transport, Work
 from kernels.quant import MAX_BLOCK, dequantize_mean, quantize_int8
+from kernels.quant4 import dequantize_int4_mean, quantize_int4
+from kernels.topk import (
+    MAX_CHUNK,
+    scatter_add_chunks,
+    topk_error_feedback,
+    topk_index_dtype,
+    topk_numel,
+    topk_select,
+)
 
 
 @dataclass
@@ -35,9 +55,18 @@ class Reduction:
 class Codec(Protocol):
     lossless: bool  # whether the mean it returns is the exact fp32 mean
 
-    def start(self, delta: torch.Tensor, transport: Transport, async_op: bool) -> Reduction: ...
+    def start(
+        self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
+    ) -> Reduction:
+        """Send Δ_m (+ e_m, updated in place, when `error` is given)."""
 
     def finish(self, red: Reduction, transport: Transport) -> None: ...
+
+
+def _wait(red: Reduction) -> None:
+    for work in red.works:
+        work.wait()
+    red.works = []
 
 
 class Fp32Codec:
@@ -45,16 +74,17 @@ class Fp32Codec:
 
     lossless = True
 
-    def start(self, delta: torch.Tensor, transport: Transport, async_op: bool) -> Reduction:
+    def start(
+        self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
+    ) -> Reduction:
         return Reduction(delta, [transport.all_reduce_sum(delta, async_op)])
 
     def finish(self, red: Reduction, transport: Transport) -> None:
         if red.done:
             return
-        for work in red.works:
-            work.wait()
+        _wait(red)
         red.delta.div_(transport.size)
-        red.works, red.done = [], True
+        red.done = True
 
 
 class Int8Codec:
@@ -65,8 +95,14 @@ class Int8Codec:
     def __init__(self, block: int) -> None:
         self.block = block
 
-    def start(self, delta: torch.Tensor, transport: Transport, async_op: bool) -> Reduction:
-        q, scales = quantize_int8(delta, self.block)
+    def start(
+        self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
+    ) -> Reduction:
+        x = delta if error is None else delta + error
+        q, scales = quantize_int8(x, self.block)
+        if error is not None:  # e ← x − D(C(x))
+            dequantize_mean(q.view(1, -1), scales.view(1, -1), self.block, error)
+            torch.sub(x, error, out=error)
         M = transport.size
         q_all = torch.empty(M * q.numel(), dtype=torch.int8, device=q.device)
         s_all = torch.empty(M * scales.numel(), dtype=torch.float32, device=q.device)
@@ -76,20 +112,176 @@ class Int8Codec:
     def finish(self, red: Reduction, transport: Transport) -> None:
         if red.done:
             return
-        for work in red.works:
-            work.wait()
+        _wait(red)
         _, _, q_all, s_all = red.buffers
         M = transport.size
         dequantize_mean(q_all.view(M, -1), s_all.view(M, -1), self.block, red.delta)
-        red.works, red.buffers, red.done = [], (), True
+        red.buffers, red.done = (), True
+
+
+# ---------------------------------------------------------------- packed payloads (int4, top-k)
+@dataclass(frozen=True)
+class _Field:
+    """One tensor of a packed payload: its dtype and element count."""
+
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' bytes, concatenated: one uint8 buffer per replica, so one all-gather sends all."""
+    return torch.cat([p.contiguous().view(torch.uint8).reshape(-1) for p in parts])
+
+
+def _unpack(buf: torch.Tensor, fields: list[_Field]) -> list[torch.Tensor]:
+    """The parts of one replica's packed payload (views, or copies where a part is not aligned)."""
+    out, at = [], 0
+    for f in fields:
+        part = buf[at : at + f.nbytes]
+        if (buf.storage_offset() + at) % f.dtype.itemsize:  # a view must start on its dtype's alignment
+            part = part.clone()
+        out.append(part.view(f.dtype))
+        at += f.nbytes
+    return out
+
+
+class _Values:
+    """Dense values (the whole Δ, or top-k's selected values): fp32, int8 or int4 + block scales."""
+
+    def __init__(self, quantize: str, block: int) -> None:
+        self.quantize, self.block = quantize, block
+
+    def fields(self, n: int) -> list[_Field]:
+        nb = math.ceil(n / self.block)
+        if self.quantize == "int8":
+            return [_Field(torch.int8, n), _Field(torch.float32, nb)]
+        if self.quantize == "int4":
+            return [_Field(torch.uint8, math.ceil(n / 2)), _Field(torch.float32, nb)]
+        return [_Field(torch.float32, n)]
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.quantize == "int8":
+            return list(quantize_int8(x, self.block))
+        if self.quantize == "int4":
+            return list(quantize_int4(x, self.block))
+        return [x]
+
+    def decode_mean(self, parts: list[torch.Tensor], M: int, out: torch.Tensor) -> None:
+        """out ← mean over the M replicas' decoded values (parts: each field stacked [M, ...])."""
+        if self.quantize == "int8":
+            dequantize_mean(parts[0], parts[1], self.block, out)
+        elif self.quantize == "int4":
+            dequantize_int4_mean(parts[0], parts[1], self.block, out)
+        else:
+            torch.sum(parts[0], dim=0, out=out)  # fp32, replicas in order
+            out.div_(M)
+
+    def decode(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        """out ← one replica's decoded values."""
+        self.decode_mean([p.view(1, -1) for p in parts], 1, out)
+
+
+class DenseLowBitCodec:
+    """int4: Δ_m as packed 4-bit values + fp32 block scales, one all-gather of the packed bytes."""
+
+    lossless = False
+
+    def __init__(self, quantize: str, block: int) -> None:
+        self.values = _Values(quantize, block)
+
+    def start(
+        self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
+    ) -> Reduction:
+        x = delta if error is None else delta + error
+        parts = self.values.encode(x)
+        if error is not None:  # e ← x − D(C(x))
+            self.values.decode(parts, error)
+            torch.sub(x, error, out=error)
+        payload = _pack(parts)
+        gathered = torch.empty(transport.size * payload.numel(), dtype=torch.uint8, device=payload.device)
+        return Reduction(delta, [transport.all_gather(gathered, payload, async_op)], (payload, gathered))
+
+    def finish(self, red: Reduction, transport: Transport) -> None:
+        if red.done:
+            return
+        _wait(red)
+        M, n = transport.size, red.delta.numel()
+        rows = red.buffers[1].view(M, -1)
+        fields = self.values.fields(n)
+        per_replica = [_unpack(rows[m], fields) for m in range(M)]
+        stacked = [torch.stack([parts[i] for parts in per_replica]) for i in range(len(fields))]
+        self.values.decode_mean(stacked, M, red.delta)
+        red.buffers, red.done = (), True
+
+
+class TopKCodec:
+    """Per chunk, the ⌈density·chunk⌉ largest |x| as (index within the chunk, value); values dense-coded."""
+
+    lossless = False
+
+    def __init__(self, density: float, chunk: int, quantize: str, block: int) -> None:
+        self.chunk, self.k = chunk, math.ceil(density * chunk)
+        self.values = _Values(quantize, block)
+
+    def selected(self, n: int) -> int:
+        """c: how many (index, value) pairs one replica sends for a unit of n elements."""
+        return topk_numel(n, self.chunk, self.k)
+
+    def fields(self, n: int) -> list[_Field]:
+        c = self.selected(n)
+        return [_Field(topk_index_dtype(self.chunk), c), *self.values.fields(c)]
+
+    def start(
+        self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
+    ) -> Reduction:
+        if error is None:
+            idx, vals = topk_select(delta, self.chunk, self.k)
+        else:  # error ← (Δ + e) with the selected positions zeroed
+            idx, vals = topk_error_feedback(delta, error, self.chunk, self.k)
+        parts = self.values.encode(vals)
+        if error is not None and self.values.quantize != "none":  # … and what quantizing them lost
+            decoded = torch.empty_like(vals)
+            self.values.decode(parts, decoded)
+            scatter_add_chunks(idx, vals - decoded, self.chunk, self.k, error)
+        payload = _pack([idx, *parts])
+        gathered = torch.empty(transport.size * payload.numel(), dtype=torch.uint8, device=payload.device)
+        return Reduction(delta, [transport.all_gather(gathered, payload, async_op)], (payload, gathered))
+
+    def finish(self, red: Reduction, transport: Transport) -> None:
+        if red.done:
+            return
+        _wait(red)
+        M, n = transport.size, red.delta.numel()
+        rows = red.buffers[1].view(M, -1)
+        fields = self.fields(n)
+        red.delta.zero_()
+        vals = torch.empty(self.selected(n), dtype=torch.float32, device=red.delta.device)
+        for m in range(M):  # replicas in order, then ÷ M
+            idx, *parts = _unpack(rows[m], fields)
+            self.values.decode(parts, vals)
+            scatter_add_chunks(idx, vals, self.chunk, self.k, red.delta)
+        red.delta.div_(M)
+        red.buffers, red.done = (), True
 
 
 def build_codec(cfg: SyncConfig) -> Codec:
-    """The codec `sync.quantize` names."""
-    return Int8Codec(cfg.quant_block) if cfg.quantize == "int8" else Fp32Codec()
+    """The codec `sync.quantize` / `sync.topk` name."""
+    if cfg.topk > 0:
+        return TopKCodec(cfg.topk, cfg.topk_chunk, cfg.quantize, cfg.quant_block)
+    if cfg.quantize == "int8":
+        return Int8Codec(cfg.quant_block)
+    if cfg.quantize == "int4":
+        return DenseLowBitCodec("int4", cfg.quant_block)
+    return Fp32Codec()
 
 
 def check_codec(cfg: SyncConfig) -> None:
     """What the codec's kernels support (ConfigError before any worker starts)."""
     if cfg.quant_block > MAX_BLOCK:  # one block is one register-tile row of the kernel
         raise ConfigError(f"sync.quant_block: expected at most {MAX_BLOCK}, got {cfg.quant_block}")
+    if cfg.topk > 0 and cfg.topk_chunk > MAX_CHUNK:  # one chunk is one program's tile
+        raise ConfigError(f"sync.topk_chunk: expected at most {MAX_CHUNK}, got {cfg.topk_chunk}")

@@ -58,9 +58,13 @@ class Sync(Protocol):
     def empty_checkpoint_buffers(self, meta: dict[str, Any]) -> Buffers: ...
     def load_checkpoint(self, meta: dict[str, Any], buffers: Buffers) -> None: ...
 
+    replica_buffers: frozenset[str]  # buffer names that differ between replicas
+
 
 class NoSync:
     """The policy of engines whose grads are always averaged over every rank (and exact HSDP on one replica)."""
+
+    replica_buffers: frozenset[str] = frozenset()
 
     def grad_sync(self, step: int) -> bool:
         return True
@@ -116,6 +120,10 @@ class _DelayedSync:
 class SyncPolicy:
     """Decides, each step, whether grads or params cross the sync group, and does the param sync."""
 
+    # Checkpoint buffers that differ between replicas (each replica saves its own); the rest are
+    # identical on every replica (θ_g, b, an in-flight mean Δ).
+    replica_buffers = frozenset({"error"})
+
     def __init__(
         self, cfg: SyncConfig, held: list[torch.Tensor], transport: Transport, codec: Optional[Codec] = None
     ) -> None:
@@ -127,6 +135,8 @@ class SyncPolicy:
         self.delay, self.alpha = cfg.delay, cfg.alpha
         self.uses_global = uses_global_copy(cfg)
         self.outer: list[Optional[_OuterState]] = [None] * len(held)
+        # Error feedback: each replica's residual per unit (fp32, allocated on its first sync).
+        self.error: list[Optional[torch.Tensor]] = [None] * len(held)
         self.fragments = fragment_units(len(held), cfg.fragments)
         self.in_flight: list[_DelayedSync] = []  # in start order, so every rank waits in the same order
         self.landed: list[int] = []  # fragments whose sync landed in the last after_step / finish
@@ -218,7 +228,9 @@ class SyncPolicy:
         held = self.held[u]
         delta = torch.empty_like(held)
         compute_delta(self.outer[u].global_params, held, delta)
-        return self.codec.start(delta, self.transport, async_op)
+        if self.cfg.error_feedback and self.error[u] is None:
+            self.error[u] = torch.zeros_like(held)
+        return self.codec.start(delta, self.transport, async_op, error=self.error[u])
 
     def apply_outer_step(self, u: int, mean_delta: torch.Tensor, merge: bool) -> None:
         """θ_g ← outer step with mean Δ; θ_m ← θ_g, or with merge (a delayed sync) α·θ_m + (1 − α)·θ_g."""
@@ -253,6 +265,7 @@ class SyncPolicy:
             "has_global": any(s is not None for s in self.outer),
             "global_params": [s.global_params if s is not None else None for s in self.outer],
             "momentum": [s.momentum if s is not None else None for s in self.outer],
+            "error": list(self.error),
             "in_flight": [
                 {
                     "fragment": s.fragment,
@@ -289,6 +302,10 @@ class SyncPolicy:
             ]
         else:
             self.outer = [None] * len(self.held)
+        errors = state.get("error") or [None] * len(self.held)  # absent in states saved without the codec's
+        self.error = [
+            None if e is None else own(e, h, f"error[{u}]") for u, (h, e) in enumerate(zip(self.held, errors))
+        ]
         self.in_flight = []
         for s in state["in_flight"]:
             units = self.fragments[s["fragment"]]
@@ -307,6 +324,7 @@ class SyncPolicy:
             "fragments": state["fragments"],
             "has_global": bool(state["has_global"]),
             "momentum_units": [u for u, b in enumerate(state["momentum"]) if b is not None],
+            "error_units": [u for u, e in enumerate(state["error"]) if e is not None],
             "in_flight": [{k: s[k] for k in ("fragment", "start", "land")} for s in state["in_flight"]],
         }
 
@@ -322,12 +340,13 @@ class SyncPolicy:
         """Install buffers filled in from a checkpoint (as returned by `empty_checkpoint_buffers`)."""
         state = self._empty_state(meta)
         state["global_params"], state["momentum"] = buffers["global"], buffers["momentum"]
+        state["error"] = buffers["error"]
         for i, s in enumerate(state["in_flight"]):
             s["mean_delta"] = [d for d in buffers[f"in_flight{i}"] if d is not None]
         self.load_state_dict(state)
 
     def _buffers_of(self, state: dict[str, Any]) -> Buffers:
-        buffers: Buffers = {"global": state["global_params"], "momentum": state["momentum"]}
+        buffers: Buffers = {"global": state["global_params"], "momentum": state["momentum"], "error": state["error"]}
         for i, s in enumerate(state["in_flight"]):
             per_unit: list[Optional[torch.Tensor]] = [None] * len(self.held)
             for u, delta in zip(self.fragments[s["fragment"]], s["mean_delta"]):
@@ -343,6 +362,7 @@ class SyncPolicy:
             "has_global": meta["has_global"],
             "global_params": [zeros(h) if meta["has_global"] else None for h in self.held],
             "momentum": [zeros(h) if u in meta["momentum_units"] else None for u, h in enumerate(self.held)],
+            "error": [zeros(h) if u in meta.get("error_units", ()) else None for u, h in enumerate(self.held)],
             "in_flight": [
                 {**s, "mean_delta": [zeros(self.held[u]) for u in self.fragments[s["fragment"]]]}
                 for s in meta["in_flight"]
@@ -360,6 +380,10 @@ class SyncPolicy:
             raise ConfigError(
                 f"sync.delay: checkpoint {path} has a param sync in flight (saved with sync.delay="
                 f"{saved.delay}), config has 0"
+            )
+        if meta.get("error_units") and not cfg.error_feedback:
+            raise ConfigError(
+                f"sync.error_feedback: checkpoint {path} holds error-feedback residuals, config has false"
             )
         w = cfg.warmup_steps
         if uses_global_copy(cfg) and w is not None and step >= w - 1 and not meta["has_global"]:

@@ -52,4 +52,4 @@ def fragment_units(n_units: int, fragments: int) -> list[list[int]]:
 def uses_global_copy(cfg: SyncConfig) -> bool:
     """Whether the sync keeps θ_g: DiLoCo, a lossy codec (Δ is taken against θ_g) or a delayed sync
     (its Δ_m is snapshotted against θ_g, even for plain averaging)."""
-    return cfg.method == "diloco" or cfg.quantize != "none" or cfg.delay > 0
+    return cfg.method == "diloco" or cfg.quantize != "none" or cfg.topk > 0 or cfg.delay > 0

@@ -1,0 +1,201 @@
+"""What to run: each run's `--set` overrides and validated config, for a sweep and for the slow-link benchmark.
+
+Every run's config is loaded (and so validated) before the first run starts, so a bad
+override is a ConfigError (exit 2) and not a failure an hour in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hsdp.bench.netns import MAX_REPLICAS
+from hsdp.bench.spec import REPO, LinkRunSpec, SweepSpec, load_link_spec, load_sweep, parse_rate, parse_runs_arg
+from hsdp.config.loader import load_config
+from hsdp.config.schema import Config, ConfigError
+
+NOCOMM = "-nocomm"  # suffix of a sweep run's no-communication twin (nocomm: true)
+
+# ------------------------------------------------------------------ sweeps
+
+
+@dataclass
+class SweepPlan:
+    name: str  # the sweep file's stem: run folders are <name>-<run>
+    spec: SweepSpec
+    overrides: dict[str, list[str]]  # every run, twins included, in run order → its overrides
+    to_run: list[str]  # the runs to (re)run; the others' outputs are reused
+    configs: dict[str, Config]  # every run's resolved config
+
+    @property
+    def table_path(self) -> Path:
+        """`<out_dir>/<name>.md`, in the first run's out_dir."""
+        first = next(iter(self.configs.values()))
+        return Path(first.run.out_dir).expanduser().resolve() / f"{self.name}.md"
+
+
+def with_nocomm_twins(runs: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each run followed by its `<run>-nocomm` twin: the same overrides plus mesh.backend=fake."""
+    out = {}
+    for run, extra in runs.items():
+        out[run] = extra
+        out[run + NOCOMM] = [*extra, "mesh.backend=fake"]
+    return out
+
+
+def plan_sweep(path: str, extra_set: list[str], only: set[str], no_run: bool) -> SweepPlan:
+    """The sweep file's runs (and twins) with their overrides; `only` (a twin follows its run) or none re-run.
+
+    Re-run runs get `run.overwrite=true`; every run gets its `run.out_dir` made absolute (relative
+    out_dirs mean "from where the sweep was started").
+    """
+    spec = load_sweep(path)
+    name = Path(path).stem
+    shared = [*spec["set"], *extra_set]
+    if only - set(spec["runs"]):
+        raise ConfigError(
+            f"--only: unknown runs {sorted(only - set(spec['runs']))} (expected: {', '.join(spec['runs'])})"
+        )
+    all_runs = with_nocomm_twins(spec["runs"]) if spec["nocomm"] else spec["runs"]
+    overrides = {run: [*shared, *extra, f"run.name={name}-{run}"] for run, extra in all_runs.items()}
+    to_run = [] if no_run else [run for run in overrides if not only or run.removesuffix(NOCOMM) in only]
+    for run in to_run:  # a sweep re-runs its runs: replace their previous outputs
+        overrides[run].append("run.overwrite=true")
+    configs = {run: load_config(spec["base"], o) for run, o in overrides.items()}  # validate all before running any
+    for run, cfg in configs.items():
+        overrides[run].append(f"run.out_dir={Path(cfg.run.out_dir).expanduser().resolve()}")
+    return SweepPlan(name=name, spec=spec, overrides=overrides, to_run=to_run, configs=configs)
+
+
+# ------------------------------------------------------------------ the slow-link benchmark
+
+
+@dataclass
+class LinkOptions:
+    """The slow-link command line (see `python -m hsdp.slowlink --help`)."""
+
+    spec: Optional[str] = None
+    rate: Optional[str] = None
+    delay_ms: Optional[float] = None
+    config: Optional[str] = None
+    shared: list[str] = field(default_factory=list)  # --set
+    runs: Optional[list[str]] = None
+    only: str = ""
+    target: Optional[str] = None
+    name: Optional[str] = None
+    out: Optional[str] = None
+    timeout_s: Optional[float] = None
+    rdzv_timeout_s: int = 120
+    probe_s: Optional[float] = None
+    probe_reps: int = 3
+    no_probe: bool = False
+    plot: bool = False
+    no_run: bool = False
+    cleanup: bool = False
+
+
+@dataclass
+class LinkPlan:
+    name: str
+    base: str
+    shared: list[str]
+    rates: list[tuple[str, Optional[int]]]  # every network, in the order they are built
+    default_rates: list[str]  # the rates of a run without its own `rates`
+    delay_ms: float
+    target: str
+    timeout_s: float
+    probe_s: float
+    runs: dict[str, LinkRunSpec]
+    out: Path
+    out_dir: Path  # run.out_dir (absolute)
+    mesh: tuple[int, int] = (0, 0)  # (M, S) of the base config with the shared overrides
+
+
+def make_plan(opts: LinkOptions) -> LinkPlan:
+    """The spec file and the flags (which override it) → the networks and runs; every run's config validated."""
+    spec = load_link_spec(opts.spec) if opts.spec else None
+    runs = parse_runs_arg(opts.runs) if opts.runs else spec.runs if spec else {}
+    if not runs:
+        raise ConfigError("--runs: no runs (give --runs NAME=overrides ... or a spec file)")
+    base = opts.config or (spec and spec.base) or str(REPO / "configs" / "tiny.yaml")
+    rate_text = opts.rate.split(",") if opts.rate else (spec.rates if spec else [])
+    if not rate_text:
+        raise ConfigError("--rate: no rate (e.g. --rate 20mbit, or rates: in the spec)")
+    rates = [parse_rate(r) for r in rate_text]
+    plan_rates = list(dict.fromkeys(rates))  # the rates every run without its own `rates` runs at
+    if not opts.rate:  # a run's own rates may add networks (e.g. unshaped for one run only)
+        for entry in runs.values():
+            plan_rates += [r for r in map(parse_rate, entry.rates or []) if r not in plan_rates]
+    else:  # --rate restricts every run to those rates
+        runs = {
+            run: entry._replace(
+                rates=None if entry.rates is None else [r for r in entry.rates if parse_rate(r) in rates]
+            )
+            for run, entry in runs.items()
+        }
+    target = opts.target or (spec and spec.target) or next(iter(runs))
+    if target not in runs:
+        raise ConfigError(f"--target: {target!r} is not a run (runs: {', '.join(runs)})")
+    name = opts.name or (Path(opts.spec).stem if opts.spec else "slowlink")
+    shared = [*(spec.shared if spec else []), *opts.shared]
+    cfg = load_config(base, shared)
+    out_dir = Path(cfg.run.out_dir).expanduser().resolve()
+    spec_delay = spec.delay_ms if spec and spec.delay_ms is not None else 0
+    spec_timeout = spec.timeout_s if spec and spec.timeout_s is not None else 1200
+    spec_probe = spec.probe_s if spec and spec.probe_s is not None else 2.0
+    plan = LinkPlan(
+        name=name,
+        base=base,
+        shared=shared,
+        rates=plan_rates,
+        default_rates=[r[0] for r in rates],
+        delay_ms=opts.delay_ms if opts.delay_ms is not None else float(spec_delay),
+        target=target,
+        timeout_s=opts.timeout_s or float(spec_timeout),
+        probe_s=opts.probe_s if opts.probe_s is not None else float(spec_probe),
+        runs=runs,
+        out=Path(opts.out).expanduser().resolve() if opts.out else out_dir / name,
+        out_dir=out_dir,
+        mesh=(cfg.mesh.sync, cfg.mesh.shard),
+    )
+    if plan.delay_ms < 0:
+        raise ConfigError(f"--delay-ms: expected >= 0, got {plan.delay_ms}")
+    for run, label in plan_items(plan):  # validate every run's config before building anything
+        c = load_config(base, overrides(plan, run, label))
+        if (c.mesh.sync, c.mesh.shard) != plan.mesh:
+            raise ConfigError(
+                f"runs.{run}: mesh {c.mesh.sync}x{c.mesh.shard} differs from the base's "
+                f"{plan.mesh[0]}x{plan.mesh[1]} (one network per rate)"
+            )
+    if not 2 <= plan.mesh[0] <= MAX_REPLICAS:
+        raise ConfigError(f"mesh.sync: slowlink needs 2..{MAX_REPLICAS} replicas, got {plan.mesh[0]}")
+    return plan
+
+
+def plan_items(plan: LinkPlan) -> list[tuple[str, str]]:
+    """(run, rate label) in the order they run: rate by rate, runs in spec order."""
+    items = []
+    for label, _ in plan.rates:
+        for run, entry in plan.runs.items():
+            labels = plan.default_rates if entry.rates is None else [parse_rate(r)[0] for r in entry.rates]
+            if label in labels:
+                items.append((run, label))
+    return items
+
+
+def run_name(plan: LinkPlan, run: str, label: str) -> str:
+    """The run folder's name: `<name>-<run>-<rate>`."""
+    return f"{plan.name}-{run}-{label}"
+
+
+def overrides(plan: LinkPlan, run: str, label: str) -> list[str]:
+    """A run's `--set` list at one rate: shared, its own, then where it writes (a fresh folder every time)."""
+    return [
+        *plan.shared,
+        *plan.runs[run].overrides,
+        f"run.name={run_name(plan, run, label)}",
+        "run.overwrite=true",
+        "run.resume=never",
+        f"run.out_dir={plan.out_dir}",
+    ]

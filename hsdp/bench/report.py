@@ -1,0 +1,209 @@
+"""Markdown: a sweep's table, and the slow-link benchmark's tables (runs, probes, sync check, crossovers)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional
+
+from hsdp.bench.analysis import Assessed, Crossover, Crossovers, Key, exposed_comm
+from hsdp.bench.plan import NOCOMM, LinkPlan
+from hsdp.bench.records import LinkRun, RunRecord
+from hsdp.bench.spec import SweepSpec
+
+if TYPE_CHECKING:  # (for the annotations only: a sweep has no probes)
+    from hsdp.bench.probe import ProbeResult
+
+
+def mib(b: Optional[float]) -> str:
+    return "–" if b is None else f"{b / 2**20:,.1f} MiB"
+
+
+def secs(x: Optional[float], digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f} s"
+
+
+def times(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
+def row(cells: Sequence[Any]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+# ------------------------------------------------------------------ sweeps
+
+
+def format_value(column: str, value: Any) -> str:
+    if value is None:
+        return "–"
+    if column.endswith("bytes"):
+        return mib(value)
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def sweep_table(spec: SweepSpec, records: Mapping[str, Optional[RunRecord]]) -> str:
+    """One row per run (with `nocomm`, the twins fold into their run's row); None: the run left no summary."""
+    cols = list(spec["columns"])
+    values = {run: dict(r.summary) if r else {} for run, r in records.items()}
+    if spec.get("nocomm"):
+        cols += ["nocomm_step_time_s", "exposed_comm_s"]
+        values = {run: v for run, v in values.items() if run in spec["runs"]}
+        for run, v in values.items():
+            pair = exposed_comm(records[run], records.get(run + NOCOMM))
+            if pair:
+                v.update(nocomm_step_time_s=pair[0], exposed_comm_s=pair[1])
+    ratio, relative = spec.get("ratio"), spec.get("relative")
+    head = ["run", *cols] + ([f"{ratio} ratio"] if ratio else []) + ([" vs ".join(relative)] if relative else [])
+    lines = [row(head), "|" + "---|" * len(head)]
+    first = next(iter(values.values()), {})
+    for run, v in values.items():
+        cells = [run] + [format_value(c, v.get(c)) for c in cols]
+        if ratio:
+            a, b = v.get(ratio), first.get(ratio)
+            cells.append(f"{b / a:.1f}× fewer" if a and b else "–")
+        if relative:
+            a, b = v.get(relative[0]), values.get(relative[1], {}).get(relative[0])
+            cells.append(f"{a / b:.2f}×" if a and b else "–")
+        lines.append(row(cells))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the slow-link benchmark
+
+
+def rate_text(r: LinkRun) -> str:
+    return "unshaped" if r.rate_bps is None else f"{r.rate_mbit:g} Mbit/s"
+
+
+def run_row(r: LinkRun, a: Assessed) -> str:
+    rec = r.record
+    reached = a.reached
+    ttt = a.time_to_target_s
+    if reached is not None and reached.step_to_target is None and a.target_val_loss is not None:
+        to_target = "not reached"
+    else:
+        to_target = secs(ttt, 1) if ttt is not None else "–"
+    tok = reached.tokens_to_target if reached else None
+    return row(
+        [
+            r.run,
+            rate_text(r),
+            rec.steps,
+            secs(rec.median_step_time_s),
+            secs(rec.mean_step_s),
+            times(a.mean_step_vs_target_run),
+            secs(rec.train_time_s, 1),
+            f"{rec.final_val_loss:.4f}",
+            mib(rec.sync_bytes),
+            mib(r.measured.link_bytes),
+            to_target,
+            times(a.time_to_target_vs_target_run),
+            "–" if tok is None else f"{tok / 1e6:.2f}M",
+            mib(reached.sync_bytes_to_target if reached else None),
+        ]
+    )
+
+
+def runs_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, Assessed]) -> list[str]:
+    M, S = plan.mesh
+    lines = [
+        f"Mesh {M}×{S} (replicas × shard), one network namespace per replica, "
+        f"one-way delay {plan.delay_ms:g} ms; target = final val loss of `{plan.target}` at the same rate.",
+        "",
+        "| run | rate | steps | median step | mean step | mean vs "
+        + plan.target
+        + " | train time | final val | sync bytes | link bytes | to target | vs "
+        + plan.target
+        + " | tokens at target | sync bytes at target |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        if not r.ok:
+            lines.append(f"| {r.run} | {rate_text(r)} | failed (exit {r.measured.returncode}) |" + " |" * 11)
+        else:
+            lines.append(run_row(r, assessed[(r.run, r.rate)]))
+    return lines
+
+
+def probes_table(probes: Sequence[ProbeResult]) -> list[str]:
+    lines = [
+        "",
+        "Probe: one all_reduce (fp32, gloo) on the sync group across the link, vs ring bytes / rate; "
+        "the same size on a shard group stays inside a namespace.",
+        "",
+        "| rate | tensor | ring bytes | expected (bytes·8/rate) | measured (median) | measured / expected "
+        "| effective rate | same size, shard group |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in probes:
+        lines.append(
+            f"| {p.rate} | {mib(p.tensor_bytes)} | {mib(p.ring_bytes)} | {secs(p.expected_s)} | "
+            f"{secs(p.sync_s_median)} | {times(p.measured_over_expected)} | "
+            f"{p.effective_mbit:.1f} Mbit/s | {secs(p.shard_s_median)} |"
+        )
+    return lines
+
+
+def sync_check_table(plan: LinkPlan, checked: Sequence[tuple[LinkRun, Assessed]]) -> list[str]:
+    lines = [
+        "",
+        f"Sync collectives in the runs: Comm's recorded seconds on the sync group vs "
+        f"S·sync_bytes·8/rate (S = {plan.mesh[1]} sync groups share a replica's link; overlapped or delayed "
+        "syncs hide part of their time, so only blocking ones should be near 1×); link bytes = "
+        "what the replicas' veths sent, vs M·S·sync_bytes.",
+        "",
+        "| run | rate | sync calls | recorded | expected | recorded / expected | link / (M·S·sync) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r, a in checked:
+        lines.append(
+            f"| {r.run} | {rate_text(r)} | {r.record.sync_calls} | {secs(r.record.sync_seconds, 1)} | "
+            f"{secs(a.sync_expected_s, 1)} | {times(a.sync_measured_over_expected)} | "
+            f"{times(a.link_over_sync)} |"
+        )
+    return lines
+
+
+def crossover_cells(c: Crossover) -> tuple[str, str]:
+    """(the measured rates where the run wins, what the fit says)."""
+    wins = ", ".join(f"{w:g}" for w in c.wins_at_mbit) or "none"
+    at, side = c.crossover_mbit, c.wins
+    fit = {None: "–", "all": "wins at every rate", "never": "never wins"}.get(
+        side, f"wins {side} {at:,.0f} Mbit/s" if at is not None else "–"
+    )
+    return wins, fit
+
+
+def crossover_table(plan: LinkPlan, cross: Mapping[str, Crossovers]) -> list[str]:
+    lines = [
+        "",
+        f"Crossover vs `{plan.target}` (fit T = a + b/rate through the measured rates):",
+        "",
+        "| run | mean step: wins at (Mbit/s) | fitted crossover | time to target: wins at | fitted crossover |",
+        "|---|---|---:|---|---:|",
+    ]
+    for run, c in cross.items():
+        (a0, a1), (b0, b1) = crossover_cells(c.mean_step_s), crossover_cells(c.time_to_target_s)
+        lines.append(f"| {run} | {a0} | {a1} | {b0} | {b1} |")
+    return lines
+
+
+def link_tables(
+    plan: LinkPlan,
+    runs: Sequence[LinkRun],
+    assessed: Mapping[Key, Assessed],
+    probes: Sequence[ProbeResult],
+    cross: Mapping[str, Crossovers],
+) -> str:
+    """slowlink.md: the runs, then (where there are any) the probes, the sync-time check and the crossovers."""
+    lines = runs_table(plan, runs, assessed)
+    if probes:
+        lines += probes_table(probes)
+    checked = [(r, assessed[(r.run, r.rate)]) for r in runs if r.ok and assessed[(r.run, r.rate)].sync_expected_s]
+    if checked:
+        lines += sync_check_table(plan, checked)
+    if cross:
+        lines += crossover_table(plan, cross)
+    return "\n".join(lines)

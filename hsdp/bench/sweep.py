@@ -1,0 +1,113 @@
+"""Running an ablation sweep: each variant (and its no-comm twin) as a train.py process, then the table and plots.
+
+A sweep file names a base config, overrides shared by every run, and one list of overrides
+per run:
+
+    base: configs/tiny.yaml
+    set: [run.eval_every=100]
+    columns: [final_val_loss, sync_bytes]        # summary.json fields
+    ratio: sync_bytes                            # optional: first run's / column ("N× fewer")
+    relative: [median_step_time_s, hsdp]         # optional: column / that run's ("0.72×")
+    nocomm: true                                 # optional: also run each with mesh.backend=fake
+    runs:
+      hsdp: []
+      diloco-h32: [sync.warmup_steps=0, sync.every=32, sync.method=diloco]
+
+Each run is the checkout's `train.py` in its own process (so one crash does not end the
+sweep), started in the directory the sweep was started from and with `run.overwrite=true`
+(a sweep re-runs its runs) and `run.out_dir` made absolute; its outputs land in
+`<out_dir>/<sweep>-<run>/` as usual. A relative `base:` is looked up beside the sweep file
+first, then in the checkout.
+
+`nocomm: true` measures exposed communication: each run also runs as `<run>-nocomm` with
+`mesh.backend=fake` (torch's fake process group: every collective returns at once, with this
+rank's own data, so the step is the same compute with no communication), and the table gets
+`nocomm_step_time_s` and `exposed_comm_s` = median step time − the no-comm twin's, i.e. the
+time the step spends on communication that was not hidden behind compute.
+
+The table is printed and written to `<out_dir>/<sweep>.md` (the first run's out_dir).
+`--plot` also writes, next to it, `<sweep>-tokens.png`, `<sweep>-sync_bytes.png` and
+`<sweep>-wall.png` (hsdp.bench.plot). `--no-run` runs nothing and makes the table (and plots)
+from the run folders already there.
+
+Bad input (missing, empty or malformed sweep file, unknown keys, a bad run config) exits 2
+with one line before any run starts; SIGINT/SIGTERM stops the current run (and its workers)
+and exits 130/143.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from hsdp.bench.plan import plan_sweep
+from hsdp.bench.plot import plot_runs, require_matplotlib
+from hsdp.bench.records import RunRecord
+from hsdp.bench.report import sweep_table
+from hsdp.bench.spec import REPO
+from hsdp.config.schema import ConfigError
+from hsdp.run.launch import Interrupted, StopSignals
+
+STOP_WAIT_S = 30.0  # a run's launcher stops its workers within seconds; then it is killed
+
+
+def run_one(base: str, overrides: list[str], stop: StopSignals) -> int:
+    """One run as `python <checkout>/train.py` in the current directory; its return code.
+
+    On SIGINT/SIGTERM the run gets the same signal (its launcher stops its workers), and is
+    killed if it has not exited after STOP_WAIT_S; then Interrupted propagates.
+    """
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", base]
+    for o in overrides:
+        cmd += ["--set", o]
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except Interrupted as e:
+        stop.disarm()
+        proc.send_signal(e.signum)
+        try:
+            proc.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+
+
+def run_sweep(path: str, extra_set: list[str], only: set[str], plot: bool, no_run: bool) -> int:
+    """The sweep command: plan, run, table, plots. 0 when every run has a summary, 1 if not, 2 on bad input."""
+    if plot:
+        try:
+            require_matplotlib()
+        except ImportError:
+            print("--plot: needs matplotlib (pip install -e '.[plot]')", file=sys.stderr)
+            return 2
+    try:
+        plan = plan_sweep(path, extra_set, only, no_run)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    records: dict[str, Optional[RunRecord]] = {}  # None: the run failed or left no summary.json
+    run = None
+    try:
+        with StopSignals() as stop:
+            stop.arm()
+            for run, overrides in plan.overrides.items():
+                rc = run_one(plan.spec["base"], overrides, stop) if run in plan.to_run else 0
+                records[run] = RunRecord.read(plan.configs[run].run_dir.resolve()) if rc == 0 else None
+    except Interrupted as e:
+        print(f"interrupted by {e}: stopped run {plan.name}-{run}", file=sys.stderr)
+        return e.exit_code
+    md = sweep_table(plan.spec, records)
+    out = plan.table_path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(md + "\n")
+    print(md)
+    if plot:
+        dirs = {run: plan.configs[run].run_dir.resolve() for run in plan.spec["runs"]}
+        for png in plot_runs(dirs, out.parent, plan.name, title=f"{plan.name} ({Path(plan.spec['base']).name})"):
+            print(f"wrote {png}")
+    return 0 if all(records.values()) else 1
