@@ -21,8 +21,8 @@ import torch
 
 import train
 from hsdp import sweep
-from hsdp.config.schema import ConfigError
 from hsdp.config.loader import load_config
+from hsdp.config.schema import ConfigError
 from hsdp.run.metrics import MetricsLogger
 from hsdp.run.rundir import has_checkpoint, prepare_run_dir
 from kernels import bench
