@@ -149,6 +149,20 @@ def _unpack(buf: torch.Tensor, fields: list[_Field]) -> list[torch.Tensor]:
     return out
 
 
+def _start_gather(delta: torch.Tensor, parts: list[torch.Tensor], transport: Transport, async_op: bool) -> Reduction:
+    """All-gather this replica's parts as one packed byte buffer; the reduction keeps both buffers alive."""
+    payload = _pack(parts)
+    gathered = torch.empty(transport.size * payload.numel(), dtype=torch.uint8, device=payload.device)
+    return Reduction(delta, [transport.all_gather(gathered, payload, async_op)], (payload, gathered))
+
+
+def _finish_gather(red: Reduction, transport: Transport) -> tuple[int, int, torch.Tensor]:
+    """Wait for a packed all-gather: (M, the unit's n, the gathered bytes as [M, payload] rows)."""
+    _wait(red)
+    M = transport.size
+    return M, red.delta.numel(), red.buffers[1].view(M, -1)
+
+
 class _Values:
     """Dense values (the whole Δ, or top-k's selected values): fp32, int8 or int4 + block scales."""
 
@@ -201,16 +215,12 @@ class DenseLowBitCodec:
         if error is not None:  # e ← x − D(C(x))
             self.values.decode(parts, error)
             torch.sub(x, error, out=error)
-        payload = _pack(parts)
-        gathered = torch.empty(transport.size * payload.numel(), dtype=torch.uint8, device=payload.device)
-        return Reduction(delta, [transport.all_gather(gathered, payload, async_op)], (payload, gathered))
+        return _start_gather(delta, parts, transport, async_op)
 
     def finish(self, red: Reduction, transport: Transport) -> None:
         if red.done:
             return
-        _wait(red)
-        M, n = transport.size, red.delta.numel()
-        rows = red.buffers[1].view(M, -1)
+        M, n, rows = _finish_gather(red, transport)
         fields = self.values.fields(n)
         per_replica = [_unpack(rows[m], fields) for m in range(M)]
         stacked = [torch.stack([parts[i] for parts in per_replica]) for i in range(len(fields))]
@@ -247,16 +257,12 @@ class TopKCodec:
             decoded = torch.empty_like(vals)
             self.values.decode(parts, decoded)
             scatter_add_chunks(idx, vals - decoded, self.chunk, self.k, error)
-        payload = _pack([idx, *parts])
-        gathered = torch.empty(transport.size * payload.numel(), dtype=torch.uint8, device=payload.device)
-        return Reduction(delta, [transport.all_gather(gathered, payload, async_op)], (payload, gathered))
+        return _start_gather(delta, [idx, *parts], transport, async_op)
 
     def finish(self, red: Reduction, transport: Transport) -> None:
         if red.done:
             return
-        _wait(red)
-        M, n = transport.size, red.delta.numel()
-        rows = red.buffers[1].view(M, -1)
+        M, n, rows = _finish_gather(red, transport)
         fields = self.fields(n)
         red.delta.zero_()
         vals = torch.empty(self.selected(n), dtype=torch.float32, device=red.delta.device)
