@@ -9,6 +9,8 @@ Outputs go to <run.out_dir>/<run.name>/: config.yaml, metrics.jsonl, summary.jso
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import statistics
 import sys
@@ -21,14 +23,17 @@ import torch.distributed as dist
 
 from hsdp.comm.mesh import Mesh, build_mesh
 from hsdp.config.loader import load_config, save_config
+from hsdp.config.preflight import check_world_size
 from hsdp.config.schema import Config, ConfigError
 from hsdp.data import Data
 from hsdp.engines.base import Batch, Engine
 from hsdp.engines.registry import build_engine
 from hsdp.model import loss_fn
 from hsdp.optim import build_optimizer, lr_at, set_lr
-from hsdp.run.checkpoint import Checkpoints, check_resume
-from hsdp.run.launch import Interrupted, WorkerError, launch
+from hsdp.run.checkpoint import Checkpoints, check_resume, finished, remove_failed_saves
+from hsdp.run.guard import check_finite
+from hsdp.run.launch import Interrupted, WorkerError, launch, under_torchrun
+from hsdp.run.lock import hold_run_lock
 from hsdp.run.metrics import MetricsLogger, StepMemoryProbe, peak_memory_mb
 from hsdp.run.rundir import owns_run_dir, prepare_run_dir
 from hsdp.sync.schedule import steps_after_last_sync
@@ -38,7 +43,7 @@ from kernels.backend import set_backend
 def train_worker(cfg: Config) -> None:
     """One rank's whole run."""
     t_start = time.perf_counter()
-    mesh = build_mesh(cfg.mesh.sync, cfg.mesh.shard, _device())
+    mesh = build_mesh(cfg.mesh.sync, cfg.mesh.shard, _device(), cfg.mesh.timeout_s)
     set_backend(cfg.kernels.backend)
     data = Data(cfg, mesh.rank, mesh.world)
     engine = build_engine(cfg, mesh)
@@ -58,7 +63,8 @@ def train_worker(cfg: Config) -> None:
         engine.begin_step(step)  # the sync policy: are grads averaged across replicas this step?
         with memory.step(step):  # one step's forward+backward is profiled for its tensor memory
             step_loss = engine.forward_backward(micro_batches(data, step, cfg.optim.grad_accum, mesh.device))
-        engine.clip_grad_norm_(cfg.optim.grad_clip)
+        grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
+        check_finite(step, float(step_loss), float(grad_norm), mesh.rank, checkpoints.last_good)  # or Diverged
         optimizer.step()
         engine.zero_grad()
         synced = engine.end_step(step)  # the sync policy's param sync, if due after this step
@@ -188,25 +194,35 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
     cfg = None
     try:
         cfg = load_config(args.config, args.set)
-        prepare_run_dir(cfg)  # refuses to clobber a previous run unless run.overwrite=true
-        check_resume(cfg)  # the checkpoint run.resume names is complete and fits this config
-        if owns_run_dir():  # under torchrun, rank 0 only: another rank's copy would look like an old run
-            save_config(cfg, cfg.run_dir / "config.yaml")
-        warn_unsynced_end(cfg)
-        if cfg.mesh.backend == "fake":
-            print(
-                "note: mesh.backend=fake: collectives move no data (each rank keeps its own), so step times are "
-                "compute only and the losses are not a training result",
-                file=sys.stderr,
-            )
-        launch(cfg, worker or train_worker)
+        with hold_run_lock(cfg) if owns_run_dir() else contextlib.nullcontext():  # one launch per run folder
+            # Every check that can refuse the run comes before anything in the run folder changes.
+            if under_torchrun():
+                check_world_size(cfg, int(os.environ["WORLD_SIZE"]))
+            resume_from = check_resume(cfg)  # the checkpoint run.resume names is intact and fits this config
+            if finished(cfg, resume_from):
+                print(f"{cfg.run_dir}: already trained to run.steps={cfg.run.steps} ({resume_from}); nothing to do")
+                return 0
+            prepare_run_dir(cfg)  # refuses to clobber a previous run unless run.overwrite=true
+            if owns_run_dir():  # under torchrun, rank 0 only: another rank's copy would look like an old run
+                save_config(cfg, cfg.run_dir / "config.yaml")
+            warn_unsynced_end(cfg)
+            if cfg.mesh.backend == "fake":
+                print(
+                    "note: mesh.backend=fake: collectives move no data (each rank keeps its own), so step times "
+                    "are compute only and the losses are not a training result",
+                    file=sys.stderr,
+                )
+            launch(cfg, worker or train_worker)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except WorkerError as e:
+        remove_failed_saves(cfg.run_dir)  # a rank that died mid-save cannot clean up after itself
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (Interrupted, KeyboardInterrupt) as e:  # launch() has stopped every worker
+        if cfg is not None:
+            remove_failed_saves(cfg.run_dir)
         stop = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
         workers = f"; stopped {stop.workers} workers" if stop.workers else ""
         metrics = cfg.run_dir / "metrics.jsonl" if cfg is not None else None

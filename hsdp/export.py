@@ -13,6 +13,7 @@ with `GPT(cfg.model).load_state_dict(torch.load(out))`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -25,7 +26,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from hsdp.config.schema import ConfigError
 from hsdp.engines.registry import saved_engine_class
 from hsdp.model import GPT
-from hsdp.run.checkpoint import read_dcp_metadata, read_meta, read_saved_config
+from hsdp.run.checkpoint import read_dcp_metadata, read_meta, read_saved_config, verify_files
+from hsdp.run.integrity import first_non_finite
 
 
 def export(checkpoint: Path, replica: Optional[int] = None, use_global: bool = False) -> tuple[dict, str]:
@@ -33,6 +35,7 @@ def export(checkpoint: Path, replica: Optional[int] = None, use_global: bool = F
     meta = read_meta(checkpoint, key="checkpoint")
     cfg = read_saved_config(checkpoint, key="checkpoint")
     read_dcp_metadata(checkpoint, key="checkpoint")  # fails early (ConfigError) on missing or truncated files
+    verify_files(checkpoint, key="checkpoint")  # and on files whose bytes changed since the save
     prefix, what = saved_engine_class(meta["engine"]).export_source(meta, replica, use_global)
     with torch.device("meta"):
         model = GPT(cfg.model)
@@ -44,7 +47,21 @@ def export(checkpoint: Path, replica: Optional[int] = None, use_global: bool = F
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(targets, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)
     state = {n: targets[prefix + n].reshape(p.shape) for n, p in model.named_parameters()}
+    bad = first_non_finite(state)
+    if bad is not None:
+        raise ConfigError(f"checkpoint: {checkpoint} holds a non-finite value in {bad}; not exported")
     return state, what
+
+
+def check_out_path(out: Path) -> None:
+    """The output must be a file in an existing, writable folder (ConfigError before any work)."""
+    if out.is_dir():
+        raise ConfigError(f"out: {out} is a folder; give a file name such as {out / 'model.pt'}")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"out: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"out: the folder {parent} is not writable")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -56,11 +73,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     which.add_argument("--global", dest="use_global", action="store_true", help="export θ_g (the default if present)")
     args = p.parse_args(argv)
     try:
+        check_out_path(args.out)
         state, what = export(args.checkpoint, args.replica, args.use_global)
+        torch.save(state, args.out)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    torch.save(state, args.out)
+    except OSError as e:  # e.g. the disk filled up while writing
+        print(f"error: out: cannot write {args.out} ({e.strerror})", file=sys.stderr)
+        return 2
     print(
         f"wrote {what} from {args.checkpoint} to {args.out} ({sum(t.numel() for t in state.values()):,} params)",
         file=sys.stderr,

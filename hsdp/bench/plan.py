@@ -14,6 +14,7 @@ from hsdp.bench.netns import MAX_REPLICAS
 from hsdp.bench.spec import REPO, LinkRunSpec, SweepSpec, load_link_spec, load_sweep, parse_rate, parse_runs_arg
 from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
+from hsdp.run.rundir import has_checkpoint
 
 NOCOMM = "-nocomm"  # suffix of a sweep run's no-communication twin (nocomm: true)
 
@@ -44,11 +45,13 @@ def with_nocomm_twins(runs: dict[str, list[str]]) -> dict[str, list[str]]:
     return out
 
 
-def plan_sweep(path: str, extra_set: list[str], only: set[str], no_run: bool) -> SweepPlan:
+def plan_sweep(path: str, extra_set: list[str], only: set[str], no_run: bool, resume: bool = False) -> SweepPlan:
     """The sweep file's runs (and twins) with their overrides; `only` (a twin follows its run) or none re-run.
 
     Re-run runs get `run.overwrite=true`; every run gets its `run.out_dir` made absolute (relative
-    out_dirs mean "from where the sweep was started").
+    out_dirs mean "from where the sweep was started"). `resume` continues an interrupted sweep: a
+    run with a summary.json is finished and kept, one with a checkpoint resumes from it
+    (`run.resume=auto`), the others start over.
     """
     spec = load_sweep(path)
     name = Path(path).stem
@@ -60,8 +63,11 @@ def plan_sweep(path: str, extra_set: list[str], only: set[str], no_run: bool) ->
     all_runs = with_nocomm_twins(spec["runs"]) if spec["nocomm"] else spec["runs"]
     overrides = {run: [*shared, *extra, f"run.name={name}-{run}"] for run, extra in all_runs.items()}
     to_run = [] if no_run else [run for run in overrides if not only or run.removesuffix(NOCOMM) in only]
-    for run in to_run:  # a sweep re-runs its runs: replace their previous outputs
-        overrides[run].append("run.overwrite=true")
+    if resume:
+        dirs = {run: load_config(spec["base"], o).run_dir for run, o in overrides.items()}
+        to_run = [run for run in to_run if not (dirs[run] / "summary.json").is_file()]
+    for run in to_run:  # a sweep re-runs its runs: replace their previous outputs (or continue them)
+        overrides[run].append("run.resume=auto" if resume and has_checkpoint(dirs[run]) else "run.overwrite=true")
     configs = {run: load_config(spec["base"], o) for run, o in overrides.items()}  # validate all before running any
     for run, cfg in configs.items():
         overrides[run].append(f"run.out_dir={Path(cfg.run.out_dir).expanduser().resolve()}")

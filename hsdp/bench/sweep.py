@@ -30,13 +30,18 @@ The table is printed and written to `<out_dir>/<sweep>.md` (the first run's out_
 `<sweep>-wall.png` (hsdp.bench.plot). `--no-run` runs nothing and makes the table (and plots)
 from the run folders already there.
 
+`--resume` continues an interrupted sweep: runs that finished (summary.json) are kept, a run
+with a checkpoint resumes from it, the others start over.
+
 Bad input (missing, empty or malformed sweep file, unknown keys, a bad run config) exits 2
 with one line before any run starts; SIGINT/SIGTERM stops the current run (and its workers)
-and exits 130/143.
+and exits 130/143; a kill -9 of the sweep kills the current run's launcher, which takes its
+workers with it (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +54,7 @@ from hsdp.bench.report import sweep_table
 from hsdp.bench.spec import REPO
 from hsdp.config.schema import ConfigError
 from hsdp.run.launch import Interrupted, StopSignals
+from hsdp.run.zygote import die_with_parent
 
 STOP_WAIT_S = 30.0  # a run's launcher stops its workers within seconds; then it is killed
 
@@ -63,7 +69,8 @@ def run_one(base: str, overrides: list[str], stop: StopSignals) -> int:
     for o in overrides:
         cmd += ["--set", o]
     print("+", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd)
+    sweep = os.getpid()
+    proc = subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(sweep))  # a kill -9 of the sweep ends the run
     try:
         return proc.wait()
     except Interrupted as e:
@@ -77,7 +84,7 @@ def run_one(base: str, overrides: list[str], stop: StopSignals) -> int:
         raise
 
 
-def run_sweep(path: str, extra_set: list[str], only: set[str], plot: bool, no_run: bool) -> int:
+def run_sweep(path: str, extra_set: list[str], only: set[str], plot: bool, no_run: bool, resume: bool = False) -> int:
     """The sweep command: plan, run, table, plots. 0 when every run has a summary, 1 if not, 2 on bad input."""
     if plot:
         try:
@@ -86,7 +93,7 @@ def run_sweep(path: str, extra_set: list[str], only: set[str], plot: bool, no_ru
             print("--plot: needs matplotlib (pip install -e '.[plot]')", file=sys.stderr)
             return 2
     try:
-        plan = plan_sweep(path, extra_set, only, no_run)
+        plan = plan_sweep(path, extra_set, only, no_run, resume)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ kept per (group name, op); `metrics.jsonl` reports the "shard" and "sync" totals
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections import defaultdict
 from typing import Optional
@@ -38,8 +39,12 @@ def ring_bytes_of(op: str, n: int, nbytes: int) -> int:
     return 2 * (n - 1) * nbytes // n if op == "all_reduce" else (n - 1) * nbytes
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within mesh.timeout_s: a peer rank stopped answering."""
+
+
 class TimedWork:
-    """Wraps an async Work so the time spent waiting on it is counted."""
+    """Wraps an async Work so the time spent waiting on it is counted, and bounded by the Comm's timeout."""
 
     def __init__(self, work: Optional[dist.Work], comm: Comm, key: tuple[str, str]) -> None:
         self.work, self.comm, self.key = work, comm, key
@@ -47,7 +52,20 @@ class TimedWork:
     def wait(self) -> None:
         if self.work is not None:
             t0 = time.perf_counter()
-            self.work.wait()
+            timeout = self.comm.timeout
+            if timeout is None:
+                self.work.wait()
+            else:  # gloo's own timeout does not bound a wait on a peer that is alive but stopped
+                try:
+                    self.work.wait(timeout)
+                except RuntimeError as e:
+                    if time.perf_counter() - t0 < timeout.total_seconds():
+                        raise  # failed for another reason (a peer died): its own error
+                    group, op = self.key
+                    raise CollectiveTimeout(
+                        f"{op} on the {group} group did not complete within mesh.timeout_s="
+                        f"{timeout.total_seconds():g} s (a peer rank stopped answering)"
+                    ) from e
             self.comm.seconds[self.key] += time.perf_counter() - t0
             self.work = None
 
@@ -61,8 +79,10 @@ class TimedWork:
 class Comm:
     """The run's process groups by name, and the byte/time counters."""
 
-    def __init__(self, groups: dict[str, Optional[dist.ProcessGroup]]) -> None:
+    def __init__(self, groups: dict[str, Optional[dist.ProcessGroup]], timeout_s: Optional[float] = None) -> None:
+        """`timeout_s`: the bound on any wait for a collective (mesh.timeout_s); None waits as long as torch does."""
         self.groups = groups
+        self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         self.sizes = {name: dist.get_world_size(g) for name, g in groups.items()}
         # Process-group name → our label. One group can carry several labels (on a 1×S mesh the
         # shard group is the world group): the first, most specific one ("shard" before "world") wins.
@@ -90,7 +110,7 @@ class Comm:
         key = (group, op)
         self.count(group, op, nbytes)
         t0 = time.perf_counter()
-        work = fn(async_op)
+        work = fn(True)  # always async: a blocking call could not be bounded by the timeout
         self.seconds[key] += time.perf_counter() - t0
         timed = TimedWork(work, self, key)
         if not async_op:

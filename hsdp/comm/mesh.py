@@ -8,6 +8,7 @@ group joins the ranks with the same shard_rank across replicas.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,11 +30,12 @@ class Mesh:
     comm: Comm
 
 
-def build_mesh(sync: int, shard: int, device: torch.device) -> Mesh:
-    """Build the mesh on an initialised default process group of sync·shard ranks."""
+def build_mesh(sync: int, shard: int, device: torch.device, timeout_s: Optional[float] = None) -> Mesh:
+    """Build the mesh on an initialised default process group of sync·shard ranks; `timeout_s` bounds
+    every wait on one of its collectives (mesh.timeout_s)."""
     dm = init_device_mesh(device.type, (sync, shard), mesh_dim_names=("sync", "shard"))
     rank = dist.get_rank()
-    comm = Comm({"shard": dm.get_group("shard"), "sync": dm.get_group("sync"), "world": dist.group.WORLD})
+    comm = Comm({"shard": dm.get_group("shard"), "sync": dm.get_group("sync"), "world": dist.group.WORLD}, timeout_s)
     return Mesh(
         device_mesh=dm,
         device=device,

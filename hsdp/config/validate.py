@@ -125,7 +125,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError("sync.outer_lr/outer_momentum: only used by sync.method=diloco, got method average")
 
 
+NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems
+
+
 def check_run_name(name: str) -> None:
     """run.name is one folder name inside run.out_dir: not empty, `.`, `..`, nor a path."""
     if not name or name in (".", "..") or "/" in name or "\0" in name:
         raise ConfigError(f"run.name: expected a folder name (not empty, '.', '..', no '/'), got {name!r}")
+    # The lock file beside the run folder (.<name>.lock, hsdp/run/lock.py) is the longest name a run creates.
+    if len(f".{name}.lock".encode()) > NAME_MAX:
+        raise ConfigError(
+            f"run.name: {len(name.encode())} bytes is too long for a folder name (at most {NAME_MAX - 6})"
+        )

@@ -6,6 +6,7 @@ A run folder's checkpoints (docs/design.md §7):
         .metadata, __<rank>_0.distcp       DCP: every rank's tensors and pickled extras
         meta.json                          step, engine, mesh, replicas_identical, the engine's meta
         config.yaml                        the run's resolved config at save time
+        checksums.json                     SHA-256 of every file above (hsdp/run/integrity.py)
         .complete                          written last: only a folder with it is a checkpoint
     <run_dir>/checkpoints/.tmp_step_N/    a save in progress (renamed when every rank is done)
 
@@ -47,6 +48,17 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.engines.base import Engine, SavedCheckpoint
 from hsdp.engines.registry import saved_engine_class
 from hsdp.model import GPT
+from hsdp.run.guard import Diverged, last_good_hint
+from hsdp.run.integrity import (
+    CHECKSUMS,
+    ChecksumError,
+    first_non_finite,
+    hash_files,
+    rank_data_files,
+    verify_checksums,
+    write_checksums,
+)
+from hsdp.run.rundir import owns_run_dir
 
 FORMAT = 1  # bump when the layout of meta.json or the DCP keys changes
 CHECKPOINTS = "checkpoints"
@@ -88,8 +100,8 @@ def resolve_resume(cfg: Config) -> Optional[Path]:
     resume = cfg.run.resume
     if resume == "never":
         return None
-    if resume == "auto":
-        return latest_checkpoint(cfg.run_dir)
+    if resume == "auto":  # run.overwrite=true replaces the run, its checkpoints included: nothing to resume
+        return None if cfg.run.overwrite else latest_checkpoint(cfg.run_dir)
     path = Path(resume).expanduser()
     if not path.is_dir():
         raise ConfigError(f"run.resume: expected auto, never or a checkpoint folder, got {resume!r} (no such folder)")
@@ -109,9 +121,38 @@ def check_resume(cfg: Config) -> Optional[Path]:
     checkpoint folder to resume from, or None to start fresh.
     """
     path = resolve_resume(cfg)
-    if path is not None:
-        validate_checkpoint(path, cfg)
+    if path is None:
+        return None
+    if cfg.run.overwrite and _inside(path, cfg.run_dir):
+        raise ConfigError(
+            f"run.resume: {path} is inside {cfg.run_dir}, which run.overwrite=true would delete; "
+            "resume without run.overwrite, or copy the checkpoint elsewhere first"
+        )
+    meta = validate_checkpoint(path, cfg)
+    done = meta["step"] + 1
+    if cfg.run.steps < done:
+        raise ConfigError(
+            f"run.steps: {cfg.run.steps} is below the {done} steps checkpoint {path} has already trained; "
+            f"set run.steps above {done - 1}, or run.resume=never"
+        )
     return path
+
+
+def finished(cfg: Config, path: Optional[Path]) -> bool:
+    """Whether the checkpoint to resume from already holds all `run.steps` steps (re-running a finished run)."""
+    return path is not None and read_meta(path)["step"] + 1 == cfg.run.steps
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return Path(os.path.realpath(folder)) in Path(os.path.realpath(path)).parents
+
+
+def remove_failed_saves(run_dir: Path) -> None:
+    """Delete the temporary folders of saves that never completed (a rank died mid-save; the launcher's cleanup)."""
+    root = checkpoints_dir(run_dir)
+    if root.is_dir():
+        for p in root.glob(".tmp_step_*"):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 # `key` names what the user gave the path as, for the one-line error (run.resume, or export's argument).
@@ -154,9 +195,24 @@ def read_dcp_metadata(path: Path, key: str = "run.resume") -> Metadata:
     return metadata
 
 
+def verify_files(path: Path, key: str = "run.resume") -> None:
+    """Every file of the checkpoint matches the checksum saved with it (ConfigError naming the first that does not).
+
+    A checkpoint from before checksums were written (no checksums.json) is accepted as it is.
+    """
+    if not (path / CHECKSUMS).is_file():
+        return
+    try:
+        verify_checksums(path)
+    except (ChecksumError, OSError, ValueError) as e:
+        raise ConfigError(f"{key}: checkpoint {path} is corrupt: {e}; resume from an earlier checkpoint") from None
+
+
 def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
-    """ConfigError unless `path` is a complete, readable checkpoint `cfg` can continue; returns its meta."""
+    """ConfigError unless `path` is a complete, intact checkpoint `cfg` can continue; returns its meta."""
     meta = read_meta(path)
+    if owns_run_dir():  # under torchrun, rank 0 reads every file once for all ranks (a mismatch ends them all)
+        verify_files(path)
     saved = read_saved_config(path)
     for key, old in vars(saved.model).items():
         new = getattr(cfg.model, key)
@@ -317,36 +373,67 @@ class Checkpoints:
             self.save(step, progress)
 
     def save(self, step: int, progress: Progress) -> Path:
-        """Write `checkpoints/step_{step}` atomically (collective: every rank calls it)."""
+        """Write `checkpoints/step_{step}` atomically (collective: every rank calls it).
+
+        Refuses (Diverged, on every rank) a state that holds a NaN or inf, before anything is
+        written: a bad state is never checkpointed, so pruning never removes the last good one.
+        A save that fails on rank 0 removes its temporary folder before the error propagates.
+        """
         t0 = time.perf_counter()
         tmp, final = self.root / f".tmp_step_{step}", self.root / f"step_{step}"
         rank0 = self.mesh.rank == 0
+        state = self.engine.checkpoint_state(self.optimizer)
+        self._refuse_non_finite(step, state)
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
             tmp.mkdir(parents=True)
-        dist.barrier()
-        state = self.engine.checkpoint_state(self.optimizer)
-        state[f"rank{self.mesh.rank}.extra"] = self._extras(progress)
-        meta = {
-            "format": FORMAT,
-            "step": step,
-            "engine": self.cfg.mesh.engine,
-            "mesh": {"sync": self.mesh.sync_size, "shard": self.mesh.shard_size},
-            "replicas_identical": self.engine.replicas_identical(step),
-            "engine_meta": self.engine.checkpoint_meta(),
-            "saved_at": time.time(),
-        }
-        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
-        dist.barrier()  # every rank's files are written (DCP's metadata only on rank 0's side)
-        if rank0:
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-            save_config(self.cfg, tmp / "config.yaml")
-            _fsync_files([tmp / "meta.json", tmp / "config.yaml"])  # DCP fsyncs its own files
-            publish(tmp, final)
-            prune(self.cfg.run_dir, final, self.cfg.run.keep_checkpoints)
+        try:
+            dist.barrier()
+            state[f"rank{self.mesh.rank}.extra"] = self._extras(progress)
+            meta = {
+                "format": FORMAT,
+                "step": step,
+                "engine": self.cfg.mesh.engine,
+                "mesh": {"sync": self.mesh.sync_size, "shard": self.mesh.shard_size},
+                "replicas_identical": self.engine.replicas_identical(step),
+                "engine_meta": self.engine.checkpoint_meta(),
+                "saved_at": time.time(),
+            }
+            dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+            dist.barrier()  # every rank's files are written (DCP's metadata only on rank 0's side)
+            digests = [None] * self.mesh.world if rank0 else None
+            mine = hash_files(tmp, rank_data_files(tmp, self.mesh.rank))  # each rank hashes its own files
+            dist.gather_object(mine, digests, dst=0)
+            if rank0:
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+                save_config(self.cfg, tmp / "config.yaml")
+                checksums = write_checksums(tmp, {k: v for d in digests for k, v in d.items()})
+                _fsync_files([tmp / "meta.json", tmp / "config.yaml", checksums])  # DCP fsyncs its own files
+                publish(tmp, final)
+                prune(self.cfg.run_dir, final, self.cfg.run.keep_checkpoints)
+        except BaseException:
+            if rank0:  # a full disk must not stay full of a save that will never complete
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self.saves += 1
         self.save_s += time.perf_counter() - t0
         return final
+
+    def _refuse_non_finite(self, step: int, state: dict[str, Any]) -> None:
+        """Diverged on every rank if any rank's state holds a NaN or inf (one flag all-reduced, uncounted)."""
+        bad_key = first_non_finite(state)
+        flag = torch.tensor([0.0 if bad_key is None else 1.0 + self.mesh.rank], device=self.mesh.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if float(flag) > 0:
+            where = f"{bad_key} on rank {self.mesh.rank}" if bad_key else f"rank {int(flag) - 1}'s state"
+            raise Diverged(
+                f"step {step}: the state to checkpoint holds a non-finite value ({where}); not saved; "
+                + last_good_hint(latest_checkpoint(self.cfg.run_dir))
+            )
+
+    def last_good(self) -> Optional[Path]:
+        """The newest complete checkpoint (every checkpoint is finite), for the divergence message."""
+        return latest_checkpoint(self.cfg.run_dir)
 
 
 def prune(run_dir: Path, newest: Path, keep: int) -> None:

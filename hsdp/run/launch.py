@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from hsdp.config.preflight import check_world_size
 from hsdp.config.schema import Config
+from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.zygote import Exit, Workers, Zygote
 
 Worker = Callable[[Config], None]
@@ -228,12 +229,66 @@ def start_zygote(worker: Worker) -> Zygote:
     return _zygote
 
 
-def _failure(ended: Exit) -> str:
-    """WorkerError's message for a worker that did not exit cleanly."""
+def _process_state(pid: Optional[int]) -> str:
+    """The one-letter state of a process from /proc (R, S, D, T for stopped, ...); "" if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError, TypeError):
+        return ""
+
+
+_stopped_at: dict[int, float] = {}  # pid → when the launcher first saw it stopped
+
+
+def _stopped_too_long(workers: Workers, timeout_s: float) -> Optional[Exit]:
+    """A worker whose process has been stopped (SIGSTOP, a debugger) for longer than mesh.timeout_s, as a failure.
+
+    Its peers would otherwise each wait out their own collective timeout, eager or compiled, and
+    report themselves; this names the rank that stopped answering.
+    """
+    now = time.monotonic()
+    for index in workers.running():
+        pid = workers.pids.get(index)
+        if _process_state(pid) not in ("T", "t"):
+            _stopped_at.pop(pid, None)
+            continue
+        since = _stopped_at.setdefault(pid, now)
+        if now - since > timeout_s:
+            why = f"its process (pid {pid}) has been stopped for over mesh.timeout_s={timeout_s:g} s"
+            return Exit(index, None, why, stalled=True)
+    return None
+
+
+def _not_answering(workers: Workers, failed: Exit, grace_s: float = 3.0) -> list[int]:
+    """After a rank timed out in a collective: the ranks that are stopped, or that do not also fail within
+    `grace_s` (their peers time out too), i.e. the ones that stopped answering."""
+    if "CollectiveTimeout" not in failed.traceback:
+        return []
+    deadline = time.monotonic() + grace_s
+    while workers.running() and (left := deadline - time.monotonic()) > 0:
+        stopped = [i for i in workers.running() if _process_state(workers.pids.get(i)) in ("T", "t")]
+        if stopped:
+            return stopped
+        workers.wait(min(left, 0.2))
+    return workers.running()
+
+
+def _failure(ended: Exit, silent: list[int] = ()) -> str:
+    """WorkerError's message for a worker that did not exit cleanly; its last line is the error itself."""
     rank = f"rank {ended.index}"
+    if ended.stalled:
+        return f"{rank} stopped answering: {ended.traceback}"
+    if silent:
+        last = ended.traceback.rstrip().splitlines()[-1].split(": ", 1)[-1]
+        names = ", ".join(str(i) for i in silent)
+        return f"rank{'s' if len(silent) > 1 else ''} {names} stopped answering; {rank} waited for it: {last}"
     if ended.code is None:
         return f"{rank} ended with an unknown status ({ended.traceback})"
     if ended.traceback:
+        last = ended.traceback.rstrip().splitlines()[-1]
+        if last.split(":", 1)[0] in ONE_LINE_ERRORS:  # the message says it all (e.g. Diverged)
+            return f"{rank}: {last.split(': ', 1)[-1]}"
         return f"{rank} failed:\n{ended.traceback.rstrip()}"
     if ended.code < 0:
         return f"{rank} was killed by {signal.Signals(-ended.code).name}"
@@ -277,11 +332,15 @@ def launch(cfg: Config, worker: Worker) -> None:
             return
         with start_zygote(worker).workers() as workers:
             workers.start([(_local_worker, (rank, cfg, worker, port, world)) for rank in range(world)])
-            failed = None
+            failed, silent = None, []
             try:
                 stop.arm()
                 while failed is None and workers.running():
                     failed = next((e for e in workers.wait(1.0) if e.code != 0), None)
+                    if failed is None:
+                        failed = _stopped_too_long(workers, cfg.mesh.timeout_s)
+                if failed is not None and failed.index not in workers.running():
+                    silent = _not_answering(workers, failed)
             except Interrupted as e:
                 stop.disarm()
                 raise Interrupted(e.signum, stop_workers(workers)) from None
@@ -289,4 +348,4 @@ def launch(cfg: Config, worker: Worker) -> None:
                 stop.disarm()
                 stop_workers(workers)  # the others after a failure; no-op after a clean run
             if failed is not None:
-                raise WorkerError(_failure(failed))
+                raise WorkerError(_failure(failed, silent))

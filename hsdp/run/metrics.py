@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from hsdp.config.schema import Config, to_dict
+from hsdp.run.integrity import finite_or_none
 
 WANDB_TIMEOUT_ENV = "HSDP_WANDB_TIMEOUT_S"
 WANDB_TIMEOUT_S = 60.0  # default bound on wandb.init (login + run creation)
@@ -199,7 +200,8 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
+        record = finite_or_none(record)  # JSON has no NaN: a diverged step logs null
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         run = self._wandb
         self._to_wandb("log", lambda: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]))
@@ -213,7 +215,8 @@ class MetricsLogger:
     def summary(self, summary: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary = finite_or_none(summary)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
         run = self._wandb
         self._to_wandb("summary", lambda: run.summary.update(summary))
 

@@ -140,6 +140,7 @@ class Exit:
     index: int
     code: Optional[int]
     traceback: str = ""  # what the worker's target raised, or why the code is unknown
+    stalled: bool = False  # not ended: the launcher gave up on it (stopped too long), and kills it
 
 
 class Zygote:

@@ -1,0 +1,40 @@
+"""The divergence guard: a run whose loss or grad norm stops being finite ends at once, saying so.
+
+Training on after a NaN wastes the rest of the budget, and worse, checkpoints the NaN state
+and prunes the last good checkpoint. Every step each rank checks its own loss and the grad
+norm (both already on the host: the loop logs them and clipping returns the norm), before
+the optimizer applies anything. A non-finite value raises `Diverged`, which ends every rank
+(the launcher's rule for any failing rank) with one line: the step, what went non-finite,
+and the checkpoint to resume from with a smaller learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+
+class Diverged(RuntimeError):
+    """The run diverged; the message is the one line the user sees."""
+
+
+# Exceptions whose message is the whole story: the launcher reports their last line, not a traceback.
+ONE_LINE_ERRORS = (f"{Diverged.__module__}.{Diverged.__qualname__}",)
+
+
+def check_finite(step: int, loss: float, grad_norm: float, rank: int, last_good: Callable[[], Optional[Path]]) -> None:
+    """Raise Diverged if this rank's loss or grad norm of `step` is NaN or infinite (`last_good`: asked only then)."""
+    bad = [
+        f"{name} is {value}" for name, value in (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(value)
+    ]
+    if bad:
+        raise Diverged(f"step {step}: the {' and the '.join(bad)} on rank {rank}; {last_good_hint(last_good())}")
+
+
+def last_good_hint(last_good: Optional[Path]) -> str:
+    """Where to go on from: nothing non-finite is ever checkpointed, so the latest checkpoint is good."""
+    if last_good is None:
+        return "no checkpoint was saved before it"
+    return f"the last good checkpoint is {last_good} (run.resume=<it>, perhaps with a lower optim.lr)"
