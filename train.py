@@ -200,7 +200,10 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
                 check_world_size(cfg, int(os.environ["WORLD_SIZE"]))
             resume_from = check_resume(cfg)  # the checkpoint run.resume names is intact and fits this config
             if finished(cfg, resume_from):
-                print(f"{cfg.run_dir}: already trained to run.steps={cfg.run.steps} ({resume_from}); nothing to do")
+                print(
+                    f"{cfg.run_dir}: already trained to run.steps={cfg.run.steps} ({resume_from}); nothing to do",
+                    file=sys.stderr,
+                )
                 return 0
             prepare_run_dir(cfg)  # refuses to clobber a previous run unless run.overwrite=true
             if owns_run_dir():  # under torchrun, rank 0 only: another rank's copy would look like an old run
