@@ -119,7 +119,7 @@ def test_checksums_cover_every_file(finished: RunResult) -> None:
 
 # ---------------------------------------------------------------- 3. divergence
 def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(out: Path, finished: RunResult) -> None:
-    """Resume the finished run's step_3 with optim.lr=1e6: the run stops with one line naming the step and the
+    """Resume the finished run's step_5 with optim.lr=1e6: the run stops with one line naming the step and the
     last good checkpoint; nothing non-finite is saved, the good checkpoints survive, metrics stay valid JSON."""
     run = out / "diverge"
     shutil.copytree(finished.run_dir, run)
@@ -128,11 +128,15 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(out: Path, 
     assert res.returncode == 1, res.stderr
     line = last_line(res.stderr)
     assert line.startswith("error: rank ") and any(w in line for w in ("non-finite", " is nan", " is inf")), line
-    assert f"last good checkpoint is {run / 'checkpoints' / 'step_5'}" in line, line
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_5"]
+    diverged_at = int(line.split("step ", 1)[1].split(":", 1)[0])
+    kept = sorted((p for p in (run / "checkpoints").iterdir()), key=lambda p: int(p.name.split("_")[1]))
+    assert [p.name for p in kept][0] == "step_5"  # the good checkpoint the bad run started from is still there
+    assert all(p.name.startswith("step_") and int(p.name[5:]) < diverged_at for p in kept)
+    assert f"the last good checkpoint is {kept[-1]} " in line, line
+    for p in kept:  # every checkpoint left is finite: export refuses anything else
+        assert export_main([str(p), str(out / "diverge.pt")]) == 0
     records = strict_json_lines(run / "metrics.jsonl")
-    assert records[-1]["step"] >= 5
-    assert export_main([str(run / "checkpoints" / "step_5"), str(out / "diverge.pt")]) == 0
+    assert records[-1]["step"] == diverged_at - 1
 
 
 def test_nan_from_the_first_step_exits_non_zero(out: Path) -> None:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hsdp.comm.mesh import Mesh
@@ -48,7 +49,7 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.engines.base import Engine, SavedCheckpoint
 from hsdp.engines.registry import saved_engine_class
 from hsdp.model import GPT
-from hsdp.run.guard import Diverged, last_good_hint
+from hsdp.run.guard import Diverged, SaveFailed, last_good_hint
 from hsdp.run.integrity import (
     CHECKSUMS,
     ChecksumError,
@@ -211,8 +212,6 @@ def verify_files(path: Path, key: str = "run.resume") -> None:
 def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
     """ConfigError unless `path` is a complete, intact checkpoint `cfg` can continue; returns its meta."""
     meta = read_meta(path)
-    if owns_run_dir():  # under torchrun, rank 0 reads every file once for all ranks (a mismatch ends them all)
-        verify_files(path)
     saved = read_saved_config(path)
     for key, old in vars(saved.model).items():
         new = getattr(cfg.model, key)
@@ -246,6 +245,9 @@ def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
     extra = sorted(set(present) - set(expected))
     if extra:
         raise ConfigError(f"model: checkpoint {path} has tensor {extra[0]}, which the config's model lacks")
+    # Last: the checks above name what differs; this one finds bytes that changed without changing sizes.
+    if owns_run_dir():  # under torchrun, rank 0 reads every file once for all ranks (a mismatch ends them all)
+        verify_files(path)
     return meta
 
 
@@ -411,9 +413,16 @@ class Checkpoints:
                 _fsync_files([tmp / "meta.json", tmp / "config.yaml", checksums])  # DCP fsyncs its own files
                 publish(tmp, final)
                 prune(self.cfg.run_dir, final, self.cfg.run.keep_checkpoints)
-        except BaseException:
+        except BaseException as e:
             if rank0:  # a full disk must not stay full of a save that will never complete
                 shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, CheckpointException):  # DCP's report holds every rank's traceback: name the first
+                rank, (error, _) = next(iter(sorted(e.failures.items(), key=lambda kv: kv[0])))
+                raise SaveFailed(
+                    f"saving checkpoint step_{step} failed on rank {rank}: {type(error).__name__}: {error}"
+                ) from None
+            if isinstance(e, OSError):
+                raise SaveFailed(f"saving checkpoint step_{step} failed: {type(e).__name__}: {e}") from e
             raise
         self.saves += 1
         self.save_s += time.perf_counter() - t0

@@ -20,8 +20,12 @@ class Diverged(RuntimeError):
     """The run diverged; the message is the one line the user sees."""
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions); the message names the rank and the OS error."""
+
+
 # Exceptions whose message is the whole story: the launcher reports their last line, not a traceback.
-ONE_LINE_ERRORS = (f"{Diverged.__module__}.{Diverged.__qualname__}",)
+ONE_LINE_ERRORS = tuple(f"{e.__module__}.{e.__qualname__}" for e in (Diverged, SaveFailed))
 
 
 def check_finite(step: int, loss: float, grad_norm: float, rank: int, last_good: Callable[[], Optional[Path]]) -> None:
