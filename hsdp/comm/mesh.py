@@ -7,6 +7,7 @@ group joins the ranks with the same shard_rank across replicas.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,7 +34,7 @@ class Mesh:
 def build_mesh(sync: int, shard: int, device: torch.device, timeout_s: Optional[float] = None) -> Mesh:
     """Build the mesh on an initialised default process group of sync·shard ranks; `timeout_s` bounds
     every wait on one of its collectives (mesh.timeout_s)."""
-    dm = init_device_mesh(device.type, (sync, shard), mesh_dim_names=("sync", "shard"))
+    dm = _device_mesh(sync, shard, device, timeout_s)
     rank = dist.get_rank()
     comm = Comm({"shard": dm.get_group("shard"), "sync": dm.get_group("sync"), "world": dist.group.WORLD}, timeout_s)
     return Mesh(
@@ -46,4 +47,27 @@ def build_mesh(sync: int, shard: int, device: torch.device, timeout_s: Optional[
         shard_size=shard,
         sync_size=sync,
         comm=comm,
+    )
+
+
+def _device_mesh(sync: int, shard: int, device: torch.device, timeout_s: Optional[float]) -> DeviceMesh:
+    """The sync × shard DeviceMesh, its two groups created with the run's timeout.
+
+    init_device_mesh would create them with torch's default timeout (30 min for gloo), not the
+    default group's, so a rank that stops answering would hold its peers for half an hour.
+    """
+    if timeout_s is None:
+        return init_device_mesh(device.type, (sync, shard), mesh_dim_names=("sync", "shard"))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    layout = torch.arange(sync * shard).view(sync, shard)
+    rank = dist.get_rank()
+    mine: dict[str, Optional[dist.ProcessGroup]] = {}
+    # new_group is collective over the world: every rank creates every group, in the same order.
+    for name, groups in (("sync", layout.t().tolist()), ("shard", layout.tolist())):
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[name] = group
+    return DeviceMesh.from_group(
+        [mine["sync"], mine["shard"]], device.type, mesh=layout, mesh_dim_names=("sync", "shard")
     )

@@ -263,7 +263,7 @@ def _stopped_too_long(workers: Workers, timeout_s: float) -> Optional[Exit]:
 def _not_answering(workers: Workers, failed: Exit, grace_s: float = 3.0) -> list[int]:
     """After a rank timed out in a collective: the ranks that are stopped, or that do not also fail within
     `grace_s` (their peers time out too), i.e. the ones that stopped answering."""
-    if "CollectiveTimeout" not in failed.traceback:
+    if "CollectiveTimeout" not in failed.traceback and "Timed out waiting" not in failed.traceback:  # ours, gloo's
         return []
     deadline = time.monotonic() + grace_s
     while workers.running() and (left := deadline - time.monotonic()) > 0:
