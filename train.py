@@ -28,7 +28,7 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.data import Data
 from hsdp.engines.base import Batch, Engine
 from hsdp.engines.registry import build_engine
-from hsdp.model import loss_fn
+from hsdp.model import loss_fn, throughput
 from hsdp.optim import build_optimizer, lr_at, set_lr
 from hsdp.run.checkpoint import Checkpoints, check_resume, finished, remove_failed_saves
 from hsdp.run.guard import check_finite
@@ -108,6 +108,7 @@ def train_worker(cfg: Config) -> None:
             "steps": cfg.run.steps,
             "tokens": cfg.run.steps * tokens_per_step,
             "tokens_per_s": cfg.run.steps * tokens_per_step / train_time,
+            **throughput(cfg, cfg.run.steps * tokens_per_step / train_time, mesh.device),  # FLOPs/token, MFU
             "median_step_time_s": statistics.median(run.step_times),
             "train_time_s": train_time,
             "wall_time_s": run.prior_wall_s + time.perf_counter() - t_start,

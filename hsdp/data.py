@@ -1,4 +1,4 @@
-"""Token streams: the stdlib's own source code, text files, token .bin files, synthetic.
+"""Token streams: the stdlib's own source code, text files, token .bin files (llm.c shards too), synthetic.
 
 Batching contract (what the equivalence tests rely on): a corpus is cut into
 non-overlapping windows of `seq_len` inputs (+1 target). Each micro-step takes
@@ -10,19 +10,25 @@ batch size `world · B` gets.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import glob
+import json
 import os
 import sysconfig
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 
 from hsdp.config.schema import Config, ConfigError
+from hsdp.shards import ShardError, ShardInfo, open_tokens, read_header
 
 SYNTHETIC_TRAIN, SYNTHETIC_VAL = 1 << 20, 1 << 16  # tokens of the synthetic source's splits
 SCAN_CHUNK = 1 << 26  # tokens per slice when scanning a .bin for its largest id (128 MiB of uint16)
+TOKENIZER = "tokenizer.json"  # beside a tokens file: the tokenizer that wrote it (hsdp.prepare)
+GLOB_CHARS = "*?["
 
 
 def stdlib_files() -> list[Path]:
@@ -53,6 +59,118 @@ def _val_bin(path: Path) -> Path | None:
     return val_path if val_path.is_file() and val_path != path else None
 
 
+def token_files(pattern: str) -> tuple[list[Path], list[Path]]:
+    """(train, val) token files of `data.path`: one file or a glob of shards (sorted).
+
+    Val: `val.bin` beside the (first) file; for a glob whose file name says `train`, the same glob
+    with `val` in its place (llm.c's `fineweb_train_*.bin` → `fineweb_val_*.bin`); else none (the
+    tail of train is held out). ConfigError if nothing matches.
+    """
+    path = Path(pattern).expanduser()
+    if path.is_file() or not any(c in pattern for c in GLOB_CHARS):
+        train = [path] if path.is_file() else []
+    else:
+        train = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+    if not train:
+        raise ConfigError(f"data.path: expected an existing .bin token file or a glob of shards, got {pattern!r}")
+    val: list[Path] = []
+    if len(train) > 1 and "train" in path.name:
+        head, _, tail = path.name.rpartition("train")
+        val = sorted(Path(p) for p in glob.glob(str(path.with_name(f"{head}val{tail}"))) if Path(p).is_file())
+    if not val:
+        beside = _val_bin(train[0])
+        val = [beside] if beside is not None and beside not in train else []
+    return train, val
+
+
+def shard_info(path: Path) -> ShardInfo:
+    """The layout of one token file (headered llm.c shard or headerless); ConfigError naming it if bad."""
+    try:
+        return read_header(path)
+    except ShardError as e:
+        raise ConfigError(f"data.path: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"data.path: cannot read {path} ({e.strerror})") from None
+
+
+class TokenParts:
+    """Several token arrays (shards) read as one: `len()` and `[a:b]` slices across their boundaries."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.starts = [0]
+        for part in parts:
+            self.starts.append(self.starts[-1] + len(part))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise IndexError("TokenParts supports contiguous slices only")
+        pieces = []
+        i = bisect.bisect_right(self.starts, start) - 1
+        while start < stop:
+            lo, hi = start - self.starts[i], min(stop, self.starts[i + 1]) - self.starts[i]
+            pieces.append(self.parts[i][lo:hi])
+            start, i = self.starts[i + 1], i + 1
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)
+
+    def cut(self, n: int) -> tuple[TokenParts, TokenParts]:
+        """The first n tokens and the rest, as lazy views (memmap slices read nothing)."""
+        head, tail = [], []
+        for part, start in zip(self.parts, self.starts):
+            k = min(max(n - start, 0), len(part))
+            head.append(part[:k])
+            tail.append(part[k:])
+        return TokenParts(head), TokenParts(tail)
+
+
+def _open_parts(files: list[Path]) -> np.ndarray | TokenParts:
+    """One memmap for one file (as before shards), else the files read as one."""
+    arrays = [open_tokens(shard_info(f)) for f in files]
+    return arrays[0] if len(arrays) == 1 else TokenParts(arrays)
+
+
+def tokenizer_path(cfg: Config) -> Optional[Path]:
+    """`tokenizer.json` beside the tokens data (as hsdp.prepare writes it), if there is one."""
+    if cfg.data.source != "tokens" or not cfg.data.path:
+        return None
+    path = Path(cfg.data.path).expanduser()
+    candidate = (path if path.is_dir() else path.parent) / TOKENIZER
+    return candidate if candidate.is_file() else None
+
+
+def tokenizer_vocab_size(path: Path) -> int:
+    """Ids a tokenizer.json can produce (its model's vocab and its added tokens), without loading it."""
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        ids = [int(i) for i in spec["model"]["vocab"].values()] + [int(t["id"]) for t in spec.get("added_tokens", [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"model.vocab_size: cannot read the vocabulary of {path} ({e})") from None
+    return max(ids) + 1
+
+
+def resolve_vocab_size(cfg: Config) -> None:
+    """model.vocab_size null → the size of tokenizer.json beside data.path (in place; ConfigError without one).
+
+    An explicit size must hold every id the tokenizer can produce."""
+    tok = tokenizer_path(cfg)
+    if cfg.model.vocab_size is None:
+        if tok is None:
+            raise ConfigError(
+                f"model.vocab_size: null takes the size of a {TOKENIZER} beside data.path, and there is none "
+                f"beside {cfg.data.path!r}; set model.vocab_size"
+            )
+        cfg.model.vocab_size = tokenizer_vocab_size(tok)
+    elif tok is not None and tokenizer_vocab_size(tok) > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {cfg.model.vocab_size} is smaller than {tok}'s {tokenizer_vocab_size(tok)} ids; "
+            "set it to at least that, or null"
+        )
+
+
 def load_tokens(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) token arrays for `cfg.data.source`."""
     d = cfg.data
@@ -68,13 +186,12 @@ def load_tokens(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
         train, val = _split_files(files, d.val_fraction)
         return _bytes_of(train), _bytes_of(val)
     if d.source == "tokens":
-        path = Path(d.path).expanduser()
-        data = np.memmap(path, dtype=np.uint16, mode="r")
-        val_path = _val_bin(path)
-        if val_path is not None:
-            return data, np.memmap(val_path, dtype=np.uint16, mode="r")
+        train_files, val_files = token_files(d.path)
+        data = _open_parts(train_files)
+        if val_files:
+            return data, _open_parts(val_files)
         cut = int(len(data) * (1 - d.val_fraction))
-        return data[:cut], data[cut:]
+        return data.cut(cut) if isinstance(data, TokenParts) else (data[:cut], data[cut:])
     return synthetic_tokens(cfg.model.vocab_size, cfg.run.seed, SYNTHETIC_TRAIN), synthetic_tokens(
         cfg.model.vocab_size, cfg.run.seed + 1, SYNTHETIC_VAL
     )
@@ -94,13 +211,8 @@ def _stdlib_split_lengths(val_fraction: float) -> tuple[int, int]:
 
 
 def token_count(path: Path) -> int:
-    """Tokens in a uint16 .bin file; ConfigError naming the file if its byte length is odd."""
-    size = path.stat().st_size
-    if size % 2:
-        raise ConfigError(
-            f"data.path: {path} has an odd byte length ({size}); a tokens file holds uint16 ids, 2 bytes each"
-        )
-    return size // 2
+    """Tokens in a .bin file (headered or not); ConfigError naming the file if its layout is bad."""
+    return shard_info(path).count
 
 
 def split_lengths(cfg: Config) -> dict[str, int]:
@@ -116,30 +228,30 @@ def split_lengths(cfg: Config) -> dict[str, int]:
             train_files, val_files = _split_files(files, d.val_fraction)
             train, val = (sum(f.stat().st_size for f in fs) for fs in (train_files, val_files))
     elif d.source == "tokens":
-        path = Path(d.path).expanduser()
-        n = token_count(path)
-        val_path = _val_bin(path)
-        train, val = (n, token_count(val_path)) if val_path is not None else _cut(n, d.val_fraction)
+        train_files, val_files = token_files(d.path)
+        n = sum(token_count(f) for f in train_files)
+        train, val = (n, sum(token_count(f) for f in val_files)) if val_files else _cut(n, d.val_fraction)
     else:
         train, val = SYNTHETIC_TRAIN, SYNTHETIC_VAL
     return {"train": train, "val": val}
 
 
 @functools.lru_cache(maxsize=32)
-def _max_token(path: str, size: int, mtime_ns: int) -> int:
-    """Largest id in a uint16 .bin, over the whole file (cached by path, size and mtime)."""
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+def _max_token(path: str, offset: int, size: int, mtime_ns: int) -> int:
+    """Largest id in a token file past its header, over the whole file (cached by path, size and mtime)."""
+    tokens = open_tokens(ShardInfo(Path(path), offset, (size - offset) // 2))
     # Slices bound the mapped pages touched at once; max over a memmap is vectorised.
     return max((int(tokens[i : i + SCAN_CHUNK].max()) for i in range(0, len(tokens), SCAN_CHUNK)), default=0)
 
 
 def check_token_ids(path: Path, vocab_size: int) -> None:
     """ConfigError (naming the file and the first bad position) if any id in `path` is >= vocab_size."""
+    info = shard_info(path)
     st = path.stat()
-    largest = _max_token(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    largest = _max_token(str(path.resolve()), info.offset, st.st_size, st.st_mtime_ns)
     if largest < vocab_size:
         return
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    tokens = open_tokens(info)
     for i in range(0, len(tokens), SCAN_CHUNK):
         bad = np.flatnonzero(tokens[i : i + SCAN_CHUNK] >= vocab_size)
         if len(bad):
@@ -152,7 +264,7 @@ def check_token_ids(path: Path, vocab_size: int) -> None:
 
 def check_data(cfg: Config) -> None:
     """Data problems that would otherwise fail inside every worker: each split must hold one window
-    (model.seq_len + 1 tokens), a tokens file whole uint16 ids all below model.vocab_size."""
+    (model.seq_len + 1 tokens), a tokens file a good header (if any) and ids all below model.vocab_size."""
     d = cfg.data
     window = cfg.model.seq_len + 1
     for split, n in split_lengths(cfg).items():
@@ -167,10 +279,9 @@ def check_data(cfg: Config) -> None:
                 "use more data, a smaller model.seq_len or another data.val_fraction"
             )
     if d.source == "tokens":
-        path = Path(d.path).expanduser()
-        for f in (path, _val_bin(path)):
-            if f is not None:
-                check_token_ids(f, cfg.model.vocab_size)
+        train_files, val_files = token_files(d.path)
+        for f in train_files + val_files:
+            check_token_ids(f, cfg.model.vocab_size)
 
 
 def synthetic_tokens(vocab: int, seed: int, n: int) -> np.ndarray:

@@ -1,8 +1,13 @@
-"""The GPT used by experiments, split into units the sharding engine wraps.
+"""The decoder-only transformer used by experiments, split into units the sharding engine wraps.
 
 Units (docs/design.md §1): the embedding, each transformer block, and final norm + head.
 `GPT.units` is an `nn.ModuleList` of exactly those; `GPT.forward` runs them in
 order, so any engine that wraps each unit sees the same computation.
+
+`model.arch` picks the units: `gpt` (pre-LayerNorm, learned positions, GELU MLP)
+or `llama` (pre-RMSNorm, rotary positions, SwiGLU MLP, no biases). Both are
+`GPT` (the class every engine, checkpoint and export builds), with the same
+parameter naming conventions (`.ln*` norms, `proj` residual outputs).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from hsdp.config.schema import ModelConfig
+from hsdp.config.schema import Config, ModelConfig
 
 
 class Embedding(nn.Module):
@@ -81,11 +86,133 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+# ---------------------------------------------------------------- the llama units
+ROPE_THETA = 10000.0  # rotary base (Llama 1/2)
+NORM_EPS = 1e-5
+FFN_MULTIPLE = 32  # SwiGLU hidden width is rounded up to a multiple of this
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · weight, normalised in fp32 (or wider) whatever the compute dtype (as Llama's reference does)."""
+
+    def __init__(self, d: int, eps: float = NORM_EPS) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.to(at_least_fp32(x)), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.dtype:
+    """The dtype norms and rotations are computed in: fp32 for bf16/fp16/fp32 inputs, float64 stays."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def apply_rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x [B, H, T, Dh]: each pair (x_i, x_{i+Dh/2}) at position t is rotated
+    by t·θ^(-2i/Dh). Computed from the positions each call (no buffers: the engines shard parameters only)."""
+    T, half, dtype = x.shape[-2], x.shape[-1] // 2, at_least_fp32(x)
+    inv_freq = ROPE_THETA ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
+    angles = torch.outer(torch.arange(T, device=x.device, dtype=dtype), inv_freq)  # [T, Dh/2]
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+def ffn_hidden(d_model: int) -> int:
+    """SwiGLU width: 2/3 of the GPT MLP's 4·d (so both MLPs hold about 8·d² weights), rounded up."""
+    return FFN_MULTIPLE * -(-(8 * d_model // 3) // FFN_MULTIPLE)
+
+
+class TokenEmbedding(nn.Module):
+    """Token embedding only (positions are rotary, inside attention): idx [B, T] → x [B, T, D]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx)
+
+
+class RotaryAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_head)
+        y = F.scaled_dot_product_attention(apply_rotary(q), apply_rotary(k), v, is_causal=True)
+        return self.proj(rearrange(y, "b h t d -> b t (h d)"))
+
+
+class SwiGLU(nn.Module):
+    """proj(silu(gate(x)) · up(x)); gate and up are one matrix `fc` (one matmul, one held param)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = ffn_hidden(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-RMSNorm block: rotary attention, SwiGLU MLP, no biases."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = RMSNorm(cfg.d_model)
+        self.attn = RotaryAttention(cfg)
+        self.ln2 = RMSNorm(cfg.d_model)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class LlamaHead(nn.Module):
+    """Final RMSNorm + untied LM head: x [B, T, D] → logits [B, T, V]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_f = RMSNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+ARCHS: dict[str, tuple[type[nn.Module], type[nn.Module], type[nn.Module]]] = {
+    "gpt": (Embedding, Block, Head),
+    "llama": (TokenEmbedding, LlamaBlock, LlamaHead),
+}  # model.arch → (embedding, block, head) unit classes
+
+
+# ---------------------------------------------------------------- the model
 class GPT(nn.Module):
+    """The units of `cfg.arch` in order: embedding, n_layer blocks, final norm + head."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.units = nn.ModuleList([Embedding(cfg), *[Block(cfg) for _ in range(cfg.n_layer)], Head(cfg)])
+        embedding, block, head = ARCHS[cfg.arch]
+        self.units = nn.ModuleList([embedding(cfg), *[block(cfg) for _ in range(cfg.n_layer)], head(cfg)])
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward), the PaLM/nanoGPT estimate: 6 per weight that multiplies
+        an activation (every matrix but the embedding tables, whose lookup is no matmul) plus
+        12·n_layer·seq_len·d_model for attention's scores and weighted values (the full T×T, as is customary)."""
+        c = self.cfg
+        matmul = sum(p.numel() for n, p in self.named_parameters() if p.dim() == 2 and not n.startswith("units.0."))
+        return 6 * matmul + 12 * c.n_layer * c.seq_len * c.d_model
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         for i, unit in enumerate(self.units):
@@ -150,3 +277,33 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def no_decay(name: str, ndim: int) -> bool:
     """Biases, norms and embeddings get no weight decay."""
     return ndim < 2 or ".ln" in name or ".wte." in name or ".wpe." in name or name.startswith("units.0.")
+
+
+# ---------------------------------------------------------------- throughput against the hardware
+# Dense bf16/fp16 tensor-core peak TFLOP/s per GPU, from NVIDIA's datasheets; the first name that occurs in
+# torch.cuda.get_device_name() wins, so specific names come first. A GPU not listed gets no MFU.
+PEAK_TFLOPS_16BIT: dict[str, float] = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.4,  # SXM ("NVIDIA H100 80GB HBM3")
+    "H200": 989.4,
+    "A100": 312.0,
+}
+
+
+def peak_flops(device: torch.device, param_dtype: str) -> float | None:
+    """One device's peak FLOP/s for the compute dtype, or None (CPU, fp32 compute, or a GPU not in the table)."""
+    if device.type != "cuda" or param_dtype not in ("bf16", "fp16"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tf * 1e12 for gpu, tf in PEAK_TFLOPS_16BIT.items() if gpu in name), None)
+
+
+def throughput(cfg: Config, tokens_per_s: float, device: torch.device) -> dict[str, float | None]:
+    """summary.json's model FLOPs per token and, where the peak is known, MFU: achieved FLOP/s over the
+    peak of all `cfg.world_size` devices (one rank per GPU)."""
+    with torch.device("meta"):
+        per_token = GPT(cfg.model).flops_per_token()
+    peak = peak_flops(device, cfg.precision.param_dtype)
+    mfu = round(per_token * tokens_per_s / (peak * cfg.world_size), 4) if peak else None
+    return {"flops_per_token": per_token, "mfu": mfu}

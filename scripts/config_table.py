@@ -44,7 +44,10 @@ MEANINGS: dict[str, str] = {
     "run.log_every": "steps between metric records (evals and the last step are always logged)",
     "run.eval_every": "steps between evals (0 = only at the end)",
     "run.eval_batches": "val batches per rank at each eval",
-    "model.vocab_size": "vocabulary size (>= 256 for byte-level data)",
+    "model.vocab_size": (
+        "vocabulary size (>= 256 for byte-level data; null: the size of the tokenizer.json "
+        "beside data.path, tokens only)"
+    ),
     "model.seq_len": "tokens per sequence (context length)",
     "model.n_layer": "transformer blocks",
     "model.n_head": "attention heads (must divide d_model)",
@@ -52,7 +55,7 @@ MEANINGS: dict[str, str] = {
     "model.bias": "biases in linear layers and LayerNorms",
     "data.source": (
         "`stdlib` (the interpreter's own .py files, byte-level), `text` (file or glob, byte-level), "
-        "`tokens` (uint16 `.bin`, memmapped), `synthetic`"
+        "`tokens` (llm.c shards or headerless uint16 `.bin`, memmapped), `synthetic`"
     ),
     "data.val_fraction": (
         "share held out for validation: whole files (stdlib, a text glob), else the tail "

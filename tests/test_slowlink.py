@@ -233,7 +233,7 @@ def test_sweep_plot_from_existing_run_folders(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     pngs = sorted(p.name for p in runs.glob("*.png"))
-    assert pngs == ["s-sync_bytes.png", "s-tokens.png", "s-wall.png"], (pngs, proc.stdout)
+    assert pngs == ["s-pareto.png", "s-sync_bytes.png", "s-tokens.png", "s-wall.png"], (pngs, proc.stdout)
     for name in pngs:
         assert (runs / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "sparse" in proc.stdout  # named as left out of the wall-clock plot
@@ -268,7 +268,12 @@ def test_slowlink_plots_from_results(tmp_path):
     # target 5.0 - 0.7 = 4.3 (hsdp, 8 steps); periodic: 5.2 - 0.1·s <= 4.3 from s = 9, first eval there at s = 11
     assert periodic.reached.step_to_target == 11 and periodic.time_to_target_s == pytest.approx(12 * 0.25)
     written = plot.plot_rates(plan, results)
-    assert sorted(p.name for p in written) == ["sl-20mbit-sync_bytes.png", "sl-20mbit-tokens.png", "sl-20mbit-wall.png"]
+    assert sorted(p.name for p in written) == [
+        "sl-20mbit-pareto.png",
+        "sl-20mbit-sync_bytes.png",
+        "sl-20mbit-tokens.png",
+        "sl-20mbit-wall.png",
+    ]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
 
 
@@ -298,6 +303,7 @@ def test_slowlink_no_run_tables_and_plots_from_outputs(tmp_path):
     assert periodic["run"] == "periodic" and periodic["step_to_target"] == 11
     assert periodic["sync_bytes_to_target"] == 12 * 50
     assert sorted(p.name for p in (runs / "sl").glob("*.png")) == [
+        "sl-20mbit-pareto.png",
         "sl-20mbit-sync_bytes.png",
         "sl-20mbit-tokens.png",
         "sl-20mbit-wall.png",
@@ -309,3 +315,10 @@ def test_slowlink_no_run_tables_and_plots_from_outputs(tmp_path):
 def test_no_leftovers_from_this_module():
     """Nothing named by this test process is left (the fixtures above clean up on failure too)."""
     assert netns.names_of_pid(os.getpid()) == []
+
+
+def test_pareto_front_keeps_the_runs_nothing_beats() -> None:
+    from hsdp.bench.plot import pareto_front
+
+    points = {"a": (10.0, 3.0), "b": (100.0, 2.5), "c": (50.0, 2.9), "d": (200.0, 2.6), "e": (10.0, 3.5)}
+    assert pareto_front(points) == ["a", "c", "b"]  # d costs more than b and is worse; e ties a on bytes, worse

@@ -1,4 +1,4 @@
-"""Val-loss plots of run folders (PNGs): vs tokens, vs sync bytes, vs training wall-clock.
+"""Val-loss plots of run folders (PNGs): vs tokens, vs sync bytes, vs training wall-clock; the Pareto plot.
 
 matplotlib is the optional `plot` extra (`pip install -e ".[plot]"`) and is imported only
 inside these functions, so nothing else of hsdp needs it.
@@ -95,7 +95,50 @@ def plot_runs(
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    ends = {run: c["sync_bytes"][-1] for run, c in curves.items() if c["sync_bytes"]}
+    if ends:
+        written.append(plot_pareto(ends, out_dir / f"{prefix}-pareto.png", title or prefix, target))
     return written
+
+
+def pareto_front(points: Mapping[str, tuple[float, float]]) -> list[str]:
+    """The runs no other run beats on both axes (fewer bytes and lower loss), cheapest first."""
+    front, best = [], float("inf")
+    for run, (_, loss) in sorted(points.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        if loss < best:
+            front.append(run)
+            best = loss
+    return front
+
+
+def plot_pareto(
+    points: Mapping[str, tuple[float, float]], path: Path, title: str, target: Optional[float] = None
+) -> Path:
+    """Each run's final val loss against its total sync bytes per rank (log x), the Pareto front joined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for run, (x, y) in points.items():
+        ax.plot(x, y, marker="o", markersize=6)
+        ax.annotate(run, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    front = pareto_front(points)
+    xs, ys = [points[r][0] for r in front], [points[r][1] for r in front]
+    ax.plot(xs, ys, color="0.3", linewidth=1, label="Pareto front")
+    if target is not None:
+        ax.axhline(target, color="0.4", linestyle="--", linewidth=1, label=f"target {target:.4f}")
+    ax.set_xscale("log")
+    ax.set_xlabel("sync bytes sent per rank, whole run (log scale)")
+    ax.set_ylabel("final val loss")
+    ax.set_title(f"{title}: final val loss vs sync bytes", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_rates(plan: LinkPlan, runs: Sequence[LinkRun]) -> list[Path]:

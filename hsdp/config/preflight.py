@@ -10,11 +10,10 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-from pathlib import Path
 from typing import Optional
 
 from hsdp.config.schema import Config, ConfigError
-from hsdp.data import check_data
+from hsdp.data import check_data, resolve_vocab_size, token_files
 from hsdp.engines.registry import check_engine_config
 from hsdp.run.rundir import check_output_dir
 from hsdp.sync.codec import check_codec
@@ -29,6 +28,7 @@ def preflight(cfg: Config, world_size: Optional[int] = None) -> None:
     check_engine_config(cfg)
     check_codec(cfg.sync)
     check_data_paths(cfg)
+    resolve_vocab_size(cfg)  # model.vocab_size null → tokenizer.json's size, before anything reads it
     if cfg.kernels.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         import torch  # only here: config parsing stays light otherwise
 
@@ -53,8 +53,8 @@ def check_data_paths(cfg: Config) -> None:
     d = cfg.data
     if d.source == "text" and (not d.path or not any(os.path.isfile(p) for p in glob.glob(os.path.expanduser(d.path)))):
         raise ConfigError(f"data.path: expected a text file or glob that matches files, got {d.path!r}")
-    if d.source == "tokens" and (not d.path or not Path(d.path).expanduser().is_file()):
-        raise ConfigError(f"data.path: expected an existing uint16 .bin token file, got {d.path!r}")
+    if d.source == "tokens":
+        token_files(d.path)  # one file or a glob of shards that matches files
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:

@@ -36,18 +36,19 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 256
+    vocab_size: Optional[int] = 256  # null: the size of the tokenizer.json beside data.path (tokens)
     seq_len: int = 128
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 128
     bias: bool = True
+    arch: str = "gpt"  # gpt (LayerNorm, learned positions, GELU) | llama (RMSNorm, rotary, SwiGLU, no biases)
 
 
 @dataclass
 class DataConfig:
     source: str = "stdlib"  # stdlib | text | tokens | synthetic
-    path: str = ""  # text: file or glob; tokens: train .bin (val.bin beside it, if present)
+    path: str = ""  # text: file or glob; tokens: train .bin or a glob of llm.c shards (val beside it, if present)
     batch_size: int = 8  # sequences per rank per micro-step
     val_fraction: float = 0.1  # text/tokens without a val file: share held out
 
@@ -146,6 +147,7 @@ class Config:
 # ---------------------------------------------------------------- validation rules
 DTYPES = ("fp32", "bf16", "fp16")
 CHOICES: dict[str, tuple[str, ...]] = {
+    "model.arch": ("gpt", "llama"),
     "data.source": ("stdlib", "text", "tokens", "synthetic"),
     "mesh.engine": ("hsdp", "fsdp2", "ddp"),
     "mesh.backend": ("auto", "gloo", "nccl", "fake"),

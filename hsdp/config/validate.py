@@ -58,8 +58,11 @@ def validate(cfg: Config) -> None:
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}: expected one of {' | '.join(choices)}, got {_get(cfg, key)!r}")
     for key in AT_LEAST_ONE:
-        if _get(cfg, key) < 1:
-            raise ConfigError(f"{key}: expected an integer >= 1, got {_get(cfg, key)!r}")
+        v = _get(cfg, key)
+        if v is not None and v < 1:  # None: only model.vocab_size, resolved by preflight (check_vocab_source)
+            raise ConfigError(f"{key}: expected an integer >= 1, got {v!r}")
+    check_vocab_source(cfg)
+    check_arch(cfg)
     for key in NON_NEGATIVE:
         v = _get(cfg, key)
         if v is not None and v < 0:
@@ -69,7 +72,7 @@ def validate(cfg: Config) -> None:
         if v is not None and v <= 0:
             raise ConfigError(f"{key}: expected a value > 0, got {v!r}")
     check_run_name(cfg.run.name)
-    if cfg.model.vocab_size < 2:
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < 2:
         raise ConfigError(f"model.vocab_size: expected at least 2 tokens, got {cfg.model.vocab_size}")
     if cfg.model.d_model % cfg.model.n_head:
         raise ConfigError(
@@ -82,7 +85,7 @@ def validate(cfg: Config) -> None:
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction: expected a value in (0, 1), got {cfg.data.val_fraction}")
     if cfg.data.source == "synthetic" or cfg.data.source == "stdlib":
-        if cfg.data.source == "stdlib" and cfg.model.vocab_size < 256:
+        if cfg.data.source == "stdlib" and cfg.model.vocab_size < 256:  # not None: check_vocab_source
             raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
     elif cfg.data.source == "text" and cfg.model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
@@ -136,4 +139,25 @@ def check_run_name(name: str) -> None:
     if len(f".{name}.lock".encode()) > NAME_MAX:
         raise ConfigError(
             f"run.name: {len(name.encode())} bytes is too long for a folder name (at most {NAME_MAX - 6})"
+        )
+
+
+def check_vocab_source(cfg: Config) -> None:
+    """model.vocab_size null is left to a tokenizer.json beside tokens data; other sources need a size."""
+    if cfg.model.vocab_size is None and cfg.data.source != "tokens":
+        raise ConfigError(
+            f"model.vocab_size: null (the tokenizer's size) needs data.source=tokens with a tokenizer.json beside "
+            f"data.path, got data.source={cfg.data.source}"
+        )
+
+
+def check_arch(cfg: Config) -> None:
+    """The llama block has no biases: refuse a config that asks for them rather than ignore it."""
+    m = cfg.model
+    if m.arch == "llama" and m.bias:
+        raise ConfigError("model.bias: the llama arch has no biases (RMSNorm, bias-free linears); set model.bias=false")
+    if m.arch == "llama" and m.d_model % m.n_head == 0 and (m.d_model // m.n_head) % 2:
+        raise ConfigError(
+            f"model.n_head: rotary positions rotate pairs, so d_model / n_head must be even, "
+            f"got {m.d_model} / {m.n_head} = {m.d_model // m.n_head}"
         )
