@@ -60,6 +60,7 @@ from hsdp.run.integrity import (
     write_checksums,
 )
 from hsdp.run.rundir import owns_run_dir
+from hsdp.shards import fsync_dir  # the shard writer's: rename durability is the same problem
 
 FORMAT = 1  # bump when the layout of meta.json or the DCP keys changes
 CHECKPOINTS = "checkpoints"
@@ -465,22 +466,14 @@ def publish(tmp: Path, final: Path) -> None:
     if final.exists():  # renamed by a save that crashed before its marker: never loaded, so replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     marker = final / (COMPLETE + ".tmp")
     marker.write_text(json.dumps({"step": step_of(final)}) + "\n")
     os.replace(marker, final / COMPLETE)
-    _fsync_dir(final)
+    fsync_dir(final)
 
 
 def _fsync_files(files: list[Path]) -> None:
     for f in files:
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
