@@ -4,6 +4,7 @@
 #   2. the engine on one CUDA GPU with kernels.backend=triton vs torch (bf16 params, int8 DiLoCo):
 #      same losses = the compiled kernels compute what the references compute.
 #   3. the compiled training path (hsdp eager vs compiled, fsdp2 eager vs compiled) on one GPU.
+#   4. model.arch=llama in bf16 on one GPU: MFU in summary.json, then hsdp.sample on CUDA (same seed, same text).
 # Usage on the device: bash scripts/gpu_check.sh   (writes to $OUT, default /tmp/gpu_check)
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -51,3 +52,20 @@ for n in names:
     err = max(abs(a - b) / abs(b) for a, b in zip(loss, ref))
     print(f"| {n} | {s['median_step_time_s']*1e3:.1f} | {s.get('compile_time_s', '-')} | {s['peak_mem_mb']:.0f} | {err:.1e} |")
 PY
+# 4. llama, bf16, compiled, on one GPU: summary.json's flops_per_token and mfu (the GPU must be in the peak
+#    table of hsdp/model.py), then sampling on CUDA twice with one seed (the texts must match).
+lcommon=(--config configs/tiny.yaml --set mesh.sync=1 --set mesh.shard=1 --set wandb.mode=disabled
+         --set run.steps=60 --set run.eval_every=0 --set run.out_dir="$OUT" --set model.arch=llama
+         --set model.bias=false --set precision.param_dtype=bf16 --set run.checkpoint_every=60)
+python train.py "${lcommon[@]}" --set run.name=llama-bf16 --set compile.enabled=true --set compile.passes=ours
+python -m hsdp.sample "$OUT/llama-bf16" --device cuda --tokens 64 --seed 1 > "$OUT/sample1.txt"
+python -m hsdp.sample "$OUT/llama-bf16" --device cuda --tokens 64 --seed 1 > "$OUT/sample2.txt"
+python - "$OUT" <<'PY' | tee "$OUT/llama_check.txt"
+import json, sys
+out = sys.argv[1]
+s = json.load(open(f"{out}/llama-bf16/summary.json"))
+same = open(f"{out}/sample1.txt").read() == open(f"{out}/sample2.txt").read()
+print(f"llama bf16 compiled: {s['tokens_per_s']:,.0f} tokens/s, {s['flops_per_token']:,} FLOP/token, mfu {s['mfu']}")
+print(f"sample on cuda, same seed twice: {'same text' if same else 'DIFFERENT TEXT'}")
+PY
+
