@@ -36,6 +36,7 @@ def train(out: Path, name: str, overrides: list[str], env: dict[str, str]) -> tu
     for o in [*overrides, f"run.out_dir={out}", f"run.name={name}", "run.overwrite=true", "run.resume=never"]:
         cmd += ["--set", o]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    (out / f"{name}.stderr").write_text(proc.stderr)  # the whole of it: glibc's abort message is not the last line
     metrics = out / name / "metrics.jsonl"
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     return proc.returncode, proc.stderr[-2000:], losses
