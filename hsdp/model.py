@@ -60,14 +60,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
+    """Pre-norm transformer block: LayerNorm, attention, GELU MLP (gpt) or RMSNorm, rotary attention, SwiGLU (llama)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        llama = cfg.arch == "llama"
+        self.ln1 = norm_layer(cfg)
+        self.attn = RotaryAttention(cfg) if llama else Attention(cfg)
+        self.ln2 = norm_layer(cfg)
+        self.mlp = SwiGLU(cfg) if llama else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -75,15 +76,20 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final LayerNorm + untied LM head: x [B, T, D] → logits [B, T, V]."""
+    """Final norm + untied LM head: x [B, T, D] → logits [B, T, V]."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.ln_f = norm_layer(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
+
+
+def norm_layer(cfg: ModelConfig) -> nn.Module:
+    """The arch's normalisation: LayerNorm (gpt) or RMSNorm (llama, no bias)."""
+    return RMSNorm(cfg.d_model) if cfg.arch == "llama" else nn.LayerNorm(cfg.d_model, bias=cfg.bias)
 
 
 # ---------------------------------------------------------------- the llama units
@@ -163,36 +169,9 @@ class SwiGLU(nn.Module):
         return self.proj(F.silu(gate) * up)
 
 
-class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block: rotary attention, SwiGLU MLP, no biases."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.ln1 = RMSNorm(cfg.d_model)
-        self.attn = RotaryAttention(cfg)
-        self.ln2 = RMSNorm(cfg.d_model)
-        self.mlp = SwiGLU(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class LlamaHead(nn.Module):
-    """Final RMSNorm + untied LM head: x [B, T, D] → logits [B, T, V]."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.ln_f = RMSNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
-
-
 ARCHS: dict[str, tuple[type[nn.Module], type[nn.Module], type[nn.Module]]] = {
     "gpt": (Embedding, Block, Head),
-    "llama": (TokenEmbedding, LlamaBlock, LlamaHead),
+    "llama": (TokenEmbedding, Block, Head),
 }  # model.arch → (embedding, block, head) unit classes
 
 

@@ -12,7 +12,7 @@ import torch
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError, ModelConfig
 from hsdp.export import export
-from hsdp.model import GPT, LlamaBlock, build_model, ffn_hidden
+from hsdp.model import GPT, Block, build_model, ffn_hidden
 from tests.helpers import SMALL, RunResult, max_param_rel_err, run_train
 from tests.reference import reference_run
 
@@ -52,7 +52,7 @@ def reference_block(x: torch.Tensor, w: dict[str, torch.Tensor], n_head: int) ->
 
 def test_block_equals_independent_reference() -> None:
     torch.manual_seed(0)
-    block = LlamaBlock(CFG).double()
+    block = Block(CFG).double()
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.3)

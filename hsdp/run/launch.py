@@ -238,22 +238,20 @@ def _process_state(pid: Optional[int]) -> str:
         return ""
 
 
-_stopped_at: dict[int, float] = {}  # pid → when the launcher first saw it stopped
-
-
-def _stopped_too_long(workers: Workers, timeout_s: float) -> Optional[Exit]:
+def _stopped_too_long(workers: Workers, timeout_s: float, stopped_at: dict[int, float]) -> Optional[Exit]:
     """A worker whose process has been stopped (SIGSTOP, a debugger) for longer than mesh.timeout_s, as a failure.
 
     Its peers would otherwise each wait out their own collective timeout, eager or compiled, and
-    report themselves; this names the rank that stopped answering.
+    report themselves; this names the rank that stopped answering. `stopped_at`: this launch's
+    pid → when it was first seen stopped.
     """
     now = time.monotonic()
     for index in workers.running():
         pid = workers.pids.get(index)
         if _process_state(pid) not in ("T", "t"):
-            _stopped_at.pop(pid, None)
+            stopped_at.pop(pid, None)
             continue
-        since = _stopped_at.setdefault(pid, now)
+        since = stopped_at.setdefault(pid, now)
         if now - since > timeout_s:
             why = f"its process (pid {pid}) has been stopped for over mesh.timeout_s={timeout_s:g} s"
             return Exit(index, None, why, stalled=True)
@@ -332,13 +330,13 @@ def launch(cfg: Config, worker: Worker) -> None:
             return
         with start_zygote(worker).workers() as workers:
             workers.start([(_local_worker, (rank, cfg, worker, port, world)) for rank in range(world)])
-            failed, silent = None, []
+            failed, silent, stopped_at = None, [], {}
             try:
                 stop.arm()
                 while failed is None and workers.running():
                     failed = next((e for e in workers.wait(1.0) if e.code != 0), None)
                     if failed is None:
-                        failed = _stopped_too_long(workers, cfg.mesh.timeout_s)
+                        failed = _stopped_too_long(workers, cfg.mesh.timeout_s, stopped_at)
                 if failed is not None and failed.index not in workers.running():
                     silent = _not_answering(workers, failed)
             except Interrupted as e:
