@@ -77,6 +77,17 @@ def register_op(name: str, impl: Callable[..., Any], mutates_args: tuple[str, ..
     return torch.library.custom_op(f"hsdp_kernels::{name}", impl, mutates_args=mutates_args)
 
 
+def register_graph_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Any:
+    """Register a functional (out-of-place) op hsdp_kernels::<name> for compiled graphs.
+
+    Inductor keeps it as one call in the generated code (the op appears in the graph); the impl
+    picks the Triton kernel or the torch reference at run time, by `kernels.backend`.
+    """
+    op = torch.library.custom_op(f"hsdp_kernels::{name}", impl, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
 def call(op: Any, impl: Callable[..., Any], *args: Any) -> Any:
     """Run the custom op while torch.compile traces, else impl itself.
 

@@ -11,7 +11,16 @@ from __future__ import annotations
 import torch
 
 from kernels._triton_helpers import from_fp32
-from kernels._util import FLOAT_DTYPES, call, check_shard_sizes, check_tensor, no_grad, register_op, unit_items
+from kernels._util import (
+    FLOAT_DTYPES,
+    call,
+    check_shard_sizes,
+    check_tensor,
+    no_grad,
+    register_graph_op,
+    register_op,
+    unit_items,
+)
 from kernels.backend import launch, tl, triton, use_triton
 
 _BLOCK = 4096  # elements per program for the flat cast-copy
@@ -121,4 +130,24 @@ def unpack_full(gathered: torch.Tensor, shard_sizes: list[int], out: torch.Tenso
     call(_unpack_full_op, _unpack_full, gathered, sizes, out)
 
 
-__all__ = ["pack_shards", "pack_shards_ref", "unpack_full", "unpack_full_ref"]
+# ----------------------------------------------------------------------------- in the compiled graph
+
+
+def _cast_shard(held: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(held.shape, dtype=dtype, device=held.device)
+    _pack_shards(held.contiguous(), out)
+    return out
+
+
+_cast_shard_op = register_graph_op(
+    "cast_shard", _cast_shard, lambda held, dtype: torch.empty(held.shape, dtype=dtype, device=held.device)
+)
+
+
+def cast_shard(held: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The all-gather input of the compiled graph: the fp32 held shard cast to param_dtype (pack_shards'
+    kernel, out of place). The held shard itself when no cast is needed."""
+    return held if held.dtype == dtype else _cast_shard_op(held, dtype)
+
+
+__all__ = ["pack_shards", "pack_shards_ref", "unpack_full", "unpack_full_ref", "cast_shard"]

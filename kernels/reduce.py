@@ -24,6 +24,7 @@ from kernels._util import (
     fail,
     no_grad,
     pow2_divisor,
+    register_graph_op,
     register_op,
     unit_items,
 )
@@ -262,4 +263,54 @@ def accumulate_grad_shards(reduced: torch.Tensor, grad_shard: torch.Tensor, scal
     call(_accumulate_grad_shards_op, _accumulate_grad_shards, reduced, grad_shard, float(scale))
 
 
-__all__ = ["pack_grads", "pack_grads_ref", "accumulate_grad_shards", "accumulate_grad_shards_ref"]
+# ----------------------------------------------------------------------------- in the compiled graph
+
+
+def _scale_grad(grad: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    flat = grad.contiguous().view(-1)
+    out = torch.empty(1, flat.numel(), dtype=dtype, device=grad.device)
+    if flat.numel():
+        _pack_grads([flat], [flat.numel()], out, scale, False)  # one grad, one row: cast and scale
+    return out.view(grad.shape)
+
+
+def _scaled_grad_shard(reduced: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.zeros(reduced.shape, dtype=torch.float32, device=reduced.device)
+    _accumulate_grad_shards(reduced.contiguous().view(-1), out.view(-1), scale)
+    return out
+
+
+_scale_grad_op = register_graph_op(
+    "scale_grad", _scale_grad, lambda grad, dtype, scale: torch.empty(grad.shape, dtype=dtype, device=grad.device)
+)
+_scaled_grad_shard_op = register_graph_op(
+    "scaled_grad_shard",
+    _scaled_grad_shard,
+    lambda reduced, scale: torch.empty(reduced.shape, dtype=torch.float32, device=reduced.device),
+)
+
+
+def scale_grad(grad: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The reduce-scatter input of the compiled graph: the full grad · scale in reduce_dtype, one rounding
+    (pack_grads' kernel). The grad itself when there is nothing to do."""
+    if grad.dtype == dtype and scale == 1.0:
+        return grad
+    return _scale_grad_op(grad, dtype, scale)
+
+
+def scaled_grad_shard(reduced: torch.Tensor, scale: float) -> torch.Tensor:
+    """The compiled graph's grad shard: reduced.float() · scale (accumulate_grad_shards' kernel into
+    zeros; autograd then adds it into the held grad in place). `reduced` itself when fp32 and scale 1."""
+    if reduced.dtype == torch.float32 and scale == 1.0:
+        return reduced
+    return _scaled_grad_shard_op(reduced, scale)
+
+
+__all__ = [
+    "pack_grads",
+    "pack_grads_ref",
+    "accumulate_grad_shards",
+    "accumulate_grad_shards_ref",
+    "scale_grad",
+    "scaled_grad_shard",
+]

@@ -6,7 +6,8 @@
 Each config is the tiny job on a 2x2 mesh (the overlap sweep's crash setting). The eager run of
 the same config is the reference: every compiled run must finish (no abort, exit 0) and agree
 with it to 1e-5 relative on every logged loss, and equal the config's first compiled run bit for bit,
-so silent corruption shows up as well as an abort.
+so silent corruption shows up as well as an abort. A file `<out>/PAUSE` holds the next run back until it
+is removed (to free the machine for a while without breaking the count of consecutive runs).
 `--perturb` sets MALLOC_PERTURB_=165 (glibc fills freed and fresh heap blocks, so a use after
 free changes numbers or crashes at once). Prints one line per run and a summary table; the exit
 code is 1 if any run aborted or disagreed.
@@ -78,6 +79,8 @@ def main() -> int:
     for config in names:
         aborts, mismatches, worst, first = 0, 0, 0.0, None
         for i in range(args.runs):
+            while (args.out / "PAUSE").exists():
+                time.sleep(5)
             t0 = time.monotonic()
             rc, err, losses = train(args.out, f"{config}-{i}", base + ["compile.enabled=true", *CONFIGS[config]], env)
             rel = max_rel(losses, reference) if rc == 0 else float("nan")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.helpers import SMALL, RunResult, max_param_rel_err, run_train
 
@@ -54,6 +55,9 @@ def scheduled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     variants = {
         "ours0": ["compile.passes=ours", "compile.prefetch=0", "compile.bucket_mb=0.1"],
         "ours2": ["compile.passes=ours", "compile.prefetch=2"],
+        # the same job again: a warm compile, loaded from inductor's caches (tests/conftest.py gives
+        # this process its own cache folder, so the first ours2 compiled cold)
+        "ours2-warm": ["compile.passes=ours", "compile.prefetch=2"],
         "inductor": ["compile.passes=inductor"],
         "fsdp2": ["mesh.engine=fsdp2"],
     }
@@ -61,6 +65,14 @@ def scheduled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
         name: run_train(tmp, name, BASE + ["compile.enabled=true"] + extra, timeout=900)
         for name, extra in variants.items()
     }
+
+
+@pytest.fixture(scope="module")
+def triton_kernels(runs, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """The compiled 1x2-bf16 run again with kernels.backend=triton: its graph's pack and reduction ops run
+    the Triton kernels (the interpreter here: tests/conftest.py sets TRITON_INTERPRET=1)."""
+    overrides = BASE + BF16 + ["compile.enabled=true", "compile.passes=ours", "compile.prefetch=1"]
+    return run_train(tmp_path_factory.mktemp("triton"), "bf16-triton", overrides + ["kernels.backend=triton"])
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -210,3 +222,37 @@ def test_buckets_pair_small_units(scheduled) -> None:
     assert summary["buckets"] == [[0, 1], [2, 3]]
     for g in summary["compiled"]:
         assert g["all_gathers"] == 2 and (g["graph"] == "forward" or g["reduce_scatters"] == 2)
+
+
+def test_warm_compile_loads_the_same_graphs(scheduled) -> None:
+    """A second run of the same job loads both graphs from inductor's caches: nothing compiled, the census
+    (bytes) from its sidecar, and the same generated code, schedule, bytes and losses, bit for bit."""
+    cold, warm = scheduled["ours2"], scheduled["ours2-warm"]
+    assert cold.summary["compile_cache_hits"] == 0 and warm.summary["compile_cache_hits"] == 2
+    assert warm.summary["compiled"] == cold.summary["compiled"] and warm.summary["recompiles"] == 0
+    assert warm.losses == cold.losses
+    assert [(m["shard_bytes"], m["sync_bytes"]) for m in warm.metrics] == [
+        (m["shard_bytes"], m["sync_bytes"]) for m in cold.metrics
+    ]
+    for name in ["schedule.txt", "compiled/graph0.py", "compiled/graph1.py"]:
+        assert (warm.run_dir / name).read_text() == (cold.run_dir / name).read_text(), name
+    assert warm.summary["compile_time_s"] < cold.summary["compile_time_s"]
+
+
+KERNEL_OPS = ["hsdp_kernels.cast_shard", "hsdp_kernels.scale_grad", "hsdp_kernels.scaled_grad_shard"]
+
+
+def test_kernels_in_the_compiled_graph(runs, triton_kernels) -> None:
+    """The graph packs (cast) and finishes the reduction (cast, 1/pre, 1/post) with the project's kernel
+    ops; kernels.backend=triton runs the Triton kernels in that same graph (loaded from the cache) and
+    computes what the torch-reference backend computed, bit for bit."""
+    reference = runs["1x2-bf16"][1]  # the same job, kernels.backend=auto: the torch references on CPU
+    code = "".join(p.read_text() for p in sorted((triton_kernels.run_dir / "compiled").glob("graph*.py")))
+    for op in KERNEL_OPS:
+        assert f"torch.ops.{op}.default(" in code, op
+    assert triton_kernels.summary["compile_cache_hits"] == 2
+    assert triton_kernels.losses == reference.losses
+    params, ref_params = triton_kernels.params(0), reference.params(0)
+    assert params.keys() == ref_params.keys()
+    for name in params:
+        assert torch.equal(params[name], ref_params[name]), name

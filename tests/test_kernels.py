@@ -854,3 +854,54 @@ def test_arithmetic_kernels_launch_without_fma(monkeypatch):
         "_quantize_kernel": False,
         "_dequantize_mean_kernel": False,
     }
+
+
+# ----------------------------------------------------------------------------- in a compiled graph
+
+
+def test_graph_ops_run_the_kernels_inside_a_compiled_graph(monkeypatch) -> None:
+    """cast_shard / scale_grad / scaled_grad_shard stay one call each in inductor's generated code; at run
+    time kernels.backend picks: 'triton' launches the kernels (3 launches), 'torch' none; bitwise equal."""
+    from torch._inductor.graph import GraphLowering
+
+    import kernels.pack
+    import kernels.reduce
+    from kernels.pack import cast_shard
+    from kernels.reduce import scale_grad, scaled_grad_shard
+
+    launches = []
+
+    def counting(launch):
+        def wrapper(kernel, *args, **kwargs):
+            launches.append(kernel)
+            return launch(kernel, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(kernels.pack, "launch", counting(kernels.pack.launch))
+    monkeypatch.setattr(kernels.reduce, "launch", counting(kernels.reduce.launch))
+
+    def step(held: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        packed = cast_shard(held, torch.bfloat16)  # the all-gather input
+        rs_in = scale_grad(grad * packed.float(), torch.bfloat16, 0.25)  # the reduce-scatter input
+        return packed, rs_in, scaled_grad_shard(rs_in, 0.5)  # the grad shard
+
+    code: list[str] = []
+    monkeypatch.setattr(GraphLowering, "save_output_code", code.append)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    held, grad = torch.randn(5000, generator=g), torch.randn(5000, generator=g) * 1e3
+    results = {}
+    for name in ["torch", "triton"]:
+        backend.set_backend(name)
+        launches.clear()
+        results[name] = compiled(held, grad)
+        assert len(launches) == (3 if name == "triton" else 0), name
+    assert len(code) == 1
+    for op in ["cast_shard", "scale_grad", "scaled_grad_shard"]:
+        assert f"torch.ops.hsdp_kernels.{op}.default(" in code[0], op
+    for a, b in zip(results["torch"], results["triton"], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    packed, rs_in, shard = results["torch"]
+    assert torch.equal(packed, held.bfloat16())
+    assert torch.equal(shard, rs_in.float() * 0.5)

@@ -56,7 +56,7 @@ def main() -> None:
     import train
     from hsdp.run.launch import start_zygote
 
-    start_zygote(train.train_worker)
+    start_zygote(train.train_worker, compiled=True)  # many test runs compile
     reply = os.fdopen(os.dup(1), "w", buffering=1)  # the replies; a child's fd 1 goes to its output file
     for line in sys.stdin:
         pid = os.fork()

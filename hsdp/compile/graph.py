@@ -2,7 +2,7 @@
 
 Per unit, in the graph:
 
-    ag_in  = held.to(param_dtype)                                   # pack (cast), visible to inductor
+    ag_in  = cast_shard(held, param_dtype)                          # pack: hsdp_kernels::cast_shard
     full   = wait_tensor(all_gather_into_tensor(ag_in, S, shard))   # _c10d_functional ops
     params = unpack_params(full, layout)                            # views/copies of the gathered buffer
     (compile.bucket_mb > 0: neighbouring units share one all-gather of their concatenated shards)
@@ -11,8 +11,13 @@ Per unit, in the graph:
 and in backward (`_GatherShards.backward`), the same reduction as the eager
 engine (`hsdp.engines.collectives.ReducePlan`):
 
-    g = grad.to(reduce_dtype) · (1/pre) → wait(reduce_scatter(sum, shard))
-      → [sync_grads] wait(all_reduce(sum, sync)) → g.float() · (1/post)
+    g = scale_grad(grad, reduce_dtype, 1/pre) → wait(reduce_scatter(sum, shard))
+      → [sync_grads] wait(all_reduce(sum, sync)) → scaled_grad_shard(g, 1/post)
+
+The pack and the reduction epilogue are the project's kernels (kernels/pack.py,
+kernels/reduce.py) as functional `hsdp_kernels::` ops: one call each in the
+generated code, running the Triton kernel or the torch reference by
+`kernels.backend` at run time, as the eager engine's calls do.
 
 The all-gathers and what is unpacked from them are tagged MUST_RECOMPUTE by
 `hsdp.compile.passes.recompute_gathers`, so backward re-gathers instead of
@@ -32,6 +37,8 @@ from torch.func import functional_call
 from hsdp.engines.collectives import ReducePlan
 from hsdp.engines.layout import UnitLayout
 from hsdp.model import loss_fn
+from kernels.pack import cast_shard
+from kernels.reduce import scale_grad, scaled_grad_shard
 
 C = torch.ops._c10d_functional
 
@@ -68,7 +75,7 @@ class _GatherShards(torch.autograd.Function):
         ctx.groups, ctx.plan, ctx.accumulate, ctx.has_pending = groups, plan, acc is not None, pending is not None
         if pending is not None:
             ctx.save_for_backward(pending)
-        ag_in = held.to(param_dtype)
+        ag_in = cast_shard(held, param_dtype)
         if groups.shard_size == 1:
             return ag_in
         return C.wait_tensor(C.all_gather_into_tensor(ag_in, groups.shard_size, groups.shard))
@@ -76,9 +83,7 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         groups, plan = ctx.groups, ctx.plan
-        g = grad.to(plan.reduce_dtype)
-        if plan.pre != 1:
-            g = g * (1.0 / plan.pre)
+        g = scale_grad(grad, plan.reduce_dtype, 1.0 / plan.pre)
         if ctx.accumulate:
             return None, g, None, None, None, None
         if ctx.has_pending:
@@ -88,9 +93,7 @@ class _GatherShards(torch.autograd.Function):
             g = C.wait_tensor(C.reduce_scatter_tensor(g, "sum", groups.shard_size, groups.shard))
         if plan.sync_grads and groups.sync_size > 1:
             g = C.wait_tensor(C.all_reduce(g, "sum", groups.sync))
-        g = g.to(torch.float32)
-        if plan.post != 1:
-            g = g * (1.0 / plan.post)
+        g = scaled_grad_shard(g, 1.0 / plan.post)
         return g, None, None, None, None, None
 
 

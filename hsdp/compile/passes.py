@@ -9,22 +9,31 @@
     saved. A unit whose backward needs no weights (the embedding) saves nothing
     derived from its gather, so its gather is not recomputed at all.
 
-`CollectiveCensus` (post-grad, once on the forward and once on the backward
-    graph): records every collective the graph issues (group, op, bytes), so
-    byte counters stay true on replay, when no Python code of ours runs.
+`OurPasses` (post-grad, compile.passes=ours): prefetch gathers, pipeline
+    reduce waits, then the byte census (`hsdp.compile.census`).
+
+Every pass is an inductor `CustomGraphPass` whose uuid is the hash of this file
+and census.py plus its settings, so inductor's FX graph and AOTAutograd caches
+hold compiled graphs across processes (a warm compile loads instead of compiling).
 """
 
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
-from hsdp.comm.groups import ring_bytes_of
+import kernels.pack  # noqa: F401  (registers hsdp_kernels::cast_shard, named below)
+
+if TYPE_CHECKING:
+    from hsdp.compile.census import CollectiveCensus
 
 C = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -51,13 +60,32 @@ _UNPACK_OPS = {
     operator.getitem,
     aten.cat.default,
 }
+# The pack feeding an all-gather (kernels/pack.py's cast as an op): recomputed with the gather.
+PACK_OPS = _UNPACK_OPS | {torch.ops.hsdp_kernels.cast_shard.default}
 # A bucket's gathered output is split per unit before the usual unpacking.
-_BUCKET_VIEW_OPS = _UNPACK_OPS | {aten.split_with_sizes_copy.default, aten.narrow.default}
-_COLLECTIVES = {
+BUCKET_VIEW_OPS = _UNPACK_OPS | {aten.split_with_sizes_copy.default, aten.narrow.default}
+COLLECTIVES = {
     C.all_gather_into_tensor.default: "all_gather",
     C.reduce_scatter_tensor.default: "reduce_scatter",
     C.all_reduce.default: "all_reduce",
 }
+
+
+# What a pass does is its source: a change to this file or census.py changes every uuid (a cache miss).
+SOURCE_HASH = get_hash_for_files((__file__, str(Path(__file__).with_name("census.py")))).hex()[:16]
+
+
+class CacheablePass(CustomGraphPass):
+    """A graph pass inductor can cache around: uuid = our source hash + the pass's name and settings."""
+
+    def __init__(self, fn: Callable[[fx.Graph], None], *settings: object) -> None:
+        self.fn, self.settings = fn, settings
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.fn(graph)
+
+    def uuid(self) -> Any:
+        return f"{self.fn.__name__}-{self.settings}-{SOURCE_HASH}"
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -87,7 +115,7 @@ def recompute_gathers(graph: fx.Graph) -> None:
     for ag in gathers:
         tag(ag)
         src = ag.args[0]  # the cast of the held shard (its input is a graph input)
-        if isinstance(src, fx.Node) and src.op == "call_function" and src.target in _UNPACK_OPS:
+        if isinstance(src, fx.Node) and src.op == "call_function" and src.target in PACK_OPS:
             tag(src)
     # Downstream: waits and unpacking ops whose every tensor input is already tagged.
     for n in graph.nodes:
@@ -99,82 +127,16 @@ def recompute_gathers(graph: fx.Graph) -> None:
                 tag(n)
 
 
-@dataclass
-class GraphCensus:
-    """What one compiled graph (a forward or a backward) does with collectives."""
-
-    kind: str  # "forward" | "backward"
-    collectives: list[tuple[str, str, int]]  # (group label, op, bytes sent by this rank), in graph order
-    saved_gathered: int  # forward only: outputs kept for backward that are (views of) gathered params
-    max_alive: int  # most units' full params alive at once (FX graph liveness)
-
-    def count(self, op: str) -> int:
-        return sum(1 for _, o, _ in self.collectives if o == op)
-
-
-@dataclass
-class CollectiveCensus:
-    """A post-grad pass recording every compiled graph's collectives, by the variant being compiled.
-
-    The engine sets `current` to the variant (its ReducePlan) around the calls that compile.
-    """
-
-    labels: dict[str, str]  # process-group name → our label ("shard", "sync", "world")
-    graphs: dict[object, list[GraphCensus]] = field(default_factory=lambda: defaultdict(list))
-    current: object = None
-
-    def __call__(self, graph: fx.Graph) -> None:
-        backward = any(n.op == "placeholder" and "tangent" in n.name for n in graph.nodes)
-        found = []
-        for n in graph.nodes:
-            op = _COLLECTIVES.get(n.target) if n.op == "call_function" else None
-            if op is None:
-                continue
-            t = n.args[0].meta["val"]  # the collective's input (a fake tensor)
-            group = n.args[-1]
-            n_ranks = n.args[1] if op == "all_gather" else n.args[2] if op == "reduce_scatter" else _group_size(group)
-            nbytes = t.numel() * t.element_size() // (n_ranks if op == "reduce_scatter" else 1)
-            found.append((self.labels.get(group, "other"), op, ring_bytes_of(op, n_ranks, nbytes)))
-        saved = 0 if backward else len(saved_gathered(graph))
-        self.graphs[self.current].append(
-            GraphCensus("backward" if backward else "forward", found, saved, max_gathered_alive(graph))
-        )
-
-    def per_call(self, key: object) -> list[tuple[str, str, int]]:
-        """What one forward+backward of variant `key` sends: all its graphs' collectives."""
-        return [c for g in self.graphs.get(key, []) for c in g.collectives]
-
-
-def saved_gathered(graph: fx.Graph) -> list[fx.Node]:
-    """Forward-graph outputs that are an all-gather's result or a cast/view/copy of it (full params saved)."""
-    gathered: set[fx.Node] = set()
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target == C.all_gather_into_tensor.default or (
-            (n.target in _WAITS or n.target in _BUCKET_VIEW_OPS) and any(i in gathered for i in n.all_input_nodes)
-        ):
-            gathered.add(n)
-    output = next(n for n in graph.nodes if n.op == "output")
-    return [n for n in output.all_input_nodes if n in gathered]
-
-
-def _group_size(group_name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).size()
-
-
 # ---------------------------------------------------------------- scheduling passes (compile.passes=ours)
 def _is(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target == target
 
 
-_WAITS = {C.wait_tensor.default}
+WAITS = {C.wait_tensor.default}
 
 
 def _is_wait(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _WAITS
+    return node.op == "call_function" and node.target in WAITS
 
 
 def _is_gather(node: fx.Node) -> bool:
@@ -230,7 +192,7 @@ def gathered_nodes(gather: fx.Node) -> set[fx.Node]:
     for n in gather.graph.nodes:
         if (
             n.op == "call_function"
-            and (n.target in _WAITS or n.target in _BUCKET_VIEW_OPS)
+            and (n.target in WAITS or n.target in BUCKET_VIEW_OPS)
             and n.all_input_nodes
             and any(i in found for i in n.all_input_nodes)
         ):
@@ -317,7 +279,7 @@ def pipeline_reduce_waits(graph: fx.Graph) -> None:
 
 
 @dataclass
-class OurPasses:
+class OurPasses(CustomGraphPass):
     """compile.passes=ours: prefetch all-gathers, pipeline reduce waits, then record the census.
 
     (Bucketing happens before tracing: `hsdp.compile.graph.plan_buckets` gathers a bucket of units
@@ -331,6 +293,9 @@ class OurPasses:
         pipeline_reduce_waits(graph)
         graph.lint()  # still in topological order
         self.census(graph)
+
+    def uuid(self) -> Any:
+        return f"ours-prefetch{self.prefetch}-{SOURCE_HASH}"
 
 
 def inductor_overlap_options(bucket_mb: float) -> dict[str, object]:

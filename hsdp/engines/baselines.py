@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hsdp.comm.groups import Comm, ring_bytes
 from hsdp.comm.mesh import Mesh
+from hsdp.compile.cache import cpu_options, start_compile_pool_lazily
 from hsdp.config.schema import Config
 from hsdp.engines.base import Batch, Engine, SavedCheckpoint
 from hsdp.engines.clock import CompileClock
@@ -134,8 +135,10 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
         if cfg.compile.enabled:
             # As torchtitan does: each transformer block compiled (in place, so parameter names stay),
             # FSDP2's hooks run around the compiled blocks, eagerly.
+            options = cpu_options()  # warm compiles load from inductor's caches (hsdp.compile.cache)
+            start_compile_pool_lazily()
             for block in model.units[1:-1]:
-                block.compile(fullgraph=True)
+                block.compile(fullgraph=True, options=options)
         engine = cls(model, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype)
         engine.clock = CompileClock() if cfg.compile.enabled else None
         return engine

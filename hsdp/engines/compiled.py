@@ -18,20 +18,16 @@ engine's bytes for any optim.grad_accum (up to 3 more graph pairs are compiled).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, Optional
 
 import torch
 
+from hsdp.compile.cache import allow_autograd_functions_in_cache, cpu_options, start_compile_pool_lazily
+from hsdp.compile.census import CollectiveCensus
 from hsdp.compile.graph import Groups, plan_buckets, sharded_loss
-from hsdp.compile.passes import (
-    CollectiveCensus,
-    OurPasses,
-    inductor_overlap_options,
-    recompute_gathers,
-    schedule_of_code,
-)
+from hsdp.compile.passes import CacheablePass, OurPasses, inductor_overlap_options, recompute_gathers, schedule_of_code
 from hsdp.config.schema import CompileConfig, Config
 from hsdp.engines.base import Batch
 from hsdp.engines.clock import CompileClock
@@ -84,8 +80,11 @@ class CompiledHSDPEngine(HSDPEngine):
 
     def _inductor_options(self) -> dict[str, Any]:
         """Our joint pass always (release); who schedules the collectives is compile.passes."""
-        options: dict[str, Any] = {"joint_custom_pre_pass": recompute_gathers}
-        # A plain-callable post-grad pass also keeps inductor's FX cache out, so the census sees every compile.
+        # Cacheable passes (stable uuids): a warm compile loads the graphs from inductor's FX graph and
+        # AOTAutograd caches; the census then comes from its sidecar (hsdp.compile.census).
+        allow_autograd_functions_in_cache()  # _GatherShards
+        start_compile_pool_lazily()
+        options: dict[str, Any] = {"joint_custom_pre_pass": CacheablePass(recompute_gathers), **cpu_options()}
         if self.compile_cfg.passes == "ours":
             options["post_grad_custom_post_pass"] = OurPasses(self.census, self.compile_cfg.prefetch)
             options["reorder_for_peak_memory"] = False  # it would undo our prefetch in the generated code
@@ -121,12 +120,17 @@ class CompiledHSDPEngine(HSDPEngine):
         variant: Variant = (self.plan, mode)
         fn = self._step_fn(variant)
         self.census.current = variant
-        with self.clock.call(variant) as first, _capture_generated_code(self.generated_code if first else None):
+        with self.clock.call(variant) as first, _capture_generated_code(self._on_code if first else None):
             loss = fn(self.leaves, x, y, **kwargs) / n_micro
             loss.backward()
         self.census.current = None
         self._count_bytes(variant)
         return loss.detach()
+
+    def _on_code(self, code: str) -> None:
+        """Inductor produced (or loaded from its cache) one graph's code: keep it and file its census."""
+        self.generated_code.append(code)
+        self.census.on_code(code)
 
     def _accumulators(self) -> list[torch.Tensor]:
         """One leaf per bucket, of its gathered size, whose .grad sums the micro-steps' full grads.
@@ -156,6 +160,7 @@ class CompiledHSDPEngine(HSDPEngine):
         return {
             "compile_graphs": len(graphs),
             **self.clock.stats(),
+            "compile_cache_hits": self.census.cache_hits,
             "buckets": self.buckets,
             "compiled": [
                 {
@@ -184,15 +189,15 @@ def schedule_text(engine: CompiledHSDPEngine) -> str:
 
 
 @contextlib.contextmanager
-def _capture_generated_code(sink: list[str] | None) -> Iterator[None]:
-    """Collect inductor's output code of graphs compiled inside the block (its hook for tests)."""
+def _capture_generated_code(sink: Callable[[str], None] | None) -> Iterator[None]:
+    """Hand inductor's output code of each graph compiled or cache-loaded inside the block to `sink`."""
     if sink is None:
         yield
         return
     from torch._inductor.graph import GraphLowering
 
     previous = GraphLowering.save_output_code
-    GraphLowering.save_output_code = sink.append
+    GraphLowering.save_output_code = sink
     try:
         yield
     finally:

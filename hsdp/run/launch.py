@@ -209,14 +209,15 @@ def stop_workers(workers: Workers, grace_s: float = STOP_GRACE_S) -> int:
     return running
 
 
-def start_zygote(worker: Worker) -> Zygote:
+def start_zygote(worker: Worker, compiled: bool = False) -> Zygote:
     """This process's zygote (started on first use): it has imported torch and the worker's module, and forks workers.
 
     Spawning would import them again in every worker (~2 s of CPU each: on a 2-core box a
     4-rank run spent ~8 s of an 11 s, 3-step job starting up). The zygote is a fresh
     interpreter (no thread or CUDA state of ours), started once per launcher process and
     reused by later launches, including those of processes forked from this one (the test
-    suite's warm launcher); it exits with the launcher (hsdp.run.zygote).
+    suite's warm launcher); it exits with the launcher (hsdp.run.zygote). `compiled`: it also
+    prepares torch.compile once for all ranks (hsdp.compile.prewarm).
     """
     global _zygote
     if _zygote is None or not _zygote.alive():
@@ -224,7 +225,8 @@ def start_zygote(worker: Worker) -> Zygote:
             _zygote.close()  # reap the dead one
         module = getattr(worker, "func", worker).__module__  # a functools.partial's function's module
         main = getattr(sys.modules["__main__"], "__file__", None) if module == "__main__" else None
-        preload = ["torch", "hsdp.run.launch"] + ([] if module == "__main__" else [module])
+        preload = ["torch", "hsdp.run.launch"] + (["hsdp.compile.prewarm"] if compiled else [])
+        preload += [] if module == "__main__" else [module]
         _zygote = Zygote(preload, main_path=os.path.abspath(main) if main else None)
     return _zygote
 
@@ -328,7 +330,7 @@ def launch(cfg: Config, worker: Worker) -> None:
             except Exception as e:  # same report as a spawned rank's failure
                 raise WorkerError(f"rank 0 failed:\n{traceback.format_exc()}") from e
             return
-        with start_zygote(worker).workers() as workers:
+        with start_zygote(worker, cfg.compile.enabled).workers() as workers:
             workers.start([(_local_worker, (rank, cfg, worker, port, world)) for rank in range(world)])
             failed, silent, stopped_at = None, [], {}
             try:
