@@ -36,6 +36,7 @@ from hsdp.run.launch import Interrupted, WorkerError, launch, under_torchrun
 from hsdp.run.lock import hold_run_lock
 from hsdp.run.metrics import MetricsLogger, StepMemoryProbe, peak_memory_mb
 from hsdp.run.rundir import owns_run_dir, prepare_run_dir
+from hsdp.sync.elastic import ElasticReplica
 from hsdp.sync.schedule import steps_after_last_sync
 from kernels.backend import set_backend
 
@@ -43,15 +44,23 @@ from kernels.backend import set_backend
 def train_worker(cfg: Config) -> None:
     """One rank's whole run."""
     t_start = time.perf_counter()
-    mesh = build_mesh(cfg.mesh.sync, cfg.mesh.shard, _device(), cfg.mesh.timeout_s)
+    elastic = ElasticReplica(cfg) if cfg.elastic.enabled else None  # this rank's replica on torchft
+    device = _device()
+    mesh = elastic.mesh(device) if elastic else build_mesh(cfg.mesh.sync, cfg.mesh.shard, device, cfg.mesh.timeout_s)
     set_backend(cfg.kernels.backend)
     data = Data(cfg, mesh.rank, mesh.world)
     engine = build_engine(cfg, mesh)
     optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
     checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start)
     run = checkpoints.resume()  # the checkpoint run.resume names (state, RNG, counters restored), or a fresh start
+    if elastic:  # join the live replicas: a restarted replica heals from one and continues at its step
+        run.start_step = elastic.join(engine, optimizer, run.start_step)
     logger = MetricsLogger(
-        cfg, cfg.run_dir, enabled=mesh.rank == 0, continue_after=run.start_step - 1 if run.resumed_from else None
+        cfg,
+        cfg.run_dir,
+        enabled=mesh.shard_rank == 0 if elastic else mesh.rank == 0,
+        continue_after=run.start_step - 1 if run.resumed_from or elastic else None,
+        suffix=f".replica{mesh.sync_rank}" if elastic else "",
     )
     tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
     memory = StepMemoryProbe(mesh.device, at=min(run.start_step + 2, cfg.run.steps - 1))  # past compile and warm-up
@@ -67,6 +76,8 @@ def train_worker(cfg: Config) -> None:
         check_finite(step, float(step_loss), float(grad_norm), mesh.rank, checkpoints.last_good)  # or Diverged
         optimizer.step()
         engine.zero_grad()
+        if elastic:
+            elastic.heal.step = step  # what a peer healing at this step's sync gets
         synced = engine.end_step(step)  # the sync policy's param sync, if due after this step
         last = step == cfg.run.steps - 1
         if last:
@@ -88,6 +99,7 @@ def train_worker(cfg: Config) -> None:
                 "peak_mem_mb": peak_memory_mb(mesh.device),
                 "synced": synced,
                 "elapsed_s": run.prior_wall_s + time.perf_counter() - t_start,
+                **(elastic.step_record() if elastic else {}),  # the quorum size of the last sync
             }  # wall-clock, for time-to-loss
             if eval_now:
                 record["val_loss"] = run.val_loss = world_mean(
@@ -122,9 +134,12 @@ def train_worker(cfg: Config) -> None:
             "world": mesh.world,
             **engine.stats(),
             **checkpoints.stats(),
+            **(elastic.stats() if elastic else {}),
         }
     )
     logger.close()
+    if elastic:
+        elastic.shutdown()
     for name, text in engine.artifacts().items():
         if mesh.rank == 0:
             (cfg.run_dir / name).parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +157,7 @@ def world_mean(mesh: Mesh, value: torch.Tensor) -> float:
     """Average a scalar over all ranks (for logging; counted under the "world" group)."""
     t = value.detach().float().reshape(1).clone()
     mesh.comm.all_reduce(t, "world")
-    return float(t) / mesh.world
+    return float(t) / mesh.comm.size("world")  # an elastic replica's world is its own group
 
 
 @torch.no_grad()

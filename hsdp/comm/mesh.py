@@ -29,6 +29,8 @@ class Mesh:
     shard_size: int
     sync_size: int
     comm: Comm
+    # Elastic runs: the replicas' transport (torchft, hsdp/sync/elastic.py) in place of a c10d sync group.
+    sync_transport: Optional[object] = None
 
 
 def build_mesh(sync: int, shard: int, device: torch.device, timeout_s: Optional[float] = None) -> Mesh:
@@ -46,6 +48,26 @@ def build_mesh(sync: int, shard: int, device: torch.device, timeout_s: Optional[
         sync_rank=rank // shard,
         shard_size=shard,
         sync_size=sync,
+        comm=comm,
+    )
+
+
+def build_elastic_mesh(replica: int, replicas: int, shard: int, device: torch.device, timeout_s: float) -> Mesh:
+    """An elastic replica's mesh: its own world of `shard` ranks is the shard group (and "world"); the sync
+    group is torchft's (set as `sync_transport`), so the c10d "sync" group is this rank alone. Ranks and
+    sizes are those of the whole run (rank = replica · shard + shard_rank), so data streams match."""
+    dm = _device_mesh(1, shard, device, timeout_s)
+    shard_rank = dist.get_rank()
+    comm = Comm({"shard": dm.get_group("shard"), "sync": dm.get_group("sync"), "world": dist.group.WORLD}, timeout_s)
+    return Mesh(
+        device_mesh=dm,
+        device=device,
+        rank=replica * shard + shard_rank,
+        world=replicas * shard,
+        shard_rank=shard_rank,
+        sync_rank=replica,
+        shard_size=shard,
+        sync_size=replicas,
         comm=comm,
     )
 

@@ -123,6 +123,15 @@ class WandbConfig:
 
 
 @dataclass
+class ElasticConfig:
+    enabled: bool = False  # replicas on torchft: one that dies is restarted and heals from a live one; others go on
+    lighthouse: str = ""  # torchft lighthouse address (http://host:port); empty: the launcher starts one
+    min_replicas: int = 1  # a sync commits only with at least this many replicas in its quorum
+    max_restarts: int = 3  # per replica: restarts after a failure before it is given up
+    timeout_s: float = 10.0  # failure detection: a sync's collectives and quorum give up on a silent peer after this
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -134,6 +143,7 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     @property
     def world_size(self) -> int:

@@ -29,6 +29,7 @@ AT_LEAST_ONE = [
     "sync.quant_block",
     "sync.topk_chunk",
     "run.keep_checkpoints",
+    "elastic.min_replicas",
 ]
 NON_NEGATIVE = [
     "run.eval_every",
@@ -43,8 +44,9 @@ NON_NEGATIVE = [
     "sync.delay",
     "compile.prefetch",
     "compile.bucket_mb",
+    "elastic.max_restarts",
 ]
-POSITIVE = ["optim.lr", "optim.eps", "mesh.timeout_s", "sync.outer_lr"]
+POSITIVE = ["optim.lr", "optim.eps", "mesh.timeout_s", "sync.outer_lr", "elastic.timeout_s"]
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -126,6 +128,33 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sync.outer_momentum: expected a value in [0, 1), got {s.outer_momentum}")
     if cfg.sync.method == "average" and (cfg.sync.outer_lr is not None or cfg.sync.outer_momentum is not None):
         raise ConfigError("sync.outer_lr/outer_momentum: only used by sync.method=diloco, got method average")
+    if cfg.elastic.enabled:
+        check_elastic(cfg)
+
+
+def check_elastic(cfg: Config) -> None:
+    """What an elastic run (replicas on torchft, docs/design.md §11) supports."""
+    e, s = cfg.elastic, cfg.sync
+    if cfg.mesh.engine != "hsdp":
+        raise ConfigError(
+            f"elastic.enabled: needs mesh.engine=hsdp (its sync policy runs on torchft), got {cfg.mesh.engine}"
+        )
+    if cfg.mesh.sync < 2:
+        raise ConfigError(f"elastic.enabled: needs at least 2 replicas (mesh.sync), got {cfg.mesh.sync}")
+    if s.warmup_steps != 0:
+        raise ConfigError(
+            "elastic.enabled: replicas sync params every sync.every steps and never grads, so it needs "
+            f"sync.warmup_steps=0, got {s.warmup_steps}"
+        )
+    if s.delay >= s.every // s.fragments:
+        raise ConfigError(
+            f"sync.delay: an elastic run has one sync in flight at a time, so expected a value < sync.every / "
+            f"sync.fragments = {s.every // s.fragments}, got {s.delay}"
+        )
+    if e.min_replicas > cfg.mesh.sync:
+        raise ConfigError(f"elastic.min_replicas: expected at most mesh.sync={cfg.mesh.sync}, got {e.min_replicas}")
+    if cfg.mesh.backend == "fake":
+        raise ConfigError("elastic.enabled: mesh.backend=fake moves no data; an elastic run needs a real backend")
 
 
 NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems

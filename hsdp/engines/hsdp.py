@@ -205,7 +205,9 @@ class HSDPEngine(Engine):
         self._callback_queued = False
         # Without a sync config (tests driving the engine directly) grads are always averaged.
         self.policy: Sync = (
-            NoSync() if sync_cfg is None else build_sync(sync_cfg, self.held_buffers(), GroupTransport(mesh.comm))
+            NoSync()
+            if sync_cfg is None
+            else build_sync(sync_cfg, self.held_buffers(), mesh.sync_transport or GroupTransport(mesh.comm))
         )
         self.set_grad_sync(True)
 

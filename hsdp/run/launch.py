@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from hsdp.config.preflight import check_world_size
-from hsdp.config.schema import Config
+from hsdp.config.schema import Config, ConfigError
+from hsdp.run.elastic import ElasticLaunch, replica_env, start_lighthouse, write_summary
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.zygote import Exit, Workers, Zygote
 
@@ -196,6 +197,60 @@ def _local_worker(rank: int, cfg: Config, worker: Worker, port: int, world: int)
     _init_and_run(cfg, worker, rank, world, rank, world)
 
 
+def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
+    """An elastic run (hsdp/run/elastic.py): the lighthouse, then one local world per replica, each restarted
+    alone when it fails. Raises WorkerError if a replica was given up (the others still finished)."""
+    server, address = start_lighthouse(cfg)
+    shard, local_world = cfg.mesh.shard, cfg.world_size
+    try:
+        with start_zygote(worker, cfg.compile.enabled).workers() as workers:
+
+            def start_group(m: int, restarts: int) -> list[int]:
+                port, env = _free_port(), replica_env(m, restarts, address)
+                targets = [(_elastic_worker, (m, r, cfg, worker, port, env, local_world)) for r in range(shard)]
+                return workers.start(targets)
+
+            run = ElasticLaunch(cfg, workers, start_group)
+            try:
+                for m in range(cfg.mesh.sync):
+                    run.start(m)
+                stop.arm()
+                while run.running:
+                    for ended in workers.wait(1.0):
+                        run.on_exit(ended)
+            except Interrupted as e:
+                stop.disarm()
+                raise Interrupted(e.signum, stop_workers(workers)) from None
+            finally:
+                stop.disarm()
+                stop_workers(workers)
+            write_summary(cfg, run)
+            failed = run.outcome()
+            if failed:
+                raise WorkerError(failed)
+    finally:
+        if server is not None:
+            server.shutdown()
+
+
+def _elastic_worker(
+    replica: int, rank: int, cfg: Config, worker: Worker, port: int, env: dict[str, str], local_world: int
+) -> None:
+    """Rank `rank` of replica `replica`'s own world (forked by the zygote, like `_local_worker`)."""
+    shard = cfg.mesh.shard
+    local_rank = replica * shard + rank
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(shard),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_world),
+        **env,
+    )
+    _init_and_run(cfg, worker, rank, shard, local_rank, local_world)
+
+
 def stop_workers(workers: Workers, grace_s: float = STOP_GRACE_S) -> int:
     """SIGTERM every running worker, SIGKILL those still running after `grace_s`; return how many were running."""
     running = len(workers.running())
@@ -305,6 +360,13 @@ def launch(cfg: Config, worker: Worker) -> None:
     Raises WorkerError if any rank fails, Interrupted (after stopping the workers)
     on SIGINT/SIGTERM. The mesh is assumed validated (`load_config`).
     """
+    if cfg.elastic.enabled:
+        if under_torchrun():
+            raise ConfigError(
+                "elastic.enabled: train.py starts and restarts the replica groups itself; run it without torchrun"
+            )
+        with StopSignals() as stop:
+            return _launch_elastic(cfg, worker, stop)
     if under_torchrun():  # torchrun's agent owns the workers' lifetime and signals
         world = int(os.environ["WORLD_SIZE"])
         check_world_size(cfg, world)

@@ -133,17 +133,21 @@ def _step_of(line: str) -> float:
 class MetricsLogger:
     """Writes one JSON object per logged step; mirrors it to wandb and the progress bar."""
 
-    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, continue_after: Optional[int] = None) -> None:
+    def __init__(
+        self, cfg: Config, run_dir: Path, enabled: bool, continue_after: Optional[int] = None, suffix: str = ""
+    ) -> None:
         """`continue_after`: a resumed run's checkpoint step; records of later steps are dropped and new
-        ones appended, so every step is in metrics.jsonl once."""
+        ones appended, so every step is in metrics.jsonl once. `suffix`: an elastic replica's own files
+        (metrics<suffix>.jsonl, summary<suffix>.json; wandb only for replica 0)."""
         self.enabled = enabled
         self.run_dir = run_dir
+        self.suffix = suffix
         self._wandb = None
         self._bar: Optional[tqdm] = None
         if not enabled:
             return
-        self._file = open_metrics(run_dir / "metrics.jsonl", continue_after)
-        if cfg.wandb.mode != "disabled":
+        self._file = open_metrics(run_dir / f"metrics{suffix}.jsonl", continue_after)
+        if cfg.wandb.mode != "disabled" and suffix in ("", ".replica0"):
             self._wandb = self._init_wandb(cfg, run_dir)
         # tqdm's default lock is a multiprocessing semaphore, registered with the launcher's resource
         # tracker: a worker stopped by SIGTERM cannot unregister it and the tracker then warns of a
@@ -216,7 +220,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         summary = finite_or_none(summary)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        (self.run_dir / f"summary{self.suffix}.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
         run = self._wandb
         self._to_wandb("summary", lambda: run.summary.update(summary))
 

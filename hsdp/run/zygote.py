@@ -220,11 +220,17 @@ class Workers:
         self._status.clear()
         self._lifeline_w = self._lifeline_r = -1
 
-    def start(self, targets: Sequence[tuple[Callable, tuple]]) -> None:
-        """Fork one worker per `(function, args)` (worker i runs targets[i]); return once all are forked."""
+    def start(self, targets: Sequence[tuple[Callable, tuple]]) -> list[int]:
+        """Fork one worker per `(function, args)`; return their indices once all are forked.
+
+        The first call's workers are 0..n-1; a later call (an elastic run restarting a replica) numbers
+        its workers on from there.
+        """
+        first = len(self._tracebacks)
+        indices = list(range(first, first + len(targets)))
         std = [fd if _is_open(fd) else os.open(os.devnull, os.O_WRONLY) for fd in (1, 2)]
         try:
-            for index, (function, args) in enumerate(targets):
+            for index, (function, args) in zip(indices, targets):
                 spawn_id = uuid.uuid4().hex
                 payload = _payload(function, args)
                 status_r, status_w = os.pipe()
@@ -240,10 +246,9 @@ class Workers:
             for ours, fd in zip((1, 2), std):
                 if fd != ours:
                     os.close(fd)
-            os.close(self._lifeline_r)  # the zygote has its copies
-            self._lifeline_r = -1
-        while any(i not in self.pids and i not in self._exits for i in range(len(targets))):
+        while any(i not in self.pids and i not in self._exits for i in indices):
             self._poll(None)
+        return indices
 
     def running(self) -> list[int]:
         return [i for i in self._ids.values() if i not in self._exits]
@@ -255,10 +260,11 @@ class Workers:
         new, self._new = self._new, []
         return new
 
-    def send_signal(self, sig: int) -> None:
-        """Send `sig` to every running worker (through the zygote: a pid it has not reaped yet is still that worker)."""
+    def send_signal(self, sig: int, indices: Optional[Sequence[int]] = None) -> None:
+        """Send `sig` to every running worker, or to those of `indices` (through the zygote: a pid it has not
+        reaped yet is still that worker)."""
         for spawn_id, index in self._ids.items():
-            if index not in self._exits:
+            if index not in self._exits and (indices is None or index in indices):
                 self._send({"op": "kill", "id": spawn_id, "sig": int(sig)})
 
     def _send(self, msg: dict, fds: Sequence[int] = ()) -> None:

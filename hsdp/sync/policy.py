@@ -140,6 +140,7 @@ class SyncPolicy:
         self.fragments = fragment_units(len(held), cfg.fragments)
         self.in_flight: list[_DelayedSync] = []  # in start order, so every rank waits in the same order
         self.landed: list[int] = []  # fragments whose sync landed in the last after_step / finish
+        self.dropped = 0  # rounds that did not commit (an elastic replica failed during them): not applied
         if cfg.warmup_steps == 0:
             self._start_global_copy()
 
@@ -158,23 +159,38 @@ class SyncPolicy:
         self.landed = []
         # Land before starting: a fragment never has two syncs in flight (τ < every), and every
         # rank issues and waits on the sync group's collectives in this same order.
-        for sync in [s for s in self.in_flight if s.land == step]:
-            self.land_sync(sync)
+        landing = [s for s in self.in_flight if s.land == step]
+        if landing:
+            self.land_syncs(landing)
+        return self.start_due(step)
+
+    def start_due(self, step: int, joined: bool = False) -> bool:
+        """The param syncs due after `step`, as one round of the transport: run them (τ = 0) or start them.
+
+        `joined`: the round has already begun (an elastic replica that just healed into its peers' round
+        at `step`, hsdp/sync/elastic.py)."""
         due = fragments_due(step, self.cfg)
-        for f in due:
-            if self.delay == 0:
+        if not due:
+            return False
+        if not joined:
+            self.transport.begin_round()
+        if self.delay > 0:
+            for f in due:
+                self.start_sync(f, step)
+        elif self.transport.may_fail:
+            self.sync_round(due)
+        else:
+            for f in due:
                 for u in self.fragments[f]:
                     self.sync_params(u)
                 self.landed.append(f)
-            else:
-                self.start_sync(f, step)
-        return bool(due)
+        return True
 
     def finish(self) -> list[int]:
         """End of training: land every sync still in flight (in start order); returns their fragments."""
         self.landed = []
-        for sync in list(self.in_flight):
-            self.land_sync(sync)
+        if self.in_flight:
+            self.land_syncs(list(self.in_flight))
         return self.landed
 
     def replicas_identical(self, step: int) -> bool:
@@ -216,11 +232,48 @@ class SyncPolicy:
     @torch.no_grad()
     def land_sync(self, sync: _DelayedSync) -> None:
         """Wait for a fragment's reductions, then the outer step and θ_m ← α·θ_m + (1 − α)·θ_g."""
-        for u, red in zip(self.fragments[sync.fragment], sync.reductions):
-            self.codec.finish(red, self.transport)
-            self.apply_outer_step(u, red.delta, merge=True)
-        self.in_flight.remove(sync)
-        self.landed.append(sync.fragment)
+        self.land_syncs([sync])
+
+    @torch.no_grad()
+    def land_syncs(self, syncs: list[_DelayedSync]) -> None:
+        """Land the syncs of one round: wait for every reduction; if the round commits, each unit's outer
+        step and merge, else (a failed elastic round) none of them."""
+        for sync in syncs:
+            for red in sync.reductions:
+                self.codec.finish(red, self.transport)
+        commit = self.transport.commit_round()
+        for sync in syncs:
+            if commit:
+                for u, red in zip(self.fragments[sync.fragment], sync.reductions):
+                    self.apply_outer_step(u, red.delta, merge=True)
+                self.landed.append(sync.fragment)
+            self.in_flight.remove(sync)
+        self.dropped += not commit
+
+    @torch.no_grad()
+    def sync_round(self, fragments: list[int]) -> None:
+        """A blocking round on a transport that may fail (elastic): every reduction first, then, only if the
+        round commits, every unit's update; a round that does not commit leaves θ_m and θ_g as they were."""
+        units = [u for f in fragments for u in self.fragments[f]]
+        if self.uses_global:
+            reds = [self.snapshot_delta(u, async_op=False) for u in units]
+            for red in reds:
+                self.codec.finish(red, self.transport)
+            n, means = None, [red.delta for red in reds]
+        else:
+            means = [self.held[u].clone() for u in units]  # reduced apart from θ_m, which a drop keeps
+            for t in means:
+                self.transport.all_reduce_sum(t, async_op=False)
+            n = self.transport.size
+        if not self.transport.commit_round():
+            self.dropped += 1
+            return
+        for u, mean in zip(units, means):
+            if n is None:
+                self.apply_outer_step(u, mean, merge=False)
+            else:
+                self.held[u].copy_(mean).div_(n)
+        self.landed.extend(fragments)
 
     # ------------------------------------------------------------ the pieces of one unit's sync
     def snapshot_delta(self, u: int, async_op: bool) -> Reduction:

@@ -23,11 +23,25 @@ class Work(Protocol):
 
 
 class Transport(Protocol):
-    """The replicas' collectives (sum and gather), sync or async."""
+    """The replicas' collectives (sum and gather), sync or async, in rounds.
+
+    A round is one param sync (all units of the fragments due at a step): `begin_round()` before its
+    first collective, `commit_round()` after its last wait; the policy applies the round only if
+    that returns True. On the c10d group a round always commits; on the elastic (torchft) transport
+    the membership is agreed at `begin_round` and a round a replica failed in does not commit.
+    """
+
+    may_fail: bool  # rounds can fail to commit (the policy then keeps θ_m apart from what it reduces)
 
     @property
     def size(self) -> int:
-        """M: the number of replicas taking part."""
+        """M: the number of replicas taking part (in the current round)."""
+
+    def begin_round(self) -> None:
+        """Agree on who takes part, before a round's first collective."""
+
+    def commit_round(self) -> bool:
+        """After a round's last wait: whether every replica in it got its results (apply them only then)."""
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool) -> Work:
         """t ← Σ over replicas of t, in place."""
@@ -39,12 +53,20 @@ class Transport(Protocol):
 class GroupTransport:
     """The c10d sync group of the mesh, through `Comm` (so its bytes are counted as "sync")."""
 
+    may_fail = False  # a failed collective raises and ends the run (launch stops every rank)
+
     def __init__(self, comm: Comm, group: str = "sync") -> None:
         self.comm, self.group = comm, group
 
     @property
     def size(self) -> int:
         return self.comm.size(self.group)
+
+    def begin_round(self) -> None:
+        pass
+
+    def commit_round(self) -> bool:
+        return True
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool) -> Work:
         return self.comm.all_reduce(t, self.group, async_op=async_op)

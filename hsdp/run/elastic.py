@@ -1,0 +1,159 @@
+"""Launch an elastic run: one torch.distributed world per replica, restarted alone when it fails.
+
+(elastic.enabled, docs/design.md §11.) The launcher starts torchft's lighthouse in-process (unless
+`elastic.lighthouse` names one), then `mesh.sync` replica groups of `mesh.shard` local workers, each
+group with its own rendezvous port. When any worker of a replica ends badly, the launcher kills the
+rest of that replica and starts it again (up to `elastic.max_restarts` times); the new workers heal
+from a live replica at its next sync (hsdp/sync/elastic.py) while the others train on. The run
+folder's `replicas.json` lists each replica's live pids and restarts, rewritten on every change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hsdp.config.schema import Config
+from hsdp.run.zygote import Exit, Workers
+
+
+@dataclass
+class Replica:
+    """One replica group as the launcher tracks it."""
+
+    index: int
+    workers: list[int] = field(default_factory=list)  # the current generation's worker indices
+    restarts: int = 0
+    finished: int = 0  # workers of the current generation that exited 0
+    failures: list[str] = field(default_factory=list)  # each failure's last line
+    given_up: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.given_up or self.finished == len(self.workers)
+
+
+def replica_env(replica: int, restarts: int, lighthouse: str) -> dict[str, str]:
+    """What an elastic worker learns from the launcher besides the usual rank variables."""
+    return {"HSDP_REPLICA": str(replica), "HSDP_RESTART": str(restarts), "TORCHFT_LIGHTHOUSE": lighthouse}
+
+
+def start_lighthouse(cfg: Config) -> tuple[Optional[object], str]:
+    """torchft's lighthouse in this process (unless the config names one), and its address."""
+    if cfg.elastic.lighthouse:
+        return None, cfg.elastic.lighthouse
+    from torchft.coordination import LighthouseServer  # lazy: only elastic runs need torchft
+
+    # join_timeout: how long a quorum waits for a replica that was in the last one. Long enough for a
+    # live replica's next sync (it joins only at syncs), short enough that a dead one is dropped soon.
+    server = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=cfg.elastic.min_replicas,
+        join_timeout_ms=int(cfg.elastic.timeout_s * 1000),
+    )
+    return server, server.address()
+
+
+class ElasticLaunch:
+    """The replica groups of one elastic run, on one launcher's workers."""
+
+    def __init__(self, cfg: Config, workers: Workers, start_group) -> None:
+        self.cfg, self.workers = cfg, workers
+        self.start_group = start_group  # (replica, restarts) -> worker indices
+        self.replicas = [Replica(m) for m in range(cfg.mesh.sync)]
+        self.owner: dict[int, int] = {}  # worker index -> replica (current generation only)
+
+    def start(self, m: int) -> None:
+        r = self.replicas[m]
+        r.workers, r.finished = self.start_group(m, r.restarts), 0
+        for i in r.workers:
+            self.owner[i] = m
+        self.write_replicas_json()
+
+    def on_exit(self, e: Exit) -> None:
+        """A worker ended: count a clean finish, or restart (or give up on) its replica."""
+        m = self.owner.pop(e.index, None)
+        if m is None:
+            return  # a worker of a replica's earlier generation (killed when it was restarted)
+        r = self.replicas[m]
+        if e.code == 0:
+            r.finished += 1
+            return
+        last = (e.traceback.strip().splitlines() or [f"exit code {e.code}"])[-1]
+        r.failures.append(last)
+        rest = [i for i in r.workers if i in self.owner]
+        for i in rest:
+            self.owner.pop(i)
+        self.workers.send_signal(signal.SIGKILL, rest)  # the replica's survivors would wait on it
+        if r.restarts >= self.cfg.elastic.max_restarts:
+            r.given_up = True
+            self.write_replicas_json()
+            return
+        r.restarts += 1
+        self.start(m)
+
+    @property
+    def running(self) -> bool:
+        return not all(r.done for r in self.replicas)
+
+    def write_replicas_json(self) -> None:
+        """replicas.json: each replica's live worker pids and its restarts (atomic rewrite)."""
+        state = {
+            str(r.index): {
+                "pids": [] if r.given_up else [self.workers.pids[i] for i in r.workers if i in self.workers.pids],
+                "restarts": r.restarts,
+                "given_up": r.given_up,
+            }
+            for r in self.replicas
+        }
+        path = self.cfg.run_dir / "replicas.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, path)
+
+    def outcome(self) -> Optional[str]:
+        """None if every replica finished; else the one line saying which replica was given up and why."""
+        lost = [r for r in self.replicas if r.given_up]
+        if not lost:
+            return None
+        r = lost[0]
+        ok = [str(x.index) for x in self.replicas if not x.given_up]
+        others = f"; replica{'s' if len(ok) > 1 else ''} {', '.join(ok)} finished" if ok else ""
+        return (
+            f"replica {r.index} failed {len(r.failures)} times (elastic.max_restarts="
+            f"{self.cfg.elastic.max_restarts}), last: {r.failures[-1]}{others}"
+        )
+
+    def summary(self) -> dict:
+        return {
+            "replica_failures": sum(len(r.failures) for r in self.replicas),
+            "replica_restarts": {str(r.index): r.restarts for r in self.replicas},
+        }
+
+
+def write_summary(cfg: Config, run: ElasticLaunch) -> None:
+    """summary.json of an elastic run: the first finished replica's summary, its peers' heals and lost
+    time, and the launcher's failure counts (each replica also keeps its own summary.replica<m>.json)."""
+    summaries = {}
+    for r in run.replicas:
+        path = cfg.run_dir / f"summary.replica{r.index}.json"
+        if path.is_file():
+            summaries[r.index] = json.loads(path.read_text())
+    if not summaries:
+        return
+    first = summaries[min(summaries)]
+    merged = {
+        **first,
+        **run.summary(),
+        "heals": sum(s.get("heals", 0) for s in summaries.values()),
+        "dropped_syncs": {str(m): s.get("dropped_syncs", 0) for m, s in summaries.items()},
+        # the wall-clock a replica that never failed lost to its peers' failures (max over such replicas)
+        "survivor_lost_s": max(
+            (s.get("elastic_lost_s", 0.0) for m, s in summaries.items() if not run.replicas[m].failures),
+            default=None,
+        ),
+    }
+    (cfg.run_dir / "summary.json").write_text(json.dumps(merged, indent=1, allow_nan=False))

@@ -1,0 +1,224 @@
+"""The sync group on torchft: replicas that die and rejoin (elastic.enabled, docs/design.md §11).
+
+Each replica is its own torch.distributed world of `mesh.shard` ranks. Shard rank r of every replica
+holds the same slice of the model, so rank r's torchft `Manager` joins the quorum of the r-th ranks of
+all live replicas (replica id `replica_<m>`), and its reconfigurable gloo group carries the sync
+collectives among them. `FTTransport` is that group behind the policy's `Transport` protocol:
+
+    begin_round   manager.start_quorum()   who takes part; a replica behind the others heals here
+    all_reduce    manager.allreduce(SUM)   (all-gather: the group's allgather)
+    commit_round  manager.should_commit()  False if any participant failed: the policy drops the round
+
+Healing: the state a replica needs to continue exactly where a live peer is (`HealState`): its held
+shards, the inner optimizer's state, the sync policy's state (θ_g, outer momentum, an in-flight Δ),
+and the training step. The LR and the data stream are functions of the step and of the replica's
+own rank, so both are right once the step is.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hsdp.comm.groups import Comm, ring_bytes_of
+from hsdp.comm.mesh import Mesh, build_elastic_mesh
+from hsdp.config.schema import Config
+
+
+class _Done:
+    """A finished collective (torchft already waited, or an errored manager made it a no-op)."""
+
+    def wait(self) -> None:
+        pass
+
+
+class _Guarded:
+    """An allgather on torchft's group whose failure is reported to the manager instead of raised."""
+
+    def __init__(self, work: Any, manager: Any) -> None:
+        self.work, self.manager = work, manager
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            self.work.wait()
+        except Exception as e:  # a peer died mid-collective: the round will not commit
+            self.manager.report_error(e)
+        self.work = None
+
+
+class FTTransport:
+    """The sync collectives among the live replicas' ranks of one shard position, through torchft."""
+
+    may_fail = True
+
+    def __init__(self, manager: Any, pg: Any, comm: Comm) -> None:
+        self.manager, self.pg, self.comm = manager, pg, comm
+        self.rounds = 0
+        self.committed = 0
+        self.participants: Optional[int] = None  # the last round's quorum size
+        self.lost_s = 0.0  # wall time of rounds that did not commit, and of quorums that changed
+        self._round_start = 0.0
+        self._changed = False
+
+    @property
+    def size(self) -> int:
+        return self.manager.num_participants()
+
+    def begin_round(self) -> None:
+        self._round_start = time.perf_counter()
+        before = self.participants
+        self.manager.start_quorum()
+        self.participants = self.manager.num_participants()
+        self._changed = before is not None and before != self.participants
+        self.rounds += 1
+
+    def commit_round(self) -> bool:
+        ok = bool(self.manager.should_commit())
+        self.committed += ok
+        if not ok or self._changed:
+            self.lost_s += time.perf_counter() - self._round_start
+        return ok
+
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool) -> Any:
+        self.comm.count("sync", "all_reduce", ring_bytes_of("all_reduce", self.size, t.numel() * t.element_size()))
+        work = self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM)
+        if not async_op:
+            work.wait()
+            return _Done()
+        return work
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Any:
+        n = self.size
+        self.comm.count("sync", "all_gather", ring_bytes_of("all_gather", n, inp.numel() * inp.element_size()))
+        if self.manager.errored():
+            return _Done()  # the round is lost already; its result is never applied
+        try:
+            work = _Guarded(self.pg.allgather([list(out.chunk(n))], [inp], dist.AllgatherOptions()), self.manager)
+        except Exception as e:
+            self.manager.report_error(e)
+            return _Done()
+        if not async_op:
+            work.wait()
+        return work
+
+
+class HealState:
+    """What a rejoining replica copies from a live peer (torchft's state_dict / load_state_dict pair)."""
+
+    def __init__(self) -> None:
+        self.engine: Any = None  # attached once built (the transport, and so the manager, come first)
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.step = -1  # the last finished step (set by the training loop)
+        self.healed_to: Optional[int] = None  # set when a peer's state was loaded
+        self.heals = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        # Copies: torchft sends them from its own thread while this replica trains on.
+        return {
+            "held": [u.held_flat.detach().clone() for u in self.engine.units],
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "policy": copy.deepcopy(self.engine.policy.state_dict()),
+            "step": self.step,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for u, held in zip(self.engine.units, state["held"], strict=True):
+            u.held_flat.copy_(held)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.engine.policy.load_state_dict(state["policy"])
+        self.step = self.healed_to = int(state["step"])
+        self.heals += 1
+
+
+class ElasticReplica:
+    """This rank's part of an elastic run: its replica's mesh, the torchft transport, the join and heal."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.replica = int(os.environ["HSDP_REPLICA"])  # set by the launcher (hsdp/run/elastic.py)
+        self.heal = HealState()
+        self.transport: Optional[FTTransport] = None
+        self.joined_at = 0.0
+
+    def mesh(self, device: torch.device) -> Mesh:
+        """The replica's own mesh, with the torchft transport as its sync group."""
+        c = self.cfg
+        mesh = build_elastic_mesh(self.replica, c.mesh.sync, c.mesh.shard, device, c.mesh.timeout_s)
+        self.transport = build_elastic(c, self.replica, mesh.shard_rank, mesh.shard_size, mesh.comm, self.heal)
+        mesh.sync_transport = self.transport
+        return mesh
+
+    def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
+        """The first quorum: the step to train from. A replica behind the live ones (restarted) heals from
+        one at their next sync round and takes part in that round, then trains on from the step after."""
+        self.heal.engine, self.heal.optimizer, self.heal.step = engine, optimizer, start_step - 1
+        t0 = time.perf_counter()
+        self.transport.begin_round()
+        if self.heal.healed_to is None:  # nobody ahead: a fresh start
+            self.transport.commit_round()
+            step = start_step
+        else:
+            t = self.heal.healed_to
+            if not engine.policy.start_due(t, joined=True):
+                self.transport.commit_round()  # the peers' round had nothing to sync here (their first one)
+            step = t + 1
+        self.joined_at = time.perf_counter() - t0
+        return step
+
+    def step_record(self) -> dict[str, Any]:
+        return {"replicas": self.transport.participants}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "heals": self.heal.heals,
+            "sync_rounds": self.transport.rounds,
+            "dropped_syncs": self.heal.engine.policy.dropped,
+            "elastic_lost_s": round(self.transport.lost_s, 3),
+            "join_s": round(self.joined_at, 3),
+        }
+
+    def shutdown(self) -> None:
+        self.transport.manager.shutdown(wait=False)
+
+
+def build_elastic(cfg: Config, replica: int, shard_rank: int, shard: int, comm: Comm, heal: HealState) -> FTTransport:
+    """This rank's torchft Manager (over its replica group's store) and the transport on top of it."""
+    from torchft.manager import Manager  # lazy: only elastic runs need torchft
+    from torchft.process_group import ProcessGroupGloo
+
+    timeout = timedelta(seconds=cfg.elastic.timeout_s)
+    pg = ProcessGroupGloo(timeout=timeout)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=heal.load_state_dict,
+        state_dict=heal.state_dict,
+        min_replica_size=cfg.elastic.min_replicas,
+        use_async_quorum=False,  # heal before the round's collectives, on the training thread
+        init_sync=False,  # replicas start from the same seeded init: no copy at step 0
+        timeout=timeout,
+        # A quorum waits for the peers' next sync (up to sync.every steps away), not only for failures.
+        quorum_timeout=timedelta(seconds=max(cfg.mesh.timeout_s, 6 * cfg.elastic.timeout_s)),
+        connect_timeout=timeout,
+        rank=shard_rank,
+        world_size=shard,
+        replica_id=f"replica_{replica}",
+        lighthouse_addr=cfg.elastic.lighthouse or None,
+        hostname="127.0.0.1" if not cfg.elastic.lighthouse else _hostname(),
+        heartbeat_interval=timedelta(milliseconds=100),
+    )
+    return FTTransport(manager, pg, comm)
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
