@@ -128,6 +128,7 @@ class ElasticConfig:
     lighthouse: str = ""  # torchft lighthouse address (http://host:port); empty: the launcher starts one
     min_replicas: int = 1  # a sync commits only with at least this many replicas in its quorum
     max_restarts: int = 3  # per replica: restarts after a failure before it is given up
+    restart_delay_s: float = 1.0  # wait before restarting a failed replica (a crash loop does not spin)
     timeout_s: float = 10.0  # failure detection: a sync's collectives and quorum give up on a silent peer after this
 
 

@@ -45,6 +45,7 @@ NON_NEGATIVE = [
     "compile.prefetch",
     "compile.bucket_mb",
     "elastic.max_restarts",
+    "elastic.restart_delay_s",
 ]
 POSITIVE = ["optim.lr", "optim.eps", "mesh.timeout_s", "sync.outer_lr", "elastic.timeout_s"]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,29 +31,36 @@ class Replica:
     finished: int = 0  # workers of the current generation that exited 0
     failures: list[str] = field(default_factory=list)  # each failure's last line
     given_up: bool = False
+    restart_at: Optional[float] = None  # monotonic time of a pending restart
 
     @property
     def done(self) -> bool:
-        return self.given_up or self.finished == len(self.workers)
+        return self.given_up or (self.restart_at is None and self.finished == len(self.workers))
 
 
 def replica_env(replica: int, restarts: int, lighthouse: str) -> dict[str, str]:
     """What an elastic worker learns from the launcher besides the usual rank variables."""
-    return {"HSDP_REPLICA": str(replica), "HSDP_RESTART": str(restarts), "TORCHFT_LIGHTHOUSE": lighthouse}
+    env = {"HSDP_REPLICA": str(replica), "HSDP_RESTART": str(restarts), "TORCHFT_LIGHTHOUSE": lighthouse}
+    return {**env, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
 
 
 def start_lighthouse(cfg: Config) -> tuple[Optional[object], str]:
     """torchft's lighthouse in this process (unless the config names one), and its address."""
     if cfg.elastic.lighthouse:
         return None, cfg.elastic.lighthouse
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info (read on import)
     from torchft.coordination import LighthouseServer  # lazy: only elastic runs need torchft
 
     # join_timeout: how long a quorum waits for a replica that was in the last one. Long enough for a
     # live replica's next sync (it joins only at syncs), short enough that a dead one is dropped soon.
+    # heartbeat_timeout: a replica that stops heartbeating (dead) leaves the quorum after timeout_s.
+    timeout_ms = int(cfg.elastic.timeout_s * 1000)
     server = LighthouseServer(
         bind="[::]:0",
         min_replicas=cfg.elastic.min_replicas,
-        join_timeout_ms=int(cfg.elastic.timeout_s * 1000),
+        join_timeout_ms=timeout_ms,
+        quorum_tick_ms=100,
+        heartbeat_timeout_ms=timeout_ms,
     )
     return server, server.address()
 
@@ -88,12 +96,20 @@ class ElasticLaunch:
         for i in rest:
             self.owner.pop(i)
         self.workers.send_signal(signal.SIGKILL, rest)  # the replica's survivors would wait on it
+        r.workers = []
         if r.restarts >= self.cfg.elastic.max_restarts:
             r.given_up = True
-            self.write_replicas_json()
-            return
-        r.restarts += 1
-        self.start(m)
+        else:
+            r.restarts += 1
+            r.restart_at = time.monotonic() + self.cfg.elastic.restart_delay_s
+        self.write_replicas_json()
+
+    def restart_due(self) -> None:
+        """Start the replicas whose restart delay has passed."""
+        for r in self.replicas:
+            if r.restart_at is not None and time.monotonic() >= r.restart_at:
+                r.restart_at = None
+                self.start(r.index)
 
     @property
     def running(self) -> bool:

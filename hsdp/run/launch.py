@@ -216,8 +216,9 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
                     run.start(m)
                 stop.arm()
                 while run.running:
-                    for ended in workers.wait(1.0):
+                    for ended in workers.wait(0.2):
                         run.on_exit(ended)
+                    run.restart_due()
             except Interrupted as e:
                 stop.disarm()
                 raise Interrupted(e.signum, stop_workers(workers)) from None

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import copy
 import os
+import statistics
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -64,9 +66,9 @@ class FTTransport:
         self.rounds = 0
         self.committed = 0
         self.participants: Optional[int] = None  # the last round's quorum size
-        self.lost_s = 0.0  # wall time of rounds that did not commit, and of quorums that changed
+        self.quorum_waits: list[float] = []  # seconds each begin_round waited for its quorum
+        self.dropped_s = 0.0  # wall time of rounds that did not commit
         self._round_start = 0.0
-        self._changed = False
 
     @property
     def size(self) -> int:
@@ -74,18 +76,22 @@ class FTTransport:
 
     def begin_round(self) -> None:
         self._round_start = time.perf_counter()
-        before = self.participants
         self.manager.start_quorum()
+        self.quorum_waits.append(time.perf_counter() - self._round_start)
         self.participants = self.manager.num_participants()
-        self._changed = before is not None and before != self.participants
         self.rounds += 1
 
     def commit_round(self) -> bool:
         ok = bool(self.manager.should_commit())
         self.committed += ok
-        if not ok or self._changed:
-            self.lost_s += time.perf_counter() - self._round_start
+        if not ok:
+            self.dropped_s += time.perf_counter() - self._round_start
         return ok
+
+    def lost_s(self) -> float:
+        """Wall time lost to peers' failures: quorum waits beyond the usual (median) one, and dropped rounds."""
+        usual = statistics.median(self.quorum_waits) if self.quorum_waits else 0.0
+        return sum(max(0.0, w - usual) for w in self.quorum_waits) + self.dropped_s
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool) -> Any:
         self.comm.count("sync", "all_reduce", ring_bytes_of("all_reduce", self.size, t.numel() * t.element_size()))
@@ -131,6 +137,7 @@ class HealState:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Install a live peer's state (torchft calls this on the training thread, inside begin_round)."""
         for u, held in zip(self.engine.units, state["held"], strict=True):
             u.held_flat.copy_(held)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -182,7 +189,7 @@ class ElasticReplica:
             "heals": self.heal.heals,
             "sync_rounds": self.transport.rounds,
             "dropped_syncs": self.heal.engine.policy.dropped,
-            "elastic_lost_s": round(self.transport.lost_s, 3),
+            "elastic_lost_s": round(self.transport.lost_s(), 3),
             "join_s": round(self.joined_at, 3),
         }
 
@@ -194,6 +201,10 @@ def build_elastic(cfg: Config, replica: int, shard_rank: int, shard: int, comm: 
     """This rank's torchft Manager (over its replica group's store) and the transport on top of it."""
     from torchft.manager import Manager  # lazy: only elastic runs need torchft
     from torchft.process_group import ProcessGroupGloo
+
+    # torchft's checkpoint transport deserialises a peer's state from a read-only buffer, which torch warns
+    # about on each heal; the tensors are copied into this replica's own buffers at once.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
     timeout = timedelta(seconds=cfg.elastic.timeout_s)
     pg = ProcessGroupGloo(timeout=timeout)
