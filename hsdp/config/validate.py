@@ -156,6 +156,16 @@ def check_elastic(cfg: Config) -> None:
         raise ConfigError(f"elastic.min_replicas: expected at most mesh.sync={cfg.mesh.sync}, got {e.min_replicas}")
     if cfg.mesh.backend == "fake":
         raise ConfigError("elastic.enabled: mesh.backend=fake moves no data; an elastic run needs a real backend")
+    if s.error_feedback:
+        raise ConfigError(
+            "sync.error_feedback: a dropped elastic round would leave each replica's residual updated for a "
+            "message that was never applied; elastic runs refuse it"
+        )
+    if cfg.run.checkpoint_every > 0 or cfg.run.resume not in ("auto", "never"):
+        raise ConfigError(
+            "run.checkpoint_every/run.resume: an elastic replica restarts by healing from a live one; elastic "
+            "runs write and load no checkpoints (set run.checkpoint_every=0)"
+        )
 
 
 NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems

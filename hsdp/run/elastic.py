@@ -97,7 +97,8 @@ class ElasticLaunch:
             self.owner.pop(i)
         self.workers.send_signal(signal.SIGKILL, rest)  # the replica's survivors would wait on it
         r.workers = []
-        if r.restarts >= self.cfg.elastic.max_restarts:
+        alone = all(x.done and not x.given_up for x in self.replicas if x is not r)  # nobody to heal from
+        if r.restarts >= self.cfg.elastic.max_restarts or alone:
             r.given_up = True
         else:
             r.restarts += 1
@@ -138,10 +139,12 @@ class ElasticLaunch:
         r = lost[0]
         ok = [str(x.index) for x in self.replicas if not x.given_up]
         others = f"; replica{'s' if len(ok) > 1 else ''} {', '.join(ok)} finished" if ok else ""
-        return (
-            f"replica {r.index} failed {len(r.failures)} times (elastic.max_restarts="
-            f"{self.cfg.elastic.max_restarts}), last: {r.failures[-1]}{others}"
+        why = (
+            f"elastic.max_restarts={self.cfg.elastic.max_restarts}"
+            if r.restarts >= self.cfg.elastic.max_restarts
+            else "no live replica left to heal from"
         )
+        return f"replica {r.index} failed {len(r.failures)} times ({why}), last: {r.failures[-1]}{others}"
 
     def summary(self) -> dict:
         return {

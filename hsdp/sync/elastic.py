@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import os
 import statistics
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -27,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from hsdp.comm.groups import Comm, ring_bytes_of
 from hsdp.comm.mesh import Mesh, build_elastic_mesh
@@ -82,10 +84,13 @@ class FTTransport:
         self.rounds += 1
 
     def commit_round(self) -> bool:
+        error = self.manager.errored()
         ok = bool(self.manager.should_commit())
         self.committed += ok
         if not ok:
             self.dropped_s += time.perf_counter() - self._round_start
+            why = f"{type(error.original_exception).__name__}: {error.original_exception}" if error else "a peer failed"
+            print(f"elastic: sync round {self.rounds} dropped ({why})", file=sys.stderr)
         return ok
 
     def lost_s(self) -> float:
@@ -107,7 +112,7 @@ class FTTransport:
         if self.manager.errored():
             return _Done()  # the round is lost already; its result is never applied
         try:
-            work = _Guarded(self.pg.allgather([list(out.chunk(n))], [inp], dist.AllgatherOptions()), self.manager)
+            work = _Guarded(self.pg.allgather([list(out.chunk(n))], [inp], AllgatherOptions()), self.manager)
         except Exception as e:
             self.manager.report_error(e)
             return _Done()
@@ -171,6 +176,11 @@ class ElasticReplica:
         t0 = time.perf_counter()
         self.transport.begin_round()
         if self.heal.healed_to is None:  # nobody ahead: a fresh start
+            if int(os.environ.get("HSDP_RESTART", "0")) > 0:
+                raise RuntimeError(
+                    f"replica {self.replica} was restarted but found no live replica to heal from "
+                    "(the others finished or died); it would train alone from the initial weights"
+                )
             self.transport.commit_round()
             step = start_step
         else:

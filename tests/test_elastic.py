@@ -1,0 +1,180 @@
+"""Elastic replicas on torchft (elastic.enabled): a replica that dies never stops the others, and rejoins healed.
+
+Real runs of train.py (each replica its own world of gloo ranks, torchft's lighthouse in the launcher);
+a replica is killed with SIGKILL from outside, by the pids the launcher lists in replicas.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hsdp.config.loader import load_config
+from hsdp.config.schema import ConfigError
+from tests.helpers import QUIET_ENV, REPO, SMALL, run_train
+
+# The tiny CPU job, as the issue's must-show asks (2x2, DiLoCo every 8, no warmup); 0.2 s a step here.
+ELASTIC = [
+    "elastic.enabled=true",
+    "elastic.timeout_s=2",
+    "elastic.restart_delay_s=4",  # long enough that the survivors sync alone before the restart is back
+    "sync.warmup_steps=0",
+    "sync.every=8",
+    "sync.method=diloco",
+    "run.eval_every=0",
+    "run.log_every=1",
+    "run.save_model=true",
+    "wandb.mode=disabled",
+]
+
+
+def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny.yaml")]
+    for o in [*overrides, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]:
+        cmd += ["--set", o]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env={**os.environ, **QUIET_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _last_step(path: Path) -> int:
+    try:
+        lines = path.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else -1
+    except (OSError, ValueError, KeyError):
+        return -1  # not there yet, or a line being written
+
+
+def _replicas(run_dir: Path) -> dict:
+    return json.loads((run_dir / "replicas.json").read_text())
+
+
+def _kill_replica_at(proc: subprocess.Popen, run_dir: Path, replica: int, step: int, timeout: float = 240) -> list[int]:
+    """SIGKILL every process of `replica` once its metrics reach `step`; returns the pids killed."""
+    deadline = time.monotonic() + timeout
+    while _last_step(run_dir / f"metrics.replica{replica}.jsonl") < step:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "the replica never reached the step"
+        time.sleep(0.1)
+    pids = _replicas(run_dir)[str(replica)]["pids"]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"the elastic run hung:\n{err[-3000:]}") from None
+    return proc.returncode, err
+
+
+def _records(run_dir: Path, replica: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / f"metrics.replica{replica}.jsonl").read_text().splitlines()]
+
+
+def _params(run_dir: Path, replica: int) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / f"model.replica{replica}.pt")
+
+
+@pytest.mark.parametrize(
+    "case,mesh,extra",
+    [
+        ("2x2", ["mesh.sync=2", "mesh.shard=2"], []),
+        # int8 Δ and an overlapped sync (τ = 1) on 3 replicas: the two others keep syncing with each other
+        ("3x1-int8-delay1", ["mesh.sync=3", "mesh.shard=1"], ["sync.quantize=int8", "sync.delay=1"]),
+    ],
+)
+def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, mesh: list[str], extra: list[str]):
+    """kill -9 of every process of replica 1 at step >= 40: the others train on without restarting, replica 1
+    is restarted, heals from a live replica and trains to the end; every step once in each metrics file;
+    the quorum size goes down and back up; after the final sync every replica's params are bitwise equal."""
+    run_dir = tmp_path / case
+    proc = _start(run_dir, ELASTIC + mesh + extra + ["run.steps=120"])
+    killed = _kill_replica_at(proc, run_dir, 1, 40)
+    code, err = _finish(proc)
+    assert code == 0, err[-3000:]
+    replicas = _replicas(run_dir)
+    n = len(replicas)
+    assert replicas["1"]["restarts"] == 1 and not set(killed) & set(replicas["1"]["pids"])
+    assert all(replicas[str(m)]["restarts"] == 0 for m in range(n) if m != 1)
+    for m in range(n):
+        steps = [r["step"] for r in _records(run_dir, m)]
+        assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == 119, m
+    survivor = [r["replicas"] for r in _records(run_dir, 0)]
+    first_short = survivor.index(n - 1)  # a sync without replica 1 ...
+    assert n in survivor[first_short:]  # ... and later with it again
+    reference = _params(run_dir, 0)
+    for m in range(1, n):
+        got = _params(run_dir, m)
+        assert all(torch.equal(got[k], reference[k]) for k in reference), m
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["replica_failures"] == 1 and summary["heals"] >= 1
+    # the survivors lost at most the failure timeout plus one sync
+    assert summary["survivor_lost_s"] <= 2 + 8 * summary["median_step_time_s"] + 2
+
+
+def test_a_replica_that_keeps_dying_is_given_up_and_the_others_finish(tmp_path: Path):
+    """elastic.max_restarts=1: replica 1 killed twice is not restarted again; replica 0 still finishes;
+    exit 1 and one line naming the replica and the limit."""
+    run_dir = tmp_path / "dying"
+    overrides = ELASTIC + ["mesh.sync=2", "mesh.shard=1", "elastic.max_restarts=1", "elastic.restart_delay_s=0.5"]
+    proc = _start(run_dir, overrides + ["run.steps=160"])
+    first = _kill_replica_at(proc, run_dir, 1, 16)
+    deadline = time.monotonic() + 120
+    while set(_replicas(run_dir)["1"]["pids"]) in (set(), set(first)):  # the restart's new processes
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.0)
+    for pid in _replicas(run_dir)["1"]["pids"]:
+        os.kill(pid, signal.SIGKILL)
+    code, err = _finish(proc)
+    assert code == 1
+    last = err.strip().splitlines()[-1]
+    assert "replica 1 failed 2 times (elastic.max_restarts=1)" in last and "replica 0 finished" in last, last
+    assert _replicas(run_dir)["1"]["given_up"] is True
+    assert _records(run_dir, 0)[-1]["step"] == 159
+
+
+def test_elastic_without_failures_computes_the_plain_run(tmp_path: Path):
+    """No failure: losses within 1e-6 and final params of every replica equal to the non-elastic run's."""
+    base = SMALL + ["mesh.sync=2", "mesh.shard=2", "run.steps=24", "sync.warmup_steps=0", "sync.every=4"]
+    base += ["sync.method=diloco"]
+    plain = run_train(tmp_path, "plain", base)
+    elastic = run_train(tmp_path, "elastic", base + ["elastic.enabled=true"], timeout=300)
+    losses = [(a["loss"] + b["loss"]) / 2 for a, b in zip(_records(elastic.run_dir, 0), _records(elastic.run_dir, 1))]
+    assert len(losses) == len(plain.losses)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, plain.losses)) < 1e-6
+    for m in (0, 1):
+        got, want = elastic.params(m), plain.params(m)
+        assert max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want) < 1e-6
+    assert elastic.summary["sync_bytes"] == plain.summary["sync_bytes"]
+    assert elastic.summary["heals"] == 0 and elastic.summary["replica_failures"] == 0
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["mesh.engine=fsdp2"], "elastic.enabled: needs mesh.engine=hsdp"),
+        (["sync.warmup_steps=5"], "needs sync.warmup_steps=0"),
+        (["mesh.sync=1"], "needs at least 2 replicas"),
+        (["sync.fragments=2", "sync.delay=4"], "sync.delay: an elastic run has one sync in flight"),
+        (["elastic.min_replicas=3"], "elastic.min_replicas: expected at most mesh.sync=2"),
+        (["elastic.timeout_s=0"], "elastic.timeout_s: expected a value > 0"),
+    ],
+)
+def test_elastic_config_refusals(overrides: list[str], message: str) -> None:
+    base = ["elastic.enabled=true", "mesh.sync=2", "sync.warmup_steps=0", "sync.every=8"]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(str(REPO / "configs/tiny.yaml"), base + overrides)
