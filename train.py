@@ -31,6 +31,7 @@ from hsdp.engines.registry import build_engine
 from hsdp.model import loss_fn, throughput
 from hsdp.optim import build_optimizer, lr_at, set_lr
 from hsdp.run.checkpoint import Checkpoints, check_resume, finished, remove_failed_saves
+from hsdp.run.elastic import enter_torchrun_replica
 from hsdp.run.guard import check_finite
 from hsdp.run.launch import Interrupted, WorkerError, launch, under_torchrun
 from hsdp.run.lock import hold_run_lock
@@ -210,6 +211,8 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
     cfg = None
     try:
         cfg = load_config(args.config, args.set)
+        if cfg.elastic.enabled and under_torchrun():
+            enter_torchrun_replica(cfg)  # this agent's replica index, restart count and lighthouse
         with hold_run_lock(cfg) if owns_run_dir() else contextlib.nullcontext():  # one launch per run folder
             # Every check that can refuse the run comes before anything in the run folder changes.
             if under_torchrun():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -178,3 +179,49 @@ def test_elastic_config_refusals(overrides: list[str], message: str) -> None:
     base = ["elastic.enabled=true", "mesh.sync=2", "sync.warmup_steps=0", "sync.every=8"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(str(REPO / "configs/tiny.yaml"), base + overrides)
+
+
+def test_two_torchrun_agents_as_two_machines(tmp_path: Path) -> None:
+    """Across machines: a lighthouse started on its own (`torchft_lighthouse`) and one torchrun agent per
+    replica (here two on this machine, as the multi-node checkpoint test does): both finish, each with its
+    own metrics file, and the replicas' final params are bitwise equal."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lighthouse_bin = Path(sys.executable).with_name("torchft_lighthouse")
+    lighthouse = subprocess.Popen(
+        [str(lighthouse_bin), "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "10000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+    run_dir = tmp_path / "torchrun"
+    overrides = ELASTIC + ["mesh.sync=2", "mesh.shard=2", "run.steps=32", f"elastic.lighthouse=http://localhost:{port}"]
+    agents = []
+    try:
+        for m in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+            cmd += [str(REPO / "train.py"), "--config", str(REPO / "configs/tiny.yaml")]
+            for o in [*overrides, f"elastic.replica={m}", f"run.out_dir={tmp_path}", "run.name=torchrun"]:
+                cmd += ["--set", o]
+            log = open(tmp_path / f"agent{m}.log", "w")
+            agents.append((subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ), log))
+            if m == 0:  # replica 0 prepares the run folder (config.yaml) before replica 1 writes into it
+                deadline = time.monotonic() + 60
+                while not (run_dir / "config.yaml").is_file() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        codes = [p.wait(timeout=300) for p, _ in agents]
+    finally:
+        for p, log in agents:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+        lighthouse.kill()
+        lighthouse.wait()
+    assert codes == [0, 0], [(tmp_path / f"agent{m}.log").read_text()[-3000:] for m in (0, 1)]
+    for m in (0, 1):
+        assert [r["step"] for r in _records(run_dir, m)] == list(range(32))
+        assert json.loads((run_dir / f"summary.replica{m}.json").read_text())["sync_rounds"] >= 4
+    a, b = _params(run_dir, 0), _params(run_dir, 1)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -146,7 +146,8 @@ def test_step_memory_is_in_the_summary_of_a_run(tmp_path):
 
 
 def test_compile_clock_times_first_calls_and_counts_recompiles():
-    """A new input shape under dynamic=False is a recompile; a variant's first call is its compile time."""
+    """A new input shape under dynamic=False is a recompile; a variant's first call less its second is its
+    compile time."""
     fn = torch.compile(lambda x: (x * 2).sum(), backend="eager", fullgraph=True, dynamic=False)
     clock = CompileClock()
     before = graphs_captured()
@@ -154,10 +155,14 @@ def test_compile_clock_times_first_calls_and_counts_recompiles():
         assert first
         fn(torch.ones(3))
     assert graphs_captured() == before + 1 and clock.recompiles == 0 and clock.compile_time_s > 0
+    first_call = clock.compile_time_s
     with clock.call("a") as first:
         assert not first
         fn(torch.ones(3))  # cached: nothing captured
     assert clock.recompiles == 0
+    # compile time = first call − second call (the step's own work is not compile time)
+    assert clock.compile_time_s == pytest.approx(first_call - clock.second_call_s["a"])
+    assert clock.stats()["compile_first_call_s"] == round(first_call, 2)
     with clock.call("a"):
         fn(torch.ones(5))  # another shape: dynamo captures a new graph
     assert clock.recompiles == 1

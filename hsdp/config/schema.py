@@ -129,6 +129,7 @@ class ElasticConfig:
     min_replicas: int = 1  # a sync commits only with at least this many replicas in its quorum
     max_restarts: int = 3  # per replica: restarts after a failure before it is given up
     restart_delay_s: float = 1.0  # wait before restarting a failed replica (a crash loop does not spin)
+    replica: int = -1  # under torchrun: this machine's replica (0..mesh.sync-1); the local launcher numbers them
     timeout_s: float = 10.0  # failure detection: a sync's collectives and quorum give up on a silent peer after this
 
 

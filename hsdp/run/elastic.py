@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hsdp.config.schema import Config
+from hsdp.config.schema import Config, ConfigError
 from hsdp.run.zygote import Exit, Workers
 
 
@@ -42,6 +42,23 @@ def replica_env(replica: int, restarts: int, lighthouse: str) -> dict[str, str]:
     """What an elastic worker learns from the launcher besides the usual rank variables."""
     env = {"HSDP_REPLICA": str(replica), "HSDP_RESTART": str(restarts), "TORCHFT_LIGHTHOUSE": lighthouse}
     return {**env, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+
+
+def enter_torchrun_replica(cfg: Config) -> None:
+    """Under torchrun an agent (a machine) runs one replica: its world is that replica's mesh.shard ranks,
+    torchrun restarts it (--max-restarts), and the replicas meet at a lighthouse started on its own."""
+    e = cfg.elastic
+    if not e.lighthouse:
+        raise ConfigError(
+            "elastic.lighthouse: under torchrun the replicas meet at a lighthouse started on its own "
+            "(torchft_lighthouse --min_replicas 1 ...); set its address, e.g. http://HOST:29510"
+        )
+    if not 0 <= e.replica < cfg.mesh.sync:
+        raise ConfigError(
+            f"elastic.replica: under torchrun, this machine's replica index in 0..{cfg.mesh.sync - 1}, got {e.replica}"
+        )
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    os.environ.update(replica_env(e.replica, int(restarts or 0), e.lighthouse))
 
 
 def start_lighthouse(cfg: Config) -> tuple[Optional[object], str]:

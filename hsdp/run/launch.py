@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.config.preflight import check_world_size
-from hsdp.config.schema import Config, ConfigError
+from hsdp.config.schema import Config
 from hsdp.run.elastic import ElasticLaunch, replica_env, start_lighthouse, write_summary
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.zygote import Exit, Workers, Zygote
@@ -361,11 +361,7 @@ def launch(cfg: Config, worker: Worker) -> None:
     Raises WorkerError if any rank fails, Interrupted (after stopping the workers)
     on SIGINT/SIGTERM. The mesh is assumed validated (`load_config`).
     """
-    if cfg.elastic.enabled:
-        if under_torchrun():
-            raise ConfigError(
-                "elastic.enabled: train.py starts and restarts the replica groups itself; run it without torchrun"
-            )
+    if cfg.elastic.enabled and not under_torchrun():  # under torchrun: one replica per agent, as below
         with StopSignals() as stop:
             return _launch_elastic(cfg, worker, stop)
     if under_torchrun():  # torchrun's agent owns the workers' lifetime and signals

@@ -15,9 +15,9 @@ from pathlib import Path
 from hsdp.config.schema import Config, ConfigError
 
 # What a run writes into its folder (train.py, hsdp/run/metrics.py, wandb with dir=run folder).
-OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
+OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "replicas.json")
 OUTPUT_DIRS = ("checkpoints", "wandb")
-OUTPUT_GLOBS = ("model.replica*.pt",)
+OUTPUT_GLOBS = ("model.replica*.pt", "metrics.replica*.jsonl", "summary.replica*.json")  # + elastic replicas
 # Kernel file systems: writing run outputs there is at best an error, at worst a device write.
 FORBIDDEN_ROOTS = (Path("/proc"), Path("/sys"))
 
@@ -84,7 +84,11 @@ def prepare_run_dir(cfg: Config) -> None:
 def owns_run_dir() -> bool:
     """Whether this process checks and writes the run folder's own files (config.yaml): the launcher,
     or global rank 0 under torchrun, where every rank runs train.py's main()."""
-    return os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ
+    if "WORLD_SIZE" not in os.environ:
+        return True
+    if "HSDP_REPLICA" in os.environ:  # an elastic replica under torchrun: replica 0's first start owns it
+        return os.environ.get("RANK") == "0" and os.environ["HSDP_REPLICA"] == "0" and os.environ["HSDP_RESTART"] == "0"
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _mkdir(run_dir: Path) -> None:
