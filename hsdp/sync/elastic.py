@@ -170,24 +170,39 @@ class ElasticReplica:
         return mesh
 
     def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
-        """The first quorum: the step to train from. A replica behind the live ones (restarted) heals from
-        one at their next sync round and takes part in that round, then trains on from the step after."""
+        """The first quorum: the step to train from.
+
+        A replica behind the live ones (restarted) heals from one at their next sync round, takes part in
+        that round and trains on from the step after. A fresh run starts once all mesh.sync replicas are
+        in the quorum (replicas that start later, e.g. on other machines, are waited for up to
+        mesh.timeout_s): a replica must not race ahead alone from the initial weights.
+        """
         self.heal.engine, self.heal.optimizer, self.heal.step = engine, optimizer, start_step - 1
         t0 = time.perf_counter()
-        self.transport.begin_round()
-        if self.heal.healed_to is None:  # nobody ahead: a fresh start
-            if int(os.environ.get("HSDP_RESTART", "0")) > 0:
+        fresh = int(os.environ.get("HSDP_RESTART", "0")) == 0
+        while True:
+            self.transport.begin_round()
+            if self.heal.healed_to is not None:  # behind a live replica: healed, now in its round
+                t = self.heal.healed_to
+                if not engine.policy.start_due(t, joined=True):
+                    self.transport.commit_round()  # the peers' round had nothing to sync at t
+                step = t + 1
+                break
+            if not fresh:
                 raise RuntimeError(
                     f"replica {self.replica} was restarted but found no live replica to heal from "
                     "(the others finished or died); it would train alone from the initial weights"
                 )
             self.transport.commit_round()
-            step = start_step
-        else:
-            t = self.heal.healed_to
-            if not engine.policy.start_due(t, joined=True):
-                self.transport.commit_round()  # the peers' round had nothing to sync here (their first one)
-            step = t + 1
+            if self.transport.participants >= self.cfg.mesh.sync:
+                step = start_step
+                break
+            if time.perf_counter() - t0 > self.cfg.mesh.timeout_s:
+                raise RuntimeError(
+                    f"only {self.transport.participants} of mesh.sync={self.cfg.mesh.sync} replicas joined within "
+                    f"mesh.timeout_s={self.cfg.mesh.timeout_s:g}; a fresh elastic run starts with all of them"
+                )
+            time.sleep(0.2)
         self.joined_at = time.perf_counter() - t0
         return step
 
