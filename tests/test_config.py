@@ -281,7 +281,8 @@ def test_round_trip_of_defaults_and_dict_form():
     cfg = Config()
     assert from_dict(to_dict(cfg)) == cfg
     d = to_dict(cfg)
-    assert set(d) == {"run", "model", "data", "mesh", "precision", "optim", "sync", "compile", "kernels", "wandb"}
+    sections = {"run", "model", "data", "mesh", "precision", "optim", "sync", "compile", "kernels", "wandb", "elastic"}
+    assert set(d) == sections
     d["run"]["steps"] = 5
     assert from_dict(d).run.steps == 5  # a real change is seen
     assert from_dict(d) != cfg

@@ -167,7 +167,7 @@ def test_elastic_without_failures_computes_the_plain_run(tmp_path: Path):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["mesh.engine=fsdp2"], "elastic.enabled: needs mesh.engine=hsdp"),
+        (["mesh.engine=fsdp2"], "elastic.enabled: elastic replicas need mesh.engine hsdp, got 'fsdp2'"),
         (["sync.warmup_steps=5"], "needs sync.warmup_steps=0"),
         (["mesh.sync=1"], "needs at least 2 replicas"),
         (["sync.fragments=2", "sync.delay=4"], "sync.delay: an elastic run has one sync in flight"),

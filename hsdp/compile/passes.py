@@ -23,7 +23,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -31,9 +31,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.utils.checkpoint import CheckpointPolicy
 
 import kernels.pack  # noqa: F401  (registers hsdp_kernels::cast_shard, named below)
-
-if TYPE_CHECKING:
-    from hsdp.compile.census import CollectiveCensus
 
 C = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -285,7 +282,7 @@ class OurPasses(CustomGraphPass):
     (Bucketing happens before tracing: `hsdp.compile.graph.plan_buckets` gathers a bucket of units
     with one collective, so the graph the passes see already has one all-gather per bucket.)"""
 
-    census: CollectiveCensus
+    census: Callable[[fx.Graph], None]  # hsdp.compile.census.CollectiveCensus (it imports this module)
     prefetch: int
 
     def __call__(self, graph: fx.Graph) -> None:

@@ -134,12 +134,8 @@ def validate(cfg: Config) -> None:
 
 
 def check_elastic(cfg: Config) -> None:
-    """What an elastic run (replicas on torchft, docs/design.md §11) supports."""
+    """What an elastic run (replicas on torchft, docs/design.md §11) supports (the engine: check_engine_config)."""
     e, s = cfg.elastic, cfg.sync
-    if cfg.mesh.engine != "hsdp":
-        raise ConfigError(
-            f"elastic.enabled: needs mesh.engine=hsdp (its sync policy runs on torchft), got {cfg.mesh.engine}"
-        )
     if cfg.mesh.sync < 2:
         raise ConfigError(f"elastic.enabled: needs at least 2 replicas (mesh.sync), got {cfg.mesh.sync}")
     if s.warmup_steps != 0:

@@ -37,6 +37,9 @@ def check_engine_config(cfg: Config) -> None:
         able = " and ".join(n for n, c in ENGINES.items() if c.supports_compile)
         raise ConfigError(f"compile.enabled: the compiled path exists for mesh.engine {able}, got {cls.name}")
     s = cfg.sync
+    if cfg.elastic.enabled and not cls.supports_periodic_sync:  # elastic replicas run the periodic sync policy
+        able = " or ".join(n for n, c in ENGINES.items() if c.supports_periodic_sync)
+        raise ConfigError(f"elastic.enabled: elastic replicas need mesh.engine {able}, got {cls.name!r}")
     if s.warmup_steps is not None and s.warmup_steps < cfg.run.steps and not cls.supports_periodic_sync:
         able = " or ".join(n for n, c in ENGINES.items() if c.supports_periodic_sync)
         raise ConfigError(

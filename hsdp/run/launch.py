@@ -184,17 +184,33 @@ def shutdown_process_group() -> None:
     gc.collect()
 
 
-def _local_worker(rank: int, cfg: Config, worker: Worker, port: int, world: int) -> None:
-    """A local worker, forked by the zygote (which already gave it the launcher's environment and stdio)."""
+def _local_worker(
+    rank: int,
+    cfg: Config,
+    worker: Worker,
+    port: int,
+    world: int,
+    local_rank: Optional[int] = None,
+    local_world: Optional[int] = None,
+    env: Optional[dict[str, str]] = None,
+) -> None:
+    """A local worker, forked by the zygote (which already gave it the launcher's environment and stdio).
+
+    An elastic replica's worker is rank `rank` of its replica's own world of `world` ranks; `local_rank`
+    and `local_world` then number it among all the launcher's workers, and `env` is what the elastic
+    launcher tells it (hsdp/run/elastic.py)."""
+    local_rank = rank if local_rank is None else local_rank
+    local_world = world if local_world is None else local_world
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_world),
+        **(env or {}),
     )
-    _init_and_run(cfg, worker, rank, world, rank, world)
+    _init_and_run(cfg, worker, rank, world, local_rank, local_world)
 
 
 def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
@@ -207,7 +223,10 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
 
             def start_group(m: int, restarts: int) -> list[int]:
                 port, env = _free_port(), replica_env(m, restarts, address)
-                targets = [(_elastic_worker, (m, r, cfg, worker, port, env, local_world)) for r in range(shard)]
+                targets = [
+                    (_local_worker, (r, cfg, worker, port, shard, m * shard + r, local_world, env))
+                    for r in range(shard)
+                ]
                 return workers.start(targets)
 
             run = ElasticLaunch(cfg, workers, start_group)
@@ -232,24 +251,6 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
     finally:
         if server is not None:
             server.shutdown()
-
-
-def _elastic_worker(
-    replica: int, rank: int, cfg: Config, worker: Worker, port: int, env: dict[str, str], local_world: int
-) -> None:
-    """Rank `rank` of replica `replica`'s own world (forked by the zygote, like `_local_worker`)."""
-    shard = cfg.mesh.shard
-    local_rank = replica * shard + rank
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(shard),
-        LOCAL_RANK=str(local_rank),
-        LOCAL_WORLD_SIZE=str(local_world),
-        **env,
-    )
-    _init_and_run(cfg, worker, rank, shard, local_rank, local_world)
 
 
 def stop_workers(workers: Workers, grace_s: float = STOP_GRACE_S) -> int:
