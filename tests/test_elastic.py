@@ -102,7 +102,7 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
     is restarted, heals from a live replica and trains to the end; every step once in each metrics file;
     the quorum size goes down and back up; after the final sync every replica's params are bitwise equal."""
     run_dir = tmp_path / case
-    proc = _start(run_dir, ELASTIC + mesh + extra + ["run.steps=120"])
+    proc = _start(run_dir, ELASTIC + mesh + extra + ["run.steps=88"])
     killed = _kill_replica_at(proc, run_dir, 1, 40)
     code, err = _finish(proc)
     assert code == 0, err[-3000:]
@@ -112,7 +112,7 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
     assert all(replicas[str(m)]["restarts"] == 0 for m in range(n) if m != 1)
     for m in range(n):
         steps = [r["step"] for r in _records(run_dir, m)]
-        assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == 119, m
+        assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == 87, m
     survivor = [r["replicas"] for r in _records(run_dir, 0)]
     first_short = survivor.index(n - 1)  # a sync without replica 1 ...
     assert n in survivor[first_short:]  # ... and later with it again
@@ -131,7 +131,7 @@ def test_a_replica_that_keeps_dying_is_given_up_and_the_others_finish(tmp_path: 
     exit 1 and one line naming the replica and the limit."""
     run_dir = tmp_path / "dying"
     overrides = ELASTIC + ["mesh.sync=2", "mesh.shard=1", "elastic.max_restarts=1", "elastic.restart_delay_s=0.5"]
-    proc = _start(run_dir, overrides + ["run.steps=160"])
+    proc = _start(run_dir, overrides + ["run.steps=120"])
     first = _kill_replica_at(proc, run_dir, 1, 16)
     deadline = time.monotonic() + 120
     while set(_replicas(run_dir)["1"]["pids"]) in (set(), set(first)):  # the restart's new processes
@@ -145,7 +145,7 @@ def test_a_replica_that_keeps_dying_is_given_up_and_the_others_finish(tmp_path: 
     last = err.strip().splitlines()[-1]
     assert "replica 1 failed 2 times (elastic.max_restarts=1)" in last and "replica 0 finished" in last, last
     assert _replicas(run_dir)["1"]["given_up"] is True
-    assert _records(run_dir, 0)[-1]["step"] == 159
+    assert _records(run_dir, 0)[-1]["step"] == 119
 
 
 def test_elastic_without_failures_computes_the_plain_run(tmp_path: Path):
