@@ -5,6 +5,9 @@
 #      same losses = the compiled kernels compute what the references compute.
 #   3. the compiled training path (hsdp eager vs compiled, fsdp2 eager vs compiled) on one GPU.
 #   4. model.arch=llama in bf16 on one GPU: MFU in summary.json, then hsdp.sample on CUDA (same seed, same text).
+#   5. the project's Triton kernels inside the compiled graph (bf16): kernels.backend=triton vs torch on the
+#      same compiled graph (loaded from the cache the second time) must give the same losses bit for bit,
+#      and the generated code must call the hsdp_kernels ops.
 # Usage on the device: bash scripts/gpu_check.sh   (writes to $OUT, default /tmp/gpu_check)
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -69,3 +72,21 @@ print(f"llama bf16 compiled: {s['tokens_per_s']:,.0f} tokens/s, {s['flops_per_to
 print(f"sample on cuda, same seed twice: {'same text' if same else 'DIFFERENT TEXT'}")
 PY
 
+# 5. Kernels in the compiled graph on CUDA: the second run loads the first one's graphs (same code, other backend).
+kcommon=(--config configs/tiny.yaml --set mesh.sync=1 --set mesh.shard=1 --set wandb.mode=disabled
+         --set run.steps=30 --set run.eval_every=0 --set run.out_dir="$OUT" --set precision.param_dtype=bf16
+         --set precision.reduce_dtype=fp32 --set compile.enabled=true --set compile.passes=ours)
+python train.py "${kcommon[@]}" --set run.name=graph-triton --set kernels.backend=triton
+python train.py "${kcommon[@]}" --set run.name=graph-torch --set kernels.backend=torch
+python - "$OUT" <<'PY' | tee "$OUT/graph_kernels_check.txt"
+import glob, json, sys
+out = sys.argv[1]
+loss = {n: [json.loads(l)["loss"] for l in open(f"{out}/graph-{n}/metrics.jsonl")] for n in ("triton", "torch")}
+code = "".join(open(p).read() for p in glob.glob(f"{out}/graph-triton/compiled/graph*.py"))
+ops = [op for op in ("cast_shard", "scale_grad", "scaled_grad_shard") if f"hsdp_kernels.{op}" in code]
+for n in loss:
+    s = json.load(open(f"{out}/graph-{n}/summary.json"))
+    print(f"{n}: compile {s['compile_time_s']} s, cache hits {s.get('compile_cache_hits')}, "
+          f"median step {s['median_step_time_s']*1e3:.1f} ms")
+print(f"ops in the graph: {ops}; losses triton vs torch: {'bitwise equal' if loss['triton'] == loss['torch'] else 'DIFFER'}")
+PY

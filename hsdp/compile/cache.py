@@ -33,7 +33,9 @@ import torch
 
 def allow_autograd_functions_in_cache() -> None:
     """Let AOTAutograd cache graphs that hold our (pure) autograd.Functions (point 2 above)."""
-    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
+    config = torch._functorch.config
+    if hasattr(config, "autograd_cache_allow_custom_autograd_functions"):  # older torch: no AOT cache hit, still right
+        config.autograd_cache_allow_custom_autograd_functions = True
 
 
 def start_compile_pool_lazily() -> None:
