@@ -225,3 +225,22 @@ def test_two_torchrun_agents_as_two_machines(tmp_path: Path) -> None:
         assert json.loads((run_dir / f"summary.replica{m}.json").read_text())["sync_rounds"] >= 4
     a, b = _params(run_dir, 0), _params(run_dir, 1)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_replica_dying_inside_a_round_drops_the_round_whole(tmp_path: Path) -> None:
+    """Replica 1 dies after its 4th round's quorum formed with it (before the collectives): the survivor's
+    round fails after elastic.timeout_s and is dropped (counted, not applied), the run goes on, replica 1
+    heals, and the replicas end bitwise equal."""
+    run_dir = tmp_path / "inside"
+    overrides = ELASTIC + ["mesh.sync=2", "mesh.shard=1", "run.steps=64", "elastic.restart_delay_s=1"]
+    cmd = [sys.executable, str(REPO / "tests/elastic_faulty_train.py"), "1", "4"]
+    cmd += ["--config", str(REPO / "configs/tiny.yaml")]
+    for o in [*overrides, f"run.out_dir={tmp_path}", "run.name=inside"]:
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **QUIET_ENV}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dropped_syncs"]["0"] >= 1 and summary["replica_failures"] == 1 and summary["heals"] >= 1
+    assert "elastic: sync round" in proc.stderr and "dropped" in proc.stderr
+    a, b = _params(run_dir, 0), _params(run_dir, 1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
