@@ -10,9 +10,9 @@ collectives among them. `FTTransport` is that group behind the policy's `Transpo
     commit_round  manager.should_commit()  False if any participant failed: the policy drops the round
 
 Healing: the state a replica needs to continue exactly where a live peer is (`HealState`): its held
-shards, the inner optimizer's state, the sync policy's state (θ_g, outer momentum, an in-flight Δ),
-and the training step. The LR and the data stream are functions of the step and of the replica's
-own rank, so both are right once the step is.
+shards, the inner optimizer's state, the sync policy's state (θ_g, outer momentum; nothing is in
+flight at the start of a round) and the training step. The LR and the data stream are functions of
+the step and of the replica's own rank, so both are right once the step is.
 """
 
 from __future__ import annotations
