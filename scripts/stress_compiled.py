@@ -62,7 +62,9 @@ def main() -> int:
     if unknown:
         print(f"--configs: unknown {unknown} (expected {', '.join(CONFIGS)})", file=sys.stderr)
         return 2
-    env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore"}
+    # PYTHONFAULTHANDLER: an aborting worker prints every thread's Python stack into its saved stderr. For the
+    # C stack, run this with `ulimit -c unlimited` from a scratch folder and open the core with gdb.
+    env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
     if args.perturb:
         env["MALLOC_PERTURB_"] = "165"
     base = ["wandb.mode=disabled", f"run.steps={args.steps}", "run.log_every=1", "run.eval_every=0", "mesh.sync=2"]
