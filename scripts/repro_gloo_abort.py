@@ -1,6 +1,6 @@
 """Reproducer candidate for the compiled path's heap-corruption abort, without torch.compile.
 
-    python scripts/repro_gloo_abort.py [--iters N] [--world 4]
+    python scripts/repro_gloo_abort.py [--iters N] [--gather functional|c10d]
 
 What the compiled step does at run time, eagerly: a 2x2 mesh of gloo ranks (shard pairs {0,1},{2,3},
 sync pairs {0,2},{1,3}), each iteration issuing the step's functional collectives
@@ -9,7 +9,9 @@ the shard group, an in-place all-reduce of its output on the sync group) with se
 once and waited out of order, while the main thread computes. A gloo worker thread's malloc abort
 (`malloc(): unaligned tcache chunk detected`, `double free or corruption`) or a wrong sum is the
 failure; the exit code is then non-zero. Sizes are the tiny model's (units of 32,896 and 196,864
-floats per rank).
+floats per rank). `--gather c10d` issues the all-gathers through `dist.all_gather_into_tensor(...,
+async_op=True)` instead (gloo's `_allgather_base`, not the coalesced all-gather the functional op
+uses), everything else unchanged: the comparison that tells whether that path is the culprit.
 """
 
 from __future__ import annotations
@@ -27,7 +29,19 @@ C = torch.ops._c10d_functional
 SIZES = [32896, 196864, 196864, 196864, 196864, 32896]  # the tiny model's units, per rank
 
 
-def worker(rank: int, world: int, port: int, iters: int) -> None:
+class _C10dGather:
+    """A c10d all-gather with the functional op's calling shape: start returns a handle, wait its output."""
+
+    def __init__(self, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.out = torch.empty(2 * inp.numel(), dtype=inp.dtype)
+        self.work = dist.all_gather_into_tensor(self.out, inp, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out
+
+
+def worker(rank: int, world: int, port: int, iters: int, gather: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -37,13 +51,20 @@ def worker(rank: int, world: int, port: int, iters: int) -> None:
     sname, yname = shard.group_name, sync.group_name
     held = [torch.full((n,), float(rank + 1)) for n in SIZES]
     x = torch.randn(256, 256)
+
+    def start_gather(t: torch.Tensor):
+        return C.all_gather_into_tensor(t, 2, sname) if gather == "functional" else _C10dGather(t, shard)
+
+    def wait_gather(h) -> torch.Tensor:
+        return C.wait_tensor(h) if gather == "functional" else h.wait()
+
     for it in range(iters):
         # forward: prefetch two gathers ahead, wait each before "using" it
-        gathers = [C.all_gather_into_tensor(held[0], 2, sname), C.all_gather_into_tensor(held[1], 2, sname)]
+        gathers = [start_gather(held[0]), start_gather(held[1])]
         for u in range(len(SIZES)):
             if u + 2 < len(SIZES):
-                gathers.append(C.all_gather_into_tensor(held[u + 2], 2, sname))
-            full = C.wait_tensor(gathers[u])
+                gathers.append(start_gather(held[u + 2]))
+            full = wait_gather(gathers[u])
             x = torch.tanh(x @ x.t() * 1e-3) + full[:1].sum() * 0  # compute while the next gathers run
         # backward: reduce-scatter each unit's full grad, all-reduce the result on the sync group, waits late
         pending = []
@@ -68,13 +89,14 @@ def worker(rank: int, world: int, port: int, iters: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--gather", choices=["functional", "c10d"], default="functional")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, 4, port, args.iters)) for r in range(4)]
+    procs = [ctx.Process(target=worker, args=(r, 4, port, args.iters, args.gather)) for r in range(4)]
     for proc in procs:
         proc.start()
     codes = []

@@ -421,6 +421,7 @@ class Checkpoints:
                 rank, (error, _) = next(iter(sorted(e.failures.items(), key=lambda kv: kv[0])))
                 raise SaveFailed(
                     f"saving checkpoint step_{step} failed on rank {rank}: {type(error).__name__}: {error}"
+                    f"{'' if 'No space left' in str(error) else _disk_full_hint(self.cfg.run_dir)}"
                 ) from None
             if isinstance(e, OSError):
                 raise SaveFailed(f"saving checkpoint step_{step} failed: {type(e).__name__}: {e}") from e
@@ -471,6 +472,16 @@ def publish(tmp: Path, final: Path) -> None:
     marker.write_text(json.dumps({"step": step_of(final)}) + "\n")
     os.replace(marker, final / COMPLETE)
     fsync_dir(final)
+
+
+def _disk_full_hint(folder: Path) -> str:
+    """torch.save reports a write cut short by a full disk as `unexpected pos`, without the errno: say so
+    when the run folder's file system is (nearly) full."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f" (No space left on device: {free} bytes free in {folder})" if free < 2**20 else ""
 
 
 def _fsync_files(files: list[Path]) -> None:
