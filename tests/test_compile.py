@@ -14,6 +14,10 @@ import torch
 
 from tests.helpers import SMALL, RunResult, max_param_rel_err, run_train
 
+# The module's fixtures compile ~12 train.py processes once for all its checks; on a loaded 2-core box
+# that setup alone can pass pytest's default 600 s, so this module gets more.
+pytestmark = pytest.mark.timeout(1800)
+
 STEPS = 10
 COMPILED = ["compile.enabled=true", "compile.passes=none"]
 DILOCO = ["sync.warmup_steps=3", "sync.every=4", "sync.method=diloco", "run.steps=15", "mesh.sync=2", "mesh.shard=2"]
