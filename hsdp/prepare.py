@@ -37,7 +37,7 @@ from typing import Any, Optional
 import numpy as np
 from tqdm import tqdm
 
-from hsdp.shards import MAX_VOCAB, ShardWriter, fsync_dir, stale_temps, temp_name
+from hsdp.shards import MAX_VOCAB, ShardWriter, stale_temps, temp_name, write_json
 
 EOT = "<|endoftext|>"
 BYTES = 256  # the byte-level alphabet
@@ -258,17 +258,6 @@ def manifest(corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
     )
     files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in corpus.files]
     return {"files": files, "tokenizer": tokenizer, "val_fraction": args.val_fraction}
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Atomically (temp name, fsync, os.replace)."""
-    tmp = temp_name(path)
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def check_out(out: Path, want: dict[str, Any]) -> bool:

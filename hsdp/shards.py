@@ -10,11 +10,12 @@ file's size), which is an llm.c shard with a bad magic and is refused.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -76,6 +77,17 @@ def open_tokens(info: ShardInfo) -> np.ndarray:
 def temp_name(path: Path) -> Path:
     """The name a file is written under until it is complete (same folder, so os.replace is atomic)."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` as JSON atomically (temp name, fsync, os.replace): readers see the old file or the new one."""
+    tmp = temp_name(path)
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def stale_temps(path: Path) -> list[Path]:

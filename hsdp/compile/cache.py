@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from hsdp.shards import write_json
+
 
 def allow_autograd_functions_in_cache() -> None:
     """Let AOTAutograd cache graphs that hold our (pure) autograd.Functions (point 2 above)."""
@@ -65,9 +67,7 @@ def cpu_options() -> dict[str, Any]:
         on_cpu = [isa for isa in supported_vec_isa_list if all(f in cpu_flags for f in str(isa).split())]
         known[key] = [str(i) for i in valid_vec_isa_list()] == [str(i) for i in on_cpu]
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks probe at once on a first run
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, path)
+        write_json(path, known)  # ranks probe at once on a first run: a temp name per process
     return {"cpp.vec_isa_ok": True} if known[key] else {}
 
 

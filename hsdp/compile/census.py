@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from hsdp.comm.groups import ring_bytes_of
 from hsdp.compile.passes import BUCKET_VIEW_OPS, COLLECTIVES, SOURCE_HASH, WAITS, C, max_gathered_alive
+from hsdp.shards import write_json
 
 
 @dataclass
@@ -137,9 +137,7 @@ class CollectiveCensus(CustomGraphPass):
         if self.pending is not None:
             record, self.pending = self.pending, None
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks write the same sidecar at once
-            tmp.write_text(json.dumps(asdict(record)))
-            os.replace(tmp, path)
+            write_json(path, asdict(record))  # ranks write the same sidecar at once: a temp name per process
         else:
             if not path.is_file():
                 raise MissingCensus(

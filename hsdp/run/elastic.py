@@ -19,6 +19,7 @@ from typing import Optional
 
 from hsdp.config.schema import Config, ConfigError
 from hsdp.run.zygote import Exit, Workers
+from hsdp.shards import write_json
 
 
 @dataclass
@@ -143,10 +144,7 @@ class ElasticLaunch:
             }
             for r in self.replicas
         }
-        path = self.cfg.run_dir / "replicas.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, path)
+        write_json(self.cfg.run_dir / "replicas.json", state)
 
     def outcome(self) -> Optional[str]:
         """None if every replica finished; else the one line saying which replica was given up and why."""

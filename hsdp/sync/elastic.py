@@ -66,7 +66,6 @@ class FTTransport:
     def __init__(self, manager: Any, pg: Any, comm: Comm) -> None:
         self.manager, self.pg, self.comm = manager, pg, comm
         self.rounds = 0
-        self.committed = 0
         self.participants: Optional[int] = None  # the last round's quorum size
         self.quorum_waits: list[float] = []  # seconds each begin_round waited for its quorum
         self.dropped_s = 0.0  # wall time of rounds that did not commit
@@ -86,7 +85,6 @@ class FTTransport:
     def commit_round(self) -> bool:
         error = self.manager.errored()
         ok = bool(self.manager.should_commit())
-        self.committed += ok
         if not ok:
             self.dropped_s += time.perf_counter() - self._round_start
             why = f"{type(error.original_exception).__name__}: {error.original_exception}" if error else "a peer failed"
