@@ -63,7 +63,7 @@ class GroupTransport:
         return self.comm.size(self.group)
 
     def begin_round(self) -> None:
-        pass
+        """Nothing to agree on: the c10d group's membership is fixed for the run."""
 
     def commit_round(self) -> bool:
         return True
