@@ -1,6 +1,6 @@
 """Reproducer candidate for the compiled path's heap-corruption abort, without torch.compile.
 
-    python scripts/repro_gloo_abort.py [--iters N] [--gather functional|c10d]
+    python scripts/repro_gloo_abort.py [--iters N] [--gather functional|c10d|routed]
 
 What the compiled step does at run time, eagerly: a 2x2 mesh of gloo ranks (shard pairs {0,1},{2,3},
 sync pairs {0,2},{1,3}), each iteration issuing the step's functional collectives
@@ -12,6 +12,8 @@ failure; the exit code is then non-zero. Sizes are the tiny model's (units of 32
 floats per rank). `--gather c10d` issues the all-gathers through `dist.all_gather_into_tensor(...,
 async_op=True)` instead (gloo's `_allgather_base`, not the coalesced all-gather the functional op
 uses), everything else unchanged: the comparison that tells whether that path is the culprit.
+`--gather routed` keeps the functional calls but installs the project's workaround first
+(`hsdp.compile.gloo.route_functional_collectives_to_c10d`: their CPU kernels issue the c10d calls).
 """
 
 from __future__ import annotations
@@ -48,15 +50,20 @@ def worker(rank: int, world: int, port: int, iters: int, gather: str) -> None:
     shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     sync_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     shard, sync = shard_groups[rank // 2], sync_groups[rank % 2]
+    if gather == "routed":
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from hsdp.compile.gloo import route_functional_collectives_to_c10d
+
+        route_functional_collectives_to_c10d()
     sname, yname = shard.group_name, sync.group_name
     held = [torch.full((n,), float(rank + 1)) for n in SIZES]
     x = torch.randn(256, 256)
 
     def start_gather(t: torch.Tensor):
-        return C.all_gather_into_tensor(t, 2, sname) if gather == "functional" else _C10dGather(t, shard)
+        return _C10dGather(t, shard) if gather == "c10d" else C.all_gather_into_tensor(t, 2, sname)
 
     def wait_gather(h) -> torch.Tensor:
-        return C.wait_tensor(h) if gather == "functional" else h.wait()
+        return h.wait() if gather == "c10d" else C.wait_tensor(h)
 
     for it in range(iters):
         # forward: prefetch two gathers ahead, wait each before "using" it
@@ -90,7 +97,7 @@ def worker(rank: int, world: int, port: int, iters: int, gather: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=1000)
-    p.add_argument("--gather", choices=["functional", "c10d"], default="functional")
+    p.add_argument("--gather", choices=["functional", "c10d", "routed"], default="functional")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

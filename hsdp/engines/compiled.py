@@ -26,6 +26,7 @@ import torch
 
 from hsdp.compile.cache import allow_autograd_functions_in_cache, cpu_options, start_compile_pool_lazily
 from hsdp.compile.census import CollectiveCensus
+from hsdp.compile.gloo import route_functional_collectives_to_c10d
 from hsdp.compile.graph import Groups, plan_buckets, sharded_loss
 from hsdp.compile.passes import CacheablePass, OurPasses, inductor_overlap_options, recompute_gathers, schedule_of_code
 from hsdp.config.schema import CompileConfig, Config
@@ -43,6 +44,8 @@ class CompiledHSDPEngine(HSDPEngine):
     def __init__(self, *args: Any, compile_cfg: CompileConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.compile_cfg = compile_cfg or CompileConfig(enabled=True)
+        if self.mesh.device.type == "cpu":  # gloo: the graph's collectives on the eager engine's c10d calls
+            route_functional_collectives_to_c10d()
         groups = self.mesh.comm.groups
         self.groups = Groups(
             groups["shard"].group_name, self.mesh.shard_size, groups["sync"].group_name, self.mesh.sync_size

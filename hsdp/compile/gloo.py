@@ -1,0 +1,59 @@
+"""On gloo, the compiled graph's all-gathers and reduce-scatters run through the eager engine's c10d calls.
+
+Why: torch 2.13's functional collectives (`torch.ops._c10d_functional`, what a compiled graph
+calls) take gloo's *coalesced* paths: an all-gather becomes `allgather_into_tensor_coalesced`
+(gloo's `AsyncAllgatherCoalescedWork`) and a reduce-scatter `reduce_scatter_tensor_coalesced`
+(a clone, an all-reduce and a `LambdaWork`). With those in flight on the shard group while the
+sync group all-reduces, a gloo worker thread corrupts the heap in about one run in ten
+(`malloc(): unaligned tcache chunk detected`; `scripts/repro_gloo_abort.py` shows it without
+torch.compile; docs/results/compile.md). The eager engine's calls (`all_gather_single`,
+`reduce_scatter_single`, i.e. gloo's `_allgather_base` / `_reduce_scatter_base`) never did.
+
+So, for CPU tensors only, `route_functional_collectives_to_c10d` registers a CPU kernel for the two
+functional ops that issues those c10d calls asynchronously and hands the work to the functional
+work registry (`_register_work`), where the graph's `wait_tensor` finds it. The graph, inductor's
+lowering, our passes and the byte census see the same ops as before; only the kernel behind them
+on CPU changes. CUDA tensors (NCCL) keep torch's kernel. The in-place all-reduce already takes
+gloo's plain all-reduce, as eager does, and is left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from hsdp.comm.groups import _all_gather_single, _reduce_scatter_single
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_LIBRARY: Optional[torch.library.Library] = None  # kept alive: dropping it would unregister the kernels
+
+
+def route_functional_collectives_to_c10d() -> None:
+    """Register the CPU kernels (once per process; later calls do nothing)."""
+    global _LIBRARY
+    if _LIBRARY is not None:
+        return
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    lib.impl("all_gather_into_tensor", all_gather_into_tensor, "CPU")
+    lib.impl("reduce_scatter_tensor", reduce_scatter_tensor, "CPU")
+    _LIBRARY = lib
+
+
+def all_gather_into_tensor(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """`_c10d_functional.all_gather_into_tensor` on CPU: gloo's `_allgather_base`, async, work registered."""
+    out = inp.new_empty((inp.shape[0] * group_size, *inp.shape[1:]))
+    work = _all_gather_single(out, inp.contiguous(), group=_resolve_process_group(group_name), async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+def reduce_scatter_tensor(inp: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
+    """`_c10d_functional.reduce_scatter_tensor` on CPU: gloo's `_reduce_scatter_base`, async, work registered."""
+    out = inp.new_empty((inp.shape[0] // group_size, *inp.shape[1:]))
+    op = _REDUCE_OPS[reduce_op.lower()]
+    work = _reduce_scatter_single(out, inp.contiguous(), op=op, group=_resolve_process_group(group_name), async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
