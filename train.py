@@ -114,15 +114,18 @@ def train_worker(cfg: Config) -> None:
     peak = torch.tensor([peak_memory_mb(mesh.device), memory.peak_mb or 0.0], device=mesh.device)  # nccl: GPU
     mesh.comm.all_reduce(peak, "world", op=dist.ReduceOp.MAX)
     train_time = sum(run.step_times)
+    # Over the steps this run timed: a resumed run's include the earlier ones; a replica that healed
+    # in late timed only its own, and one that joined at the last sync none (then no rate).
+    tokens_per_s = len(run.step_times) * tokens_per_step / train_time if train_time > 0 else None
     logger.summary(
         {
             "final_loss": run.loss,
             "final_val_loss": run.val_loss,
             "steps": cfg.run.steps,
             "tokens": cfg.run.steps * tokens_per_step,
-            "tokens_per_s": cfg.run.steps * tokens_per_step / train_time,
-            **throughput(cfg, cfg.run.steps * tokens_per_step / train_time, mesh.device),  # FLOPs/token, MFU
-            "median_step_time_s": statistics.median(run.step_times),
+            "tokens_per_s": tokens_per_s,
+            **throughput(cfg, tokens_per_s, mesh.device),  # FLOPs/token, MFU
+            "median_step_time_s": statistics.median(run.step_times) if run.step_times else None,
             "train_time_s": train_time,
             "wall_time_s": run.prior_wall_s + time.perf_counter() - t_start,
             "peak_mem_mb": float(peak[0]),

@@ -1,7 +1,7 @@
 """Train across a real slow link: each replica in its own network namespace, joined by shaped veths.
 
     python -m hsdp.slowlink --rate 20mbit[,100mbit,...] [--delay-ms 5] [--config C] [--set k=v ...]
-                            --runs NAME=override,override ... [--out DIR] [--plot]
+                            --runs NAME=override,override ... [--out DIR] [--plot] [--kill 1@0.3]
     python -m hsdp.slowlink configs/ablations/slowlink.yaml [--only run,run] [--rate ...] [--plot]
     python -m hsdp.slowlink SPEC --no-run --plot   # tables and plots again from the outputs (no root needed)
     python -m hsdp.slowlink --cleanup        # remove namespaces left by a slowlink that was SIGKILLed
@@ -41,6 +41,12 @@ def parse_args(argv: Optional[list[str]]) -> LinkOptions:
     p.add_argument("--probe-s", type=float, default=None, help="probe size in seconds at the rate (default 2)")
     p.add_argument("--probe-reps", type=int, default=3)
     p.add_argument("--no-probe", action="store_true")
+    p.add_argument(
+        "--kill",
+        metavar="REPLICA@STEP",
+        help="in every elastic run, SIGKILL replica REPLICA's node at its step STEP (< 1: that fraction of "
+        "run.steps) and start a replacement after elastic.restart_delay_s (a run's own `kill:` wins)",
+    )
     p.add_argument("--plot", action="store_true", help="also write PNGs (needs matplotlib: pip install -e .[plot])")
     p.add_argument(
         "--no-run",

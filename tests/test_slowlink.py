@@ -322,3 +322,73 @@ def test_pareto_front_keeps_the_runs_nothing_beats() -> None:
 
     points = {"a": (10.0, 3.0), "b": (100.0, 2.5), "c": (50.0, 2.9), "d": (200.0, 2.6), "e": (10.0, 3.5)}
     assert pareto_front(points) == ["a", "c", "b"]  # d costs more than b and is worse; e ties a on bytes, worse
+
+
+def test_kill_flag_is_checked_before_anything_runs(tmp_path):
+    """`--kill` / a run's `kill:`: REPLICA@STEP (a fraction of run.steps below 1), only for elastic runs,
+    never replica 0 (the lighthouse's node), before run.steps; each refusal names the key."""
+    from hsdp.bench.elastic import Kill
+    from hsdp.bench.plan import LinkOptions, make_plan
+    from hsdp.config.loader import load_config
+
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ["elastic.enabled=true", "sync.warmup_steps=0"])
+    assert Kill.parse("1@0.3", cfg, "--kill") == Kill(1, int(0.3 * cfg.run.steps))
+    assert Kill.parse("1@77", cfg, "--kill") == Kill(1, 77)
+    for text, why in [("1", "REPLICA@STEP"), ("x@3", "REPLICA@STEP"), ("0@3", "replica 0"), ("2@3", "replica 2")]:
+        with pytest.raises(ConfigError, match=why):
+            Kill.parse(text, cfg, "--kill")
+    with pytest.raises(ConfigError, match="before run.steps"):
+        Kill.parse(f"1@{cfg.run.steps}", cfg, "--kill")
+    plain = load_config(str(REPO / "configs" / "tiny.yaml"), [])
+    with pytest.raises(ConfigError, match="elastic.enabled=true"):
+        Kill.parse("1@3", plain, "runs.x.kill")
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "base: tiny.yaml\nrates: [20mbit]\nruns:\n  plain: []\n"
+        "  el: {set: [elastic.enabled=true, sync.warmup_steps=0], kill: '1@0.5'}\n"
+    )
+    shutil.copy(REPO / "configs" / "tiny.yaml", tmp_path / "tiny.yaml")
+    plan = make_plan(LinkOptions(spec=str(spec), shared=[f"run.out_dir={tmp_path}"]))
+    assert plan.kills == {"el": Kill(1, cfg.run.steps // 2)}
+    with pytest.raises(ConfigError, match="--kill: no run is elastic"):
+        make_plan(LinkOptions(rate="20mbit", runs=["plain="], kill="1@3", shared=[f"run.out_dir={tmp_path}"]))
+    spec.write_text("base: tiny.yaml\nrates: [20mbit]\nruns:\n  plain: {set: [], kill: '1@3'}\n")
+    with pytest.raises(ConfigError, match="runs.plain.kill: a kill needs an elastic run"):
+        make_plan(LinkOptions(spec=str(spec), shared=[f"run.out_dir={tmp_path}"]))
+
+
+@needs_netns
+def test_elastic_run_through_the_link_survives_a_killed_node(tmp_path, removes_leftovers):
+    """An elastic run (tiny model, 2 replicas x 1 shard) across the shaped link with replica 1's node
+    SIGKILLed at its step 8: the lighthouse runs in node 0's namespace, a replacement node heals from
+    replica 0, the run exits 0, and the report reads replica 0's metrics (every step once) and the
+    merged summary's failure and heal. (The run is long enough for the replacement to start and join.)"""
+    cmd = [sys.executable, "-m", "hsdp.slowlink", "--rate", "100mbit", "--no-probe", "--timeout-s", "400"]
+    cmd += ["--config", str(REPO / "configs" / "tiny.yaml"), "--out", str(tmp_path / "out"), "--name", "kill"]
+    cmd += ["--kill", "1@8"]
+    settings = ["mesh.sync=2", "mesh.shard=1", "run.steps=120", "run.log_every=1", "run.eval_every=40"]
+    settings += ["run.eval_batches=1", "wandb.mode=disabled", f"run.out_dir={tmp_path / 'runs'}", "elastic.timeout_s=3"]
+    for o in settings:
+        cmd += ["--set", o]
+    cmd += ["--runs", "el=sync.warmup_steps=0,sync.every=8,sync.method=diloco,elastic.enabled=true"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    removes_leftovers.append(f"{netns.PREFIX}{proc.pid}")
+    try:
+        out, _ = proc.communicate(timeout=450)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:]
+    assert "killed replica 1's node at its step" in out
+    run_dir = tmp_path / "runs" / "kill-el-100mbit"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["replica_failures"] == 1 and summary["heals"] >= 1, summary
+    steps0 = [json.loads(line)["step"] for line in (run_dir / "metrics.replica0.jsonl").read_text().splitlines()]
+    assert steps0 == list(range(120))
+    steps1 = [json.loads(line)["step"] for line in (run_dir / "metrics.replica1.jsonl").read_text().splitlines()]
+    assert steps1 == sorted(set(steps1)) and steps1[-1] == 119  # each step once, and it trained to the end
+    report = {r["run"]: r for r in json.loads((tmp_path / "out" / "slowlink.json").read_text())["runs"]}
+    assert report["el"]["steps"] == 120 and report["el"]["train_time_s"] > 0
+    assert netns.names_of_pid(proc.pid) == []

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from hsdp.bench.elastic import Kill
 from hsdp.bench.netns import MAX_REPLICAS
 from hsdp.bench.spec import REPO, LinkRunSpec, SweepSpec, load_link_spec, load_sweep, parse_rate, parse_runs_arg
 from hsdp.config.loader import load_config
@@ -96,6 +97,7 @@ class LinkOptions:
     probe_s: Optional[float] = None
     probe_reps: int = 3
     no_probe: bool = False
+    kill: Optional[str] = None  # REPLICA@STEP for every elastic run (a run's own `kill` wins)
     plot: bool = False
     no_run: bool = False
     cleanup: bool = False
@@ -116,6 +118,7 @@ class LinkPlan:
     out: Path
     out_dir: Path  # run.out_dir (absolute)
     mesh: tuple[int, int] = (0, 0)  # (M, S) of the base config with the shared overrides
+    kills: dict[str, Kill] = field(default_factory=dict)  # elastic runs whose node is killed
 
 
 def make_plan(opts: LinkOptions) -> LinkPlan:
@@ -169,11 +172,16 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
         raise ConfigError(f"--delay-ms: expected >= 0, got {plan.delay_ms}")
     for run, label in plan_items(plan):  # validate every run's config before building anything
         c = load_config(base, overrides(plan, run, label))
+        kill = runs[run].kill or (opts.kill if c.elastic.enabled else None)
+        if kill:
+            plan.kills[run] = Kill.parse(kill, c, f"runs.{run}.kill" if runs[run].kill else "--kill")
         if (c.mesh.sync, c.mesh.shard) != plan.mesh:
             raise ConfigError(
                 f"runs.{run}: mesh {c.mesh.sync}x{c.mesh.shard} differs from the base's "
                 f"{plan.mesh[0]}x{plan.mesh[1]} (one network per rate)"
             )
+    if opts.kill and not plan.kills:
+        raise ConfigError("--kill: no run is elastic (elastic.enabled=true); a kill would end every replica")
     if not 2 <= plan.mesh[0] <= MAX_REPLICAS:
         raise ConfigError(f"mesh.sync: slowlink needs 2..{MAX_REPLICAS} replicas, got {plan.mesh[0]}")
     return plan

@@ -1,9 +1,9 @@
 """A finished run as its folder records it (`RunRecord`), and one run of the slow-link benchmark (`LinkRun`).
 
 A RunRecord is read from `<run_dir>/summary.json` (train.py's totals) and, on first use,
-`<run_dir>/metrics.jsonl` (one line per logged step). The sweep's table and plots and the
-slow-link analysis read runs only through it. A LinkRun is a RunRecord (or its absence: the
-run failed) with where it ran and what the benchmark measured around it.
+`<run_dir>/metrics.jsonl` (one line per logged step; an elastic run's metrics.replica0.jsonl).
+The sweep's table and plots and the slow-link analysis read runs only through it. A LinkRun is a
+RunRecord (or its absence: the run failed) with where it ran and what the benchmark measured around it.
 """
 
 from __future__ import annotations
@@ -38,8 +38,13 @@ class LoggedStep:
 
 
 def read_metrics(run_dir: Path) -> list[LoggedStep]:
-    """metrics.jsonl of a run folder (a torn last line is skipped); [] if there is none."""
+    """metrics.jsonl of a run folder (a torn last line is skipped); [] if there is none.
+
+    An elastic run has one file per replica: replica 0's (metrics.replica0.jsonl) stands for the run
+    (the slow-link benchmark never kills replica 0, so there it is the survivor's)."""
     path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        path = Path(run_dir) / "metrics.replica0.jsonl"
     if not path.is_file():
         return []
     lines = []

@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator
 
 from hsdp.bench.analysis import Key, crossovers, evaluate_results
+from hsdp.bench.elastic import ElasticJob
 from hsdp.bench.job import TIMED_OUT, Job
 from hsdp.bench.netns import MissingRequirement, SlowLink, SlowLinkError, cleanup_stale, missing_requirements
 from hsdp.bench.plan import LinkOptions, LinkPlan, make_plan, overrides, plan_items, run_name
@@ -51,6 +52,7 @@ from hsdp.bench.probe import ProbeResult, run_probe
 from hsdp.bench.records import LinkRun, Measured
 from hsdp.bench.report import link_tables, secs
 from hsdp.bench.spec import REPO, parse_only
+from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.launch import Interrupted, StopSignals
 
@@ -112,6 +114,15 @@ def write_report(plan: LinkPlan, results: dict[Key, LinkRun], probes: dict[str, 
     return md
 
 
+def make_job(plan: LinkPlan, run: str, label: str, link: SlowLink, args: list[str], port: int, rdzv_s: int) -> Job:
+    """The run's job across `link`: one torchrun world over all nodes, or an elastic run's replicas."""
+    S, name, logs = plan.mesh[1], f"{run}-{label}", plan.out / "logs"
+    cfg = load_config(plan.base, overrides(plan, run, label))
+    if not cfg.elastic.enabled:
+        return Job(link, S, args, port, logs, name, rdzv_s)
+    return ElasticJob(link, S, args, port, logs, name, rdzv_s, cfg=cfg, kill=plan.kills.get(run))
+
+
 def run_at_rate(
     plan: LinkPlan,
     label: str,
@@ -142,7 +153,8 @@ def run_at_rate(
         print(f"[slowlink] {run} @ {label}: {' '.join(args[3:])}", flush=True)
         before = link.tx_bytes()
         t0 = time.perf_counter()
-        job = Job(link, S, args, port, logs, f"{run}-{label}", opts.rdzv_timeout_s).start()
+        job = make_job(plan, run, label, link, args, port, opts.rdzv_timeout_s)
+        job.start()
         rc = job.wait(plan.timeout_s)
         measured = Measured(time.perf_counter() - t0, rc, sum(link.tx_bytes()) - sum(before))
         if rc != 0:

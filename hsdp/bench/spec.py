@@ -32,10 +32,12 @@ class SweepSpec(TypedDict):
 
 
 class LinkRunSpec(NamedTuple):
-    """One run of a slow-link spec: its overrides, and its own rates (None: the default rates)."""
+    """One run of a slow-link spec: its overrides, its own rates (None: the default rates), and an elastic
+    run's node kill (`REPLICA@STEP`, hsdp.bench.elastic.Kill; None: no kill)."""
 
     overrides: list[str]
     rates: Optional[list[str]] = None
+    kill: Optional[str] = None
 
 
 @dataclass
@@ -137,12 +139,14 @@ def load_link_spec(path: str) -> LinkSpec:
     parsed = {}
     for run, entry in runs.items():
         if isinstance(entry, dict):
-            bad = [k for k in entry if k not in ("set", "rates")]
+            bad = [k for k in entry if k not in ("set", "rates", "kill")]
             if bad:
-                raise ConfigError(f"runs.{run}: {path}: unknown keys {bad} (expected: set, rates)")
-            rates = entry.get("rates")
+                raise ConfigError(f"runs.{run}: {path}: unknown keys {bad} (expected: set, rates, kill)")
+            rates, kill = entry.get("rates"), entry.get("kill")
             parsed[str(run)] = LinkRunSpec(
-                str_list(path, f"runs.{run}.set", entry.get("set")), None if rates is None else [str(r) for r in rates]
+                str_list(path, f"runs.{run}.set", entry.get("set")),
+                None if rates is None else [str(r) for r in rates],
+                None if kill is None else str(kill),
             )
         else:
             parsed[str(run)] = LinkRunSpec(str_list(path, f"runs.{run}", entry))

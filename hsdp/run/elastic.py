@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from hsdp.config.schema import Config, ConfigError
@@ -161,33 +162,34 @@ class ElasticLaunch:
         )
         return f"replica {r.index} failed {len(r.failures)} times ({why}), last: {r.failures[-1]}{others}"
 
-    def summary(self) -> dict:
-        return {
-            "replica_failures": sum(len(r.failures) for r in self.replicas),
-            "replica_restarts": {str(r.index): r.restarts for r in self.replicas},
-        }
-
 
 def write_summary(cfg: Config, run: ElasticLaunch) -> None:
+    """summary.json of an elastic run launched here (see `merge_replica_summaries`)."""
+    failures = {r.index: len(r.failures) for r in run.replicas}
+    merge_replica_summaries(cfg.run_dir, failures, {r.index: r.restarts for r in run.replicas})
+
+
+def merge_replica_summaries(run_dir: Path, failures: dict[int, int], restarts: dict[int, int]) -> None:
     """summary.json of an elastic run: the first finished replica's summary, its peers' heals and lost
     time, and the launcher's failure counts (each replica also keeps its own summary.replica<m>.json)."""
     summaries = {}
-    for r in run.replicas:
-        path = cfg.run_dir / f"summary.replica{r.index}.json"
+    for m in failures:
+        path = run_dir / f"summary.replica{m}.json"
         if path.is_file():
-            summaries[r.index] = json.loads(path.read_text())
+            summaries[m] = json.loads(path.read_text())
     if not summaries:
         return
     first = summaries[min(summaries)]
     merged = {
         **first,
-        **run.summary(),
+        "replica_failures": sum(failures.values()),
+        "replica_restarts": {str(m): n for m, n in restarts.items()},
         "heals": sum(s.get("heals", 0) for s in summaries.values()),
         "dropped_syncs": {str(m): s.get("dropped_syncs", 0) for m, s in summaries.items()},
         # the wall-clock a replica that never failed lost to its peers' failures (max over such replicas)
         "survivor_lost_s": max(
-            (s.get("elastic_lost_s", 0.0) for m, s in summaries.items() if not run.replicas[m].failures),
+            (s.get("elastic_lost_s", 0.0) for m, s in summaries.items() if not failures[m]),
             default=None,
         ),
     }
-    (cfg.run_dir / "summary.json").write_text(json.dumps(merged, indent=1, allow_nan=False))
+    (run_dir / "summary.json").write_text(json.dumps(merged, indent=1, allow_nan=False))

@@ -231,6 +231,8 @@ def build_elastic(cfg: Config, replica: int, shard_rank: int, shard: int, comm: 
 
     timeout = timedelta(seconds=cfg.elastic.timeout_s)
     pg = ProcessGroupGloo(timeout=timeout)
+    # Where the peers reach this replica (its manager, and its state for a peer that heals from it).
+    host = "127.0.0.1" if not cfg.elastic.lighthouse else address_towards(cfg.elastic.lighthouse)
     manager = Manager(
         pg=pg,
         load_state_dict=heal.load_state_dict,
@@ -246,13 +248,36 @@ def build_elastic(cfg: Config, replica: int, shard_rank: int, shard: int, comm: 
         world_size=shard,
         replica_id=f"replica_{replica}",
         lighthouse_addr=cfg.elastic.lighthouse or None,
-        hostname="127.0.0.1" if not cfg.elastic.lighthouse else _hostname(),
+        hostname=host,
+        checkpoint_transport=_http_transport(timeout, host),
         heartbeat_interval=timedelta(milliseconds=100),
     )
     return FTTransport(manager, pg, comm)
 
 
-def _hostname() -> str:
-    import socket
+def _http_transport(timeout: timedelta, host: str):
+    """torchft's HTTP checkpoint transport (heals), advertising `host` instead of this machine's hostname."""
+    from torchft.checkpointing.http_transport import HTTPTransport
 
-    return socket.gethostname()
+    class _Transport(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]  # torchft's own server (private, as its address() uses)
+            return f"http://{f'[{host}]' if ':' in host else host}:{port}/checkpoint/"
+
+    return _Transport(timeout=timeout, num_chunks=0)
+
+
+def address_towards(url: str) -> str:
+    """This machine's address on the route to `url`'s host: what the other replicas can reach it at.
+
+    torchft advertises it for this replica's manager; the hostname (its default) may resolve to a
+    loopback address (127.0.1.1 on Debian) or to an interface the peers cannot reach.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # a UDP connect sends nothing: it only picks the route and source address
+        return s.getsockname()[0]

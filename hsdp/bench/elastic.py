@@ -1,0 +1,207 @@
+"""An elastic job across a SlowLink: a lighthouse in node 0, one torchrun per replica, and a node kill.
+
+An elastic run (`elastic.enabled=true`, docs/design.md §11) is not one torch.distributed world:
+each replica is its own world, and the replicas meet at torchft's lighthouse. So node m runs,
+inside its namespace,
+
+    torchrun --nnodes 1 --nproc-per-node S --rdzv-backend c10d --rdzv-endpoint <its address>:PORT
+             --rdzv-conf is_host=1 --local-addr <its address> train.py ... --set elastic.replica=m
+                                                     --set elastic.lighthouse=http://<node 0>:LPORT
+
+(MASTER_ADDR is then the node's own address, which torchft advertises to the other replicas for
+the sync group's store), and node 0 also runs `torchft_lighthouse`. A `Kill` takes replica m's
+node down at a step: every process in its namespace gets SIGKILL as soon as its metrics file
+logs that step (a machine lost); after `elastic.restart_delay_s` a replacement node starts the
+same command, joins at the survivors' next sync and heals from them (unless they have finished by
+then; one that starts but finds no live replica fails, as a restarted replica does locally). The
+job is done when every replica's current node has exited; a killed node's exit code is expected
+and ignored. Node 0 (the lighthouse's, and the one whose metrics the benchmark reads) is never
+the one killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hsdp.bench.job import TIMED_OUT, Job
+from hsdp.bench.netns import namespace_pids
+from hsdp.config.schema import Config, ConfigError
+from hsdp.run.elastic import merge_replica_summaries
+
+LIGHTHOUSE_PORT = 29510
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Replica `replica`'s node is killed once its metrics file logs step `step`."""
+
+    replica: int
+    step: int
+
+    @classmethod
+    def parse(cls, text: str, cfg: Config, what: str) -> Kill:
+        """'R@S' (S a step, or a fraction of run.steps when < 1) for a run with this config, or ConfigError."""
+        replica, sep, at = str(text).partition("@")
+        try:
+            m, s = int(replica), float(at)
+        except ValueError:
+            raise ConfigError(f"{what}: expected REPLICA@STEP (e.g. 1@77 or 1@0.3), got {text!r}") from None
+        if not sep or s < 0:
+            raise ConfigError(f"{what}: expected REPLICA@STEP (e.g. 1@77 or 1@0.3), got {text!r}")
+        if not cfg.elastic.enabled:
+            raise ConfigError(
+                f"{what}: a kill needs an elastic run (elastic.enabled=true); without it one death ends all"
+            )
+        if not 1 <= m < cfg.mesh.sync:
+            raise ConfigError(
+                f"{what}: replica {m} is not one of 1..{cfg.mesh.sync - 1} "
+                "(node 0 runs the lighthouse and is the replica the benchmark measures)"
+            )
+        step = int(s * cfg.run.steps) if s < 1 else int(s)
+        if step >= cfg.run.steps:
+            raise ConfigError(f"{what}: step {step} is not before run.steps={cfg.run.steps}")
+        return cls(m, step)
+
+
+@dataclass
+class ElasticJob(Job):
+    """`Job`'s contract (start, wait, stop, log_tail) for an elastic run, with an optional node kill."""
+
+    cfg: Optional[Config] = None
+    kill: Optional[Kill] = None
+    lighthouse: Optional[subprocess.Popen] = None
+    killed_at: Optional[float] = None  # monotonic time of the kill
+    replacement_due: Optional[float] = None
+    stale: set[int] = field(default_factory=set)  # indices into procs of killed nodes
+
+    @property
+    def lighthouse_addr(self) -> str:
+        return f"http://{self.link.addrs[0]}:{LIGHTHOUSE_PORT}"
+
+    def node_command(self, m: int) -> list[str]:
+        a = self.link.addrs[m]
+        return [
+            *self.link.exec_prefix(m),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *("--nnodes", "1", "--nproc-per-node", str(self.nproc), "--max-restarts", "0"),
+            *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a}:{self.port}", "--local-addr", a),
+            *("--rdzv-id", f"{self.link.prefix}-{self.port}-{m}", "--rdzv-conf", "is_host=1"),
+            *("--monitor-interval", "0.5"),
+            *self.target,
+            *("--set", f"elastic.replica={m}", "--set", f"elastic.lighthouse={self.lighthouse_addr}"),
+        ]
+
+    def start(self) -> ElasticJob:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._start_lighthouse()
+        for m in range(self.link.replicas):
+            self.procs.append(self._start_node(m))
+            if m == 0:  # node 0 prepares the run folder (config.yaml) before the others write into it
+                self._wait_for(self.cfg.run_dir / "config.yaml", timeout_s=120)
+        return self
+
+    def _start_lighthouse(self) -> None:
+        e = self.cfg.elastic
+        ms = str(int(e.timeout_s * 1000))
+        cmd = [*self.link.exec_prefix(0), str(Path(sys.executable).with_name("torchft_lighthouse"))]
+        cmd += ["--min_replicas", str(e.min_replicas), "--bind", f"[::]:{LIGHTHOUSE_PORT}"]
+        cmd += ["--join_timeout_ms", ms, "--heartbeat_timeout_ms", ms, "--quorum_tick_ms", "100"]
+        log = open(self.log_dir / f"{self.name}.lighthouse.log", "w")
+        self.lighthouse = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"}, start_new_session=True
+        )
+        log.close()  # the child keeps its own descriptor
+
+    def _start_node(self, m: int, generation: int = 0) -> subprocess.Popen:
+        cmd = self.node_command(m)
+        suffix = f".{generation}" if generation else ""
+        with open(self.log_dir / f"{self.name}.node{m}{suffix}.log", "w") as log:
+            log.write("+ " + " ".join(cmd) + "\n")
+            log.flush()
+            env = self.node_env(m)
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def _wait_for(self, path: Path, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not path.is_file() and time.monotonic() < deadline and self.procs[0].poll() is None:
+            time.sleep(0.1)
+
+    def _logged_step(self, m: int) -> int:
+        """The last step replica m's metrics file logged (-1 before the first)."""
+        path = self.cfg.run_dir / f"metrics.replica{m}.jsonl"
+        last = -1
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError):
+                    last = max(last, json.loads(line)["step"])
+        return last
+
+    def _kill_node(self) -> None:
+        """SIGKILL every process in the killed replica's namespace: its torchrun and its ranks at once."""
+        m = self.kill.replica
+        for pid in namespace_pids(self.link.namespaces[m]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.procs[m].wait()
+        self.stale.add(m)
+        self.killed_at = time.monotonic()
+        self.replacement_due = self.killed_at + self.cfg.elastic.restart_delay_s
+        print(f"[slowlink] killed replica {m}'s node at its step {self._logged_step(m)}", flush=True)
+
+    def wait(self, timeout_s: float) -> int:
+        """0 when every replica's current node exits 0; else the first failure's code (124 on timeout)."""
+        deadline = time.monotonic() + timeout_s
+        rc = 0
+        while True:
+            if self.kill and self.killed_at is None and self._logged_step(self.kill.replica) >= self.kill.step:
+                self._kill_node()
+            if self.replacement_due is not None and time.monotonic() >= self.replacement_due:
+                m = self.kill.replica
+                self.replacement_due = None
+                others = [p.poll() for i, p in enumerate(self.procs) if i != m]
+                if not all(c == 0 for c in others):  # as the launcher: no replacement once the others finished
+                    self.procs[m] = self._start_node(m, generation=1)
+                    self.stale.discard(m)
+            codes = [p.poll() for i, p in enumerate(self.procs) if i not in self.stale]
+            waiting = self.replacement_due is not None
+            if all(c is not None for c in codes) and not waiting:
+                rc = next((c for c in codes if c != 0), 0)
+                break
+            if any(c not in (None, 0) for c in codes):
+                rc = next(c for c in codes if c not in (None, 0))
+                break
+            if time.monotonic() > deadline:
+                rc = TIMED_OUT
+                break
+            time.sleep(0.2)
+        if rc != 0:
+            self.stop()
+        self._stop_lighthouse()
+        self._write_summary()
+        return rc
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        super().stop(grace_s)
+        self._stop_lighthouse()
+
+    def _stop_lighthouse(self) -> None:
+        if self.lighthouse is not None and self.lighthouse.poll() is None:
+            self.lighthouse.kill()
+            self.lighthouse.wait()
+
+    def _write_summary(self) -> None:
+        """summary.json from the replicas' own summaries (as the local launcher writes it)."""
+        m = self.kill.replica if self.killed_at is not None else None
+        failures = {r: int(r == m) for r in range(self.link.replicas)}
+        merge_replica_summaries(self.cfg.run_dir, failures, restarts=failures)
