@@ -73,9 +73,11 @@ def train_worker(cfg: Config) -> None:
         engine.begin_step(step)  # the sync policy: are grads averaged across replicas this step?
         with memory.step(step):  # one step's forward+backward is profiled for its tensor memory
             step_loss = engine.forward_backward(micro_batches(data, step, cfg.optim.grad_accum, mesh.device))
+        update = engine.commit_grads()  # False: an elastic grad-sync round failed; the step is dropped whole
         grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
         check_finite(step, float(step_loss), float(grad_norm), mesh.rank, checkpoints.last_good)  # or Diverged
-        optimizer.step()
+        if update:
+            optimizer.step()
         engine.zero_grad()
         if elastic:
             elastic.heal.step = step  # what a peer healing at this step's sync gets

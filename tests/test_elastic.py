@@ -95,6 +95,8 @@ def _params(run_dir: Path, replica: int) -> dict[str, torch.Tensor]:
         ("2x2", ["mesh.sync=2", "mesh.shard=2"], []),
         # int8 Δ and an overlapped sync (τ = 1) on 3 replicas: the two others keep syncing with each other
         ("3x1-int8-delay1", ["mesh.sync=3", "mesh.shard=1"], ["sync.quantize=int8", "sync.delay=1"]),
+        # killed during grad-sync (warmup) steps: a quorum per step; the restarted replica heals into one
+        ("2x1-grad-sync", ["mesh.sync=2", "mesh.shard=1"], ["sync.warmup_steps=64"]),
     ],
 )
 def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, mesh: list[str], extra: list[str]):
@@ -149,8 +151,9 @@ def test_a_replica_that_keeps_dying_is_given_up_and_the_others_finish(tmp_path: 
 
 
 def test_elastic_without_failures_computes_the_plain_run(tmp_path: Path):
-    """No failure: losses within 1e-6 and final params of every replica equal to the non-elastic run's."""
-    base = SMALL + ["mesh.sync=2", "mesh.shard=2", "run.steps=24", "sync.warmup_steps=0", "sync.every=4"]
+    """No failure: losses within 1e-6 and final params of every replica equal to the non-elastic run's,
+    through 8 grad-sync (warmup) steps, each its own torchft round, then DiLoCo every 4 steps."""
+    base = SMALL + ["mesh.sync=2", "mesh.shard=2", "run.steps=24", "sync.warmup_steps=8", "sync.every=4"]
     base += ["sync.method=diloco"]
     plain = run_train(tmp_path, "plain", base)
     elastic = run_train(tmp_path, "elastic", base + ["elastic.enabled=true"], timeout=300)
@@ -162,13 +165,14 @@ def test_elastic_without_failures_computes_the_plain_run(tmp_path: Path):
         assert max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want) < 1e-6
     assert elastic.summary["sync_bytes"] == plain.summary["sync_bytes"]
     assert elastic.summary["heals"] == 0 and elastic.summary["replica_failures"] == 0
+    assert elastic.summary["sync_rounds"] >= 8 + 4  # a round per grad-sync step, and per param sync
+    assert all(r["replicas"] == 2 for r in _records(elastic.run_dir, 0))
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
         (["mesh.engine=fsdp2"], "elastic.enabled: elastic replicas need mesh.engine hsdp, got 'fsdp2'"),
-        (["sync.warmup_steps=5"], "needs sync.warmup_steps=0"),
         (["mesh.sync=1"], "needs at least 2 replicas"),
         (["sync.fragments=2", "sync.delay=4"], "sync.delay: an elastic run has one sync in flight"),
         (["elastic.min_replicas=3"], "elastic.min_replicas: expected at most mesh.sync=2"),

@@ -138,11 +138,6 @@ def check_elastic(cfg: Config) -> None:
     e, s = cfg.elastic, cfg.sync
     if cfg.mesh.sync < 2:
         raise ConfigError(f"elastic.enabled: needs at least 2 replicas (mesh.sync), got {cfg.mesh.sync}")
-    if s.warmup_steps != 0:
-        raise ConfigError(
-            "elastic.enabled: replicas sync params every sync.every steps and never grads, so it needs "
-            f"sync.warmup_steps=0, got {s.warmup_steps}"
-        )
     if s.delay >= s.every // s.fragments:
         raise ConfigError(
             f"sync.delay: an elastic run has one sync in flight at a time, so expected a value < sync.every / "

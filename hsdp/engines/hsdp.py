@@ -238,6 +238,9 @@ class HSDPEngine(Engine):
     def set_reduce_grads(self, reduce: bool) -> None:
         self.reduce_grads = reduce
 
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [u.grad_flat for u in self.units]
+
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The held (sharded, fp32) params under the model's own names: what the optimizer updates."""
         return [(u.prefix + s.name, p) for u in self.units for s, p in zip(u.specs, u.held_params)]

@@ -70,12 +70,16 @@ class FTTransport:
         self.quorum_waits: list[float] = []  # seconds each begin_round waited for its quorum
         self.dropped_s = 0.0  # wall time of rounds that did not commit
         self._round_start = 0.0
+        self.open = False  # a round has begun and not been committed (e.g. one a healed replica joined)
 
     @property
     def size(self) -> int:
         return self.manager.num_participants()
 
     def begin_round(self) -> None:
+        if self.open:
+            return
+        self.open = True
         self._round_start = time.perf_counter()
         self.manager.start_quorum()
         self.quorum_waits.append(time.perf_counter() - self._round_start)
@@ -83,6 +87,7 @@ class FTTransport:
         self.rounds += 1
 
     def commit_round(self) -> bool:
+        self.open = False
         error = self.manager.errored()
         ok = bool(self.manager.should_commit())
         if not ok:
@@ -182,7 +187,9 @@ class ElasticReplica:
             self.transport.begin_round()
             if self.heal.healed_to is not None:  # behind a live replica: healed, now in its round
                 t = self.heal.healed_to
-                if not engine.policy.start_due(t, joined=True):
+                if engine.policy.grad_sync(t + 1):
+                    pass  # the peers' round is step t+1's grads: left open, this replica's step t+1 joins it
+                elif not engine.policy.start_due(t, joined=True):
                     self.transport.commit_round()  # the peers' round had nothing to sync at t
                 step = t + 1
                 break
@@ -213,6 +220,10 @@ class ElasticReplica:
             "sync_rounds": self.transport.rounds,
             "dropped_syncs": self.heal.engine.policy.dropped,
             "elastic_lost_s": round(self.transport.lost_s(), 3),
+            # what agreeing on a quorum costs per round (each grad-sync step is one round)
+            "quorum_median_s": round(statistics.median(self.transport.quorum_waits), 4)
+            if self.transport.quorum_waits
+            else None,
             "join_s": round(self.joined_at, 3),
         }
 

@@ -50,6 +50,7 @@ class Sync(Protocol):
     """What an engine and the training loop ask of a sync policy."""
 
     def grad_sync(self, step: int) -> bool: ...
+    def commit_grads(self, grads: list[torch.Tensor]) -> bool: ...
     def after_step(self, step: int) -> bool: ...
     def finish(self) -> list[int]: ...
     def replicas_identical(self, step: int) -> bool: ...
@@ -59,14 +60,19 @@ class Sync(Protocol):
     def load_checkpoint(self, meta: dict[str, Any], buffers: Buffers) -> None: ...
 
     replica_buffers: frozenset[str]  # buffer names that differ between replicas
+    grads_in_rounds: bool  # grad-sync steps reduce across replicas in a round of their own (commit_grads)
 
 
 class NoSync:
     """The policy of engines whose grads are always averaged over every rank (and exact HSDP on one replica)."""
 
     replica_buffers: frozenset[str] = frozenset()
+    grads_in_rounds = False
 
     def grad_sync(self, step: int) -> bool:
+        return True
+
+    def commit_grads(self, grads: list[torch.Tensor]) -> bool:
         return True
 
     def after_step(self, step: int) -> bool:
@@ -141,11 +147,33 @@ class SyncPolicy:
         self.in_flight: list[_DelayedSync] = []  # in start order, so every rank waits in the same order
         self.landed: list[int] = []  # fragments whose sync landed in the last after_step / finish
         self.dropped = 0  # rounds that did not commit (an elastic replica failed during them): not applied
+        # On a transport that may fail, a grad-sync step's grads cross replicas in their own round after
+        # the backward (commit_grads), so a failure drops the step whole instead of ending the run.
+        self.grads_in_rounds = transport.may_fail
         if cfg.warmup_steps == 0:
             self._start_global_copy()
 
     def grad_sync(self, step: int) -> bool:
         return grad_sync_due(step, self.cfg)
+
+    @torch.no_grad()
+    def commit_grads(self, grads: list[torch.Tensor]) -> bool:
+        """A grad-sync step on a transport that may fail (warmup / exact HSDP, elastic): each unit's grad
+        shard (the shard group's mean) summed over the replicas in this step's round and divided by their
+        number. False if the round did not commit: the grads are zeroed and the step must not update."""
+        self.transport.begin_round()  # nothing if open: a replica that healed into this round
+        works = [self.transport.all_reduce_sum(g, async_op=True) for g in grads]
+        for w in works:
+            w.wait()
+        n = self.transport.size
+        if not self.transport.commit_round():
+            self.dropped += 1
+            for g in grads:
+                g.zero_()
+            return False
+        for g in grads:
+            g.div_(n)
+        return True
 
     def after_step(self, step: int) -> bool:
         """Called after the local update of `step`; True if a param sync started after it.

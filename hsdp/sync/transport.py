@@ -25,10 +25,11 @@ class Work(Protocol):
 class Transport(Protocol):
     """The replicas' collectives (sum and gather), sync or async, in rounds.
 
-    A round is one param sync (all units of the fragments due at a step): `begin_round()` before its
-    first collective, `commit_round()` after its last wait; the policy applies the round only if
-    that returns True. On the c10d group a round always commits; on the elastic (torchft) transport
-    the membership is agreed at `begin_round` and a round a replica failed in does not commit.
+    A round is one param sync (all units of the fragments due at a step), or on a transport that may
+    fail one grad-sync step's grads: `begin_round()` before its first collective, `commit_round()`
+    after its last wait; the policy applies the round only if that returns True. On the c10d group a
+    round always commits; on the elastic (torchft) transport the membership is agreed at
+    `begin_round` and a round a replica failed in does not commit.
     """
 
     may_fail: bool  # rounds can fail to commit (the policy then keeps θ_m apart from what it reduces)
@@ -38,7 +39,7 @@ class Transport(Protocol):
         """M: the number of replicas taking part (in the current round)."""
 
     def begin_round(self) -> None:
-        """Agree on who takes part, before a round's first collective."""
+        """Agree on who takes part, before a round's first collective (nothing if a round is open)."""
 
     def commit_round(self) -> bool:
         """After a round's last wait: whether every replica in it got its results (apply them only then)."""
