@@ -35,7 +35,7 @@ from typing import Optional
 from hsdp.bench.job import TIMED_OUT, Job
 from hsdp.bench.netns import namespace_pids
 from hsdp.config.schema import Config, ConfigError
-from hsdp.run.elastic import merge_replica_summaries
+from hsdp.run.elastic import lighthouse_timeouts_ms, merge_replica_summaries
 
 LIGHTHOUSE_PORT = 29510
 
@@ -112,11 +112,11 @@ class ElasticJob(Job):
         return self
 
     def _start_lighthouse(self) -> None:
-        e = self.cfg.elastic
-        ms = str(int(e.timeout_s * 1000))
+        join_ms, heartbeat_ms = lighthouse_timeouts_ms(self.cfg)
         cmd = [*self.link.exec_prefix(0), str(Path(sys.executable).with_name("torchft_lighthouse"))]
-        cmd += ["--min_replicas", str(e.min_replicas), "--bind", f"[::]:{LIGHTHOUSE_PORT}"]
-        cmd += ["--join_timeout_ms", ms, "--heartbeat_timeout_ms", ms, "--quorum_tick_ms", "100"]
+        cmd += ["--min_replicas", str(self.cfg.elastic.min_replicas), "--bind", f"[::]:{LIGHTHOUSE_PORT}"]
+        cmd += ["--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms)]
+        cmd += ["--quorum_tick_ms", "100"]
         log = open(self.log_dir / f"{self.name}.lighthouse.log", "w")
         self.lighthouse = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"}, start_new_session=True

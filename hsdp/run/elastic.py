@@ -63,6 +63,17 @@ def enter_torchrun_replica(cfg: Config) -> None:
     os.environ.update(replica_env(e.replica, int(restarts or 0), e.lighthouse))
 
 
+def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
+    """The lighthouse's join and heartbeat timeouts (ms).
+
+    heartbeat: a replica that stops heartbeating (dead) is out of the next quorum after elastic.timeout_s.
+    join: how long a quorum waits for a replica that still heartbeats but has not asked yet (it is
+    training towards the same round, or compiling its first step): mesh.timeout_s, the run's bound on
+    a stalled rank. Slowness is not a failure; only silence is.
+    """
+    return int(cfg.mesh.timeout_s * 1000), int(cfg.elastic.timeout_s * 1000)
+
+
 def start_lighthouse(cfg: Config) -> tuple[Optional[object], str]:
     """torchft's lighthouse in this process (unless the config names one), and its address."""
     if cfg.elastic.lighthouse:
@@ -70,16 +81,13 @@ def start_lighthouse(cfg: Config) -> tuple[Optional[object], str]:
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info (read on import)
     from torchft.coordination import LighthouseServer  # lazy: only elastic runs need torchft
 
-    # join_timeout: how long a quorum waits for a replica that was in the last one. Long enough for a
-    # live replica's next sync (it joins only at syncs), short enough that a dead one is dropped soon.
-    # heartbeat_timeout: a replica that stops heartbeating (dead) leaves the quorum after timeout_s.
-    timeout_ms = int(cfg.elastic.timeout_s * 1000)
+    join_ms, heartbeat_ms = lighthouse_timeouts_ms(cfg)
     server = LighthouseServer(
         bind="[::]:0",
         min_replicas=cfg.elastic.min_replicas,
-        join_timeout_ms=timeout_ms,
+        join_timeout_ms=join_ms,
         quorum_tick_ms=100,
-        heartbeat_timeout_ms=timeout_ms,
+        heartbeat_timeout_ms=heartbeat_ms,
     )
     return server, server.address()
 
