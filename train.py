@@ -52,7 +52,7 @@ def train_worker(cfg: Config) -> None:
     data = Data(cfg, mesh.rank, mesh.world)
     engine = build_engine(cfg, mesh)
     optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
-    checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start)
+    checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start, replica=mesh.sync_rank if elastic else None)
     run = checkpoints.resume()  # the checkpoint run.resume names (state, RNG, counters restored), or a fresh start
     if elastic:  # join the live replicas: a restarted replica heals from one and continues at its step
         run.start_step = elastic.join(engine, optimizer, run.start_step)

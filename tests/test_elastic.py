@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import torch
 
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
+from hsdp.run.checkpoint import complete_checkpoints, step_of
 from tests.helpers import QUIET_ENV, REPO, SMALL, run_train
 
 # The tiny CPU job, as the issue's must-show asks (2x2, DiLoCo every 8, no warmup); 0.2 s a step here.
@@ -177,6 +179,7 @@ def test_elastic_without_failures_computes_the_plain_run(tmp_path: Path):
         (["sync.fragments=2", "sync.delay=4"], "sync.delay: an elastic run has one sync in flight"),
         (["elastic.min_replicas=3"], "elastic.min_replicas: expected at most mesh.sync=2"),
         (["elastic.timeout_s=0"], "elastic.timeout_s: expected a value > 0"),
+        (["run.resume=/tmp"], "run.resume: an elastic run's replicas resume together"),
     ],
 )
 def test_elastic_config_refusals(overrides: list[str], message: str) -> None:
@@ -266,3 +269,28 @@ def test_elastic_compiled_engine_computes_the_eager_one(tmp_path: Path) -> None:
         g, w = compiled.params(m), eager.params(m)
         assert max(float((g[k] - w[k]).abs().max() / w[k].abs().max()) for k in w) < 1e-5, m
     assert compiled.summary["compile_graphs"] >= 2 and compiled.summary["sync_rounds"] >= 4 + 2
+
+
+def test_elastic_checkpoints_resume_auto_from_the_newest_step_every_replica_saved(tmp_path: Path) -> None:
+    """Each replica saves its own checkpoints (replica<m>/checkpoints/step_N, in its own world); resume=auto
+    restarts every replica from the newest step all of them saved (here replica 1 lacks step 11, as if it
+    was down then, so both resume from step 7) and the run continues bit for bit as the uninterrupted one."""
+    base = SMALL + ["mesh.sync=2", "mesh.shard=1", "run.steps=16", "sync.warmup_steps=4", "sync.every=4"]
+    base += ["sync.method=diloco", "elastic.enabled=true", "run.checkpoint_every=4", "run.keep_checkpoints=10"]
+    ref = run_train(tmp_path, "ref", base, timeout=300)
+    for m in (0, 1):
+        assert [step_of(p) for p in complete_checkpoints(ref.run_dir / f"replica{m}")] == [3, 7, 11, 15]
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(ref.run_dir, run_dir)
+    for m in (0, 1):
+        shutil.rmtree(run_dir / f"replica{m}" / "checkpoints" / "step_15")
+    shutil.rmtree(run_dir / "replica1" / "checkpoints" / "step_11")
+    resumed = run_train(tmp_path, "resumed", base, timeout=300)  # run.resume=auto is the default
+    for m in (0, 1):
+        summary = json.loads((run_dir / f"summary.replica{m}.json").read_text())
+        assert summary["resumed_from"].endswith(f"resumed/replica{m}/checkpoints/step_7"), summary["resumed_from"]
+        got, want = _records(resumed.run_dir, m), _records(ref.run_dir, m)
+        assert [r["step"] for r in got] == list(range(16))
+        assert [r["loss"] for r in got] == [r["loss"] for r in want]
+        g, w = resumed.params(m), ref.params(m)
+        assert all(torch.equal(g[k], w[k]) for k in w)

@@ -152,10 +152,10 @@ def check_elastic(cfg: Config) -> None:
             "sync.error_feedback: a dropped elastic round would leave each replica's residual updated for a "
             "message that was never applied; elastic runs refuse it"
         )
-    if cfg.run.checkpoint_every > 0 or cfg.run.resume not in ("auto", "never"):
+    if cfg.run.resume not in ("auto", "never"):
         raise ConfigError(
-            "run.checkpoint_every/run.resume: an elastic replica restarts by healing from a live one; elastic "
-            "runs write and load no checkpoints (set run.checkpoint_every=0)"
+            "run.resume: an elastic run's replicas resume together, each from its own checkpoint, so it takes "
+            f"auto or never (auto: the newest step every replica saved), got {cfg.run.resume!r}"
         )
 
 

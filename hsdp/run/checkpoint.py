@@ -9,6 +9,7 @@ A run folder's checkpoints (docs/design.md §7):
         checksums.json                     SHA-256 of every file above (hsdp/run/integrity.py)
         .complete                          written last: only a folder with it is a checkpoint
     <run_dir>/checkpoints/.tmp_step_N/    a save in progress (renamed when every rank is done)
+    <run_dir>/replica<m>/checkpoints/...   an elastic run: each replica's own, saved in its own world
 
 What a rank saves: its engine's `checkpoint_state` (held shards, inner optimizer
 state and sync-policy state, as DTensors of the full shapes so DCP reshards on
@@ -93,6 +94,30 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return done[-1] if done else None
 
 
+# ---------------------------------------------------------------- an elastic run's (one home per replica)
+def replica_home(run_dir: Path, replica: int) -> Path:
+    """Where an elastic run's replica keeps its checkpoints: each replica saves its own, in its own world."""
+    return Path(run_dir) / f"replica{replica}"
+
+
+def common_checkpoints(cfg: Config) -> list[Path]:
+    """An elastic run's resume points, as replica 0's folders: the steps every replica has complete.
+
+    The replicas of an elastic run resume together from one step, each from its own state (a replica
+    that was down at a checkpoint step has none there, so that step is not a resume point)."""
+    steps = None
+    for m in range(cfg.mesh.sync):
+        have = {step_of(p) for p in complete_checkpoints(replica_home(cfg.run_dir, m))}
+        steps = have if steps is None else steps & have
+    root = checkpoints_dir(replica_home(cfg.run_dir, 0))
+    return [root / f"step_{s}" for s in sorted(steps or ())]
+
+
+def for_replica(path: Path, replica: int) -> Path:
+    """Replica 0's checkpoint folder of an elastic run → the same step's folder of `replica`."""
+    return checkpoints_dir(replica_home(path.parents[2], replica)) / path.name
+
+
 def resolve_resume(cfg: Config) -> Optional[Path]:
     """The checkpoint `run.resume` asks for: None (start fresh) or a complete checkpoint's folder.
 
@@ -102,6 +127,9 @@ def resolve_resume(cfg: Config) -> Optional[Path]:
     resume = cfg.run.resume
     if resume == "never":
         return None
+    if resume == "auto" and cfg.elastic.enabled:  # replica 0's folder of the newest step every replica has
+        common = [] if cfg.run.overwrite else common_checkpoints(cfg)
+        return common[-1] if common else None
     if resume == "auto":  # run.overwrite=true replaces the run, its checkpoints included: nothing to resume
         return None if cfg.run.overwrite else latest_checkpoint(cfg.run_dir)
     path = Path(resume).expanduser()
@@ -131,6 +159,8 @@ def check_resume(cfg: Config) -> Optional[Path]:
             "resume without run.overwrite, or copy the checkpoint elsewhere first"
         )
     meta = validate_checkpoint(path, cfg)
+    for m in range(1, cfg.mesh.sync if cfg.elastic.enabled else 1):  # every replica's own state
+        validate_checkpoint(for_replica(path, m), cfg)
     done = meta["step"] + 1
     if cfg.run.steps < done:
         raise ConfigError(
@@ -150,11 +180,12 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def remove_failed_saves(run_dir: Path) -> None:
-    """Delete the temporary folders of saves that never completed (a rank died mid-save; the launcher's cleanup)."""
-    root = checkpoints_dir(run_dir)
-    if root.is_dir():
-        for p in root.glob(".tmp_step_*"):
-            shutil.rmtree(p, ignore_errors=True)
+    """Delete the temporary folders of saves that never completed (a rank died mid-save; the launcher's cleanup),
+    the run's own and its elastic replicas'."""
+    for root in [checkpoints_dir(run_dir), *Path(run_dir).glob("replica[0-9]*/checkpoints")]:
+        if root.is_dir():
+            for p in root.glob(".tmp_step_*"):
+                shutil.rmtree(p, ignore_errors=True)
 
 
 # `key` names what the user gave the path as, for the one-line error (run.resume, or export's argument).
@@ -229,7 +260,7 @@ def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
     metadata = read_dcp_metadata(path)
     with torch.device("meta"):
         model = GPT(cfg.model)
-    prefix = engine.model_key_prefix(0)
+    prefix = engine.model_key_prefix(meta["mesh"].get("replica") or 0)  # an elastic replica's: its own
     expected = {prefix + n: tuple(p.shape) or (1,) for n, p in model.named_parameters()}
     present = {
         k: tuple(md.size)
@@ -269,10 +300,21 @@ class Checkpoints:
     """Saves this rank's state every `run.checkpoint_every` steps and restores it at start."""
 
     def __init__(
-        self, cfg: Config, mesh: Mesh, engine: Engine, optimizer: torch.optim.Optimizer, t_start: float
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        engine: Engine,
+        optimizer: torch.optim.Optimizer,
+        t_start: float,
+        replica: Optional[int] = None,
     ) -> None:
         self.cfg, self.mesh, self.engine, self.optimizer = cfg, mesh, engine, optimizer
-        self.root = checkpoints_dir(cfg.run_dir)
+        # An elastic replica (`replica`) saves and loads its own checkpoints in its own world; its
+        # first rank is then the world's rank 0, not the run's.
+        self.replica = replica
+        self.home = cfg.run_dir if replica is None else replica_home(cfg.run_dir, replica)
+        self.root = checkpoints_dir(self.home)
+        self.first = dist.get_rank() == 0
         self.t_start = t_start
         self.resumed_from: Optional[Path] = None
         self.last_load_s: Optional[float] = None  # this rank's seconds in the load, and in all saves
@@ -283,11 +325,13 @@ class Checkpoints:
         """Restore the checkpoint `run.resume` names (decided by rank 0 for every rank); else a fresh start."""
         if self.cfg.mesh.backend == "fake":  # nothing moves between ranks, so nothing could be restored right
             return Progress()
-        choice = [str(resolve_resume(self.cfg) or "") if self.mesh.rank == 0 else None]
+        if self.replica is not None and os.environ.get("HSDP_RESTART", "0") != "0":
+            return Progress()  # a replica restarted within the run heals from a live one instead (newer)
+        choice = [str(resolve_resume(self.cfg) or "") if self.first else None]
         dist.broadcast_object_list(choice, src=0)  # every rank loads the same one, even if a save lands now
         if not choice[0]:
             return Progress()
-        path = Path(choice[0])
+        path = Path(choice[0]) if self.replica is None else for_replica(Path(choice[0]), self.replica)
         meta = read_meta(path)
         keys = frozenset(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         same_replicas = meta["mesh"]["sync"] == self.mesh.sync_size
@@ -384,7 +428,7 @@ class Checkpoints:
         """
         t0 = time.perf_counter()
         tmp, final = self.root / f".tmp_step_{step}", self.root / f"step_{step}"
-        rank0 = self.mesh.rank == 0
+        rank0 = self.first
         state = self.engine.checkpoint_state(self.optimizer)
         self._refuse_non_finite(step, state)
         if rank0:
@@ -397,15 +441,15 @@ class Checkpoints:
                 "format": FORMAT,
                 "step": step,
                 "engine": self.cfg.mesh.engine,
-                "mesh": {"sync": self.mesh.sync_size, "shard": self.mesh.shard_size},
+                "mesh": {"sync": self.mesh.sync_size, "shard": self.mesh.shard_size, "replica": self.replica},
                 "replicas_identical": self.engine.replicas_identical(step),
                 "engine_meta": self.engine.checkpoint_meta(),
                 "saved_at": time.time(),
             }
             dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
             dist.barrier()  # every rank's files are written (DCP's metadata only on rank 0's side)
-            digests = [None] * self.mesh.world if rank0 else None
-            mine = hash_files(tmp, rank_data_files(tmp, self.mesh.rank))  # each rank hashes its own files
+            digests = [None] * dist.get_world_size() if rank0 else None
+            mine = hash_files(tmp, rank_data_files(tmp, dist.get_rank()))  # each rank hashes its own (DCP's) files
             dist.gather_object(mine, digests, dst=0)
             if rank0:
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -413,7 +457,7 @@ class Checkpoints:
                 checksums = write_checksums(tmp, {k: v for d in digests for k, v in d.items()})
                 _fsync_files([tmp / "meta.json", tmp / "config.yaml", checksums])  # DCP fsyncs its own files
                 publish(tmp, final)
-                prune(self.cfg.run_dir, final, self.cfg.run.keep_checkpoints)
+                prune(self.home, final, self.cfg.run.keep_checkpoints)
         except BaseException as e:
             if rank0:  # a full disk must not stay full of a save that will never complete
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -439,12 +483,12 @@ class Checkpoints:
             where = f"{bad_key} on rank {self.mesh.rank}" if bad_key else f"rank {int(flag) - 1}'s state"
             raise Diverged(
                 f"step {step}: the state to checkpoint holds a non-finite value ({where}); not saved; "
-                + last_good_hint(latest_checkpoint(self.cfg.run_dir))
+                + last_good_hint(latest_checkpoint(self.home))
             )
 
     def last_good(self) -> Optional[Path]:
         """The newest complete checkpoint (every checkpoint is finite), for the divergence message."""
-        return latest_checkpoint(self.cfg.run_dir)
+        return latest_checkpoint(self.home)
 
 
 def prune(run_dir: Path, newest: Path, keep: int) -> None:

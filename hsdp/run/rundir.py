@@ -17,15 +17,18 @@ from hsdp.config.schema import Config, ConfigError
 # What a run writes into its folder (train.py, hsdp/run/metrics.py, wandb with dir=run folder).
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "replicas.json")
 OUTPUT_DIRS = ("checkpoints", "wandb")
-OUTPUT_GLOBS = ("model.replica*.pt", "metrics.replica*.jsonl", "summary.replica*.json")  # + elastic replicas
+# + an elastic run's per-replica files, and its replicas' checkpoint homes (replica<m>/checkpoints)
+OUTPUT_GLOBS = ("model.replica*.pt", "metrics.replica*.jsonl", "summary.replica*.json", "replica[0-9]*")
 # Kernel file systems: writing run outputs there is at best an error, at worst a device write.
 FORBIDDEN_ROOTS = (Path("/proc"), Path("/sys"))
 
 
 def has_checkpoint(run_dir: Path) -> bool:
-    """True if `run_dir/checkpoints/step_*` holds a complete checkpoint (a `.complete` file marks one)."""
-    root = Path(run_dir) / "checkpoints"
-    return root.is_dir() and any((d / ".complete").is_file() for d in root.glob("step_*") if d.is_dir())
+    """True if `run_dir/checkpoints/step_*` (or an elastic replica's `run_dir/replica<m>/checkpoints/step_*`)
+    holds a complete checkpoint (a `.complete` file marks one)."""
+    roots = [Path(run_dir) / "checkpoints", *Path(run_dir).glob("replica[0-9]*/checkpoints")]
+    steps = [d for root in roots if root.is_dir() for d in root.glob("step_*") if d.is_dir()]
+    return any((d / ".complete").is_file() for d in steps)
 
 
 def previous_outputs(run_dir: Path) -> list[str]:
