@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +105,9 @@ class ElasticJob(Job):
 
     def start(self) -> ElasticJob:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # The benchmark's own run folder (always run.overwrite=true): remove it here, so that neither the
+        # wait for node 0's config.yaml nor the kill's step watch reads a previous run's files.
+        shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
         self._start_lighthouse()
         for m in range(self.link.replicas):
             self.procs.append(self._start_node(m))
