@@ -120,6 +120,12 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
     survivor = [r["replicas"] for r in _records(run_dir, 0)]
     first_short = survivor.index(n - 1)  # a sync without replica 1 ...
     assert n in survivor[first_short:]  # ... and later with it again
+    # After the heal, replica 1's LR is the schedule's at each of its steps (torchtitan's stale-LR report),
+    # and the batches it trains on are its own stream's at that step (torchft #58): train.py reads them by
+    # (rank, step) with no iterator state, which _assert_data_is_indexed_by_step checks for these ranks.
+    lr0 = {r["step"]: r["lr"] for r in _records(run_dir, 0)}
+    assert all(r["lr"] == lr0[r["step"]] for r in _records(run_dir, 1))
+    _assert_data_is_indexed_by_step(ELASTIC + mesh + extra, replica=1)
     reference = _params(run_dir, 0)
     for m in range(1, n):
         got = _params(run_dir, m)
@@ -128,6 +134,23 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
     assert summary["replica_failures"] == 1 and summary["heals"] >= 1
     # the survivors lost at most the failure timeout plus one sync
     assert summary["survivor_lost_s"] <= 2 + 8 * summary["median_step_time_s"] + 2
+
+
+def _assert_data_is_indexed_by_step(overrides: list[str], replica: int) -> None:
+    """A replica's batch at step s depends on (its ranks, s) only: a fresh Data (a restarted replica's)
+    gives, at a late step, exactly what one that has served every earlier step gives."""
+    from hsdp.data import Data
+
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), overrides)
+    world = cfg.mesh.sync * cfg.mesh.shard
+    for rank in range(replica * cfg.mesh.shard, (replica + 1) * cfg.mesh.shard):
+        served, fresh = Data(cfg, rank, world), Data(cfg, rank, world)
+        for step in range(50):
+            served.train_batch(step, 0)
+        for step in (50, 51, 77):
+            assert all(torch.equal(a, b) for a, b in zip(served.train_batch(step, 0), fresh.train_batch(step, 0)))
+        other = Data(cfg, (rank + cfg.mesh.shard) % world, world)  # another replica's stream differs
+        assert not torch.equal(other.train_batch(50, 0)[0], fresh.train_batch(50, 0)[0])
 
 
 def test_a_replica_that_keeps_dying_is_given_up_and_the_others_finish(tmp_path: Path):
