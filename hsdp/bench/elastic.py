@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from hsdp.bench.job import TIMED_OUT, Job
+from hsdp.bench.job import Job
 from hsdp.bench.netns import namespace_pids
 from hsdp.config.schema import Config, ConfigError
 from hsdp.run.elastic import lighthouse_timeouts_ms, merge_replica_summaries
@@ -163,34 +163,27 @@ class ElasticJob(Job):
         self.replacement_due = self.killed_at + self.cfg.elastic.restart_delay_s
         print(f"[slowlink] killed replica {m}'s node at its step {self._logged_step(m)}", flush=True)
 
+    def on_tick(self) -> None:
+        """Kill the node once its replica logs the kill step; start its replacement when due."""
+        if self.kill and self.killed_at is None and self._logged_step(self.kill.replica) >= self.kill.step:
+            self._kill_node()
+        if self.replacement_due is not None and time.monotonic() >= self.replacement_due:
+            m = self.kill.replica
+            self.replacement_due = None
+            others = [p.poll() for i, p in enumerate(self.procs) if i != m]
+            if not all(c == 0 for c in others):  # as the launcher: no replacement once the others finished
+                self.procs[m] = self._start_node(m, generation=1)
+                self.stale.discard(m)
+
+    def current_nodes(self) -> list[subprocess.Popen]:
+        return [p for i, p in enumerate(self.procs) if i not in self.stale]
+
+    def node_pending(self) -> bool:
+        return self.replacement_due is not None
+
     def wait(self, timeout_s: float) -> int:
-        """0 when every replica's current node exits 0; else the first failure's code (124 on timeout)."""
-        deadline = time.monotonic() + timeout_s
-        rc = 0
-        while True:
-            if self.kill and self.killed_at is None and self._logged_step(self.kill.replica) >= self.kill.step:
-                self._kill_node()
-            if self.replacement_due is not None and time.monotonic() >= self.replacement_due:
-                m = self.kill.replica
-                self.replacement_due = None
-                others = [p.poll() for i, p in enumerate(self.procs) if i != m]
-                if not all(c == 0 for c in others):  # as the launcher: no replacement once the others finished
-                    self.procs[m] = self._start_node(m, generation=1)
-                    self.stale.discard(m)
-            codes = [p.poll() for i, p in enumerate(self.procs) if i not in self.stale]
-            waiting = self.replacement_due is not None
-            if all(c is not None for c in codes) and not waiting:
-                rc = next((c for c in codes if c != 0), 0)
-                break
-            if any(c not in (None, 0) for c in codes):
-                rc = next(c for c in codes if c not in (None, 0))
-                break
-            if time.monotonic() > deadline:
-                rc = TIMED_OUT
-                break
-            time.sleep(0.2)
-        if rc != 0:
-            self.stop()
+        """`Job.wait`, then the lighthouse stopped and summary.json merged from the replicas' summaries."""
+        rc = super().wait(timeout_s)
         self._stop_lighthouse()
         self._write_summary()
         return rc

@@ -91,8 +91,9 @@ class Job:
         deadline = time.monotonic() + timeout_s
         rc = 0
         while True:
-            codes = [p.poll() for p in self.procs]
-            if all(c is not None for c in codes):
+            self.on_tick()
+            codes = [p.poll() for p in self.current_nodes()]
+            if all(c is not None for c in codes) and not self.node_pending():
                 rc = next((c for c in codes if c != 0), 0)
                 break
             if any(c not in (None, 0) for c in codes):
@@ -105,6 +106,17 @@ class Job:
         if rc != 0:
             self.stop()
         return rc
+
+    def on_tick(self) -> None:
+        """Called every 0.2 s while waiting (an elastic job kills and replaces nodes here)."""
+
+    def current_nodes(self) -> list[subprocess.Popen]:
+        """The node processes whose exit codes decide the job (not those killed on purpose)."""
+        return self.procs
+
+    def node_pending(self) -> bool:
+        """A node is still to be started (the job is not done even if every current node has exited)."""
+        return False
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM each node's torchrun (it stops its workers), then SIGKILL whatever is left in the namespaces."""
