@@ -68,7 +68,7 @@ class FTTransport:
         self.rounds = 0
         self.participants: Optional[int] = None  # the last round's quorum size
         self.quorum_waits: list[float] = []  # seconds each begin_round waited for its quorum
-        self.dropped_s = 0.0  # wall time of rounds that did not commit
+        self.dropped_s = 0.0  # wall time of rounds that did not commit, after their quorum
         self._round_start = 0.0
         self.open = False  # a round has begun and not been committed (e.g. one a healed replica joined)
 
@@ -80,9 +80,10 @@ class FTTransport:
         if self.open:
             return
         self.open = True
-        self._round_start = time.perf_counter()
+        t0 = time.perf_counter()
         self.manager.start_quorum()
-        self.quorum_waits.append(time.perf_counter() - self._round_start)
+        self._round_start = time.perf_counter()  # the quorum's wait is counted in quorum_waits, not twice
+        self.quorum_waits.append(self._round_start - t0)
         self.participants = self.manager.num_participants()
         self.rounds += 1
 
