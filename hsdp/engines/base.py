@@ -67,7 +67,6 @@ class Engine(ABC):
     sync_class: ClassVar[type] = NoSync  # the policy class whose checkpoint state this engine saves
     mesh: Mesh
     policy: Sync
-    grad_round_due = False  # this step's grads cross replicas in the policy's round (begin_step, elastic)
 
     # ------------------------------------------------------------ what an engine class answers before it exists
     @classmethod
@@ -154,21 +153,12 @@ class Engine(ABC):
         return total
 
     def begin_step(self, step: int) -> None:
-        sync = self.policy.grad_sync(step)
-        # Elastic: a grad-sync step's backward averages over the shard group only; commit_grads then
-        # takes the replicas' mean in a round that may fail.
-        self.grad_round_due = sync and self.policy.grads_in_rounds
-        self.set_grad_sync(sync and not self.grad_round_due)
+        self.set_grad_sync(self.policy.grad_sync(step))
 
     def commit_grads(self) -> bool:
-        """After the backward: False if this step must not update (an elastic grad round that failed)."""
-        if not self.grad_round_due:
-            return True
-        return self.policy.commit_grads(self.grad_shards())
-
-    def grad_shards(self) -> list[torch.Tensor]:
-        """Each unit's flat grad shard (engines whose policy reduces grads in rounds: hsdp)."""
-        raise NotImplementedError(f"{type(self).__name__} has no flat grad shards")
+        """After the backward: False if this step must not update (an elastic grad round that failed;
+        only the hsdp engines run elastic, see HSDPEngine.commit_grads)."""
+        return True
 
     def end_step(self, step: int) -> bool:
         """After the optimizer update of `step`: the policy's param sync; True if one happened."""

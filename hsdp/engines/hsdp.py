@@ -201,6 +201,7 @@ class HSDPEngine(Engine):
                 materialize(i, m)
             self.units.append(ShardedUnit(i, f"units.{i}.", m, mesh, self.param_dtype, self._on_unit_backward))
         self.reduce_grads = True  # False on non-final micro-steps of gradient accumulation
+        self.grad_round_due = False  # this step's grads cross replicas in the policy's round (elastic)
         self._pending: list[PendingReduce] = []
         self._callback_queued = False
         # Without a sync config (tests driving the engine directly) grads are always averaged.
@@ -238,8 +239,17 @@ class HSDPEngine(Engine):
     def set_reduce_grads(self, reduce: bool) -> None:
         self.reduce_grads = reduce
 
-    def grad_shards(self) -> list[torch.Tensor]:
-        return [u.grad_flat for u in self.units]
+    def begin_step(self, step: int) -> None:
+        sync = self.policy.grad_sync(step)
+        # Elastic: a grad-sync step's backward averages over the shard group only; commit_grads then
+        # takes the replicas' mean in a round that may fail.
+        self.grad_round_due = sync and self.policy.grads_in_rounds
+        self.set_grad_sync(sync and not self.grad_round_due)
+
+    def commit_grads(self) -> bool:
+        if not self.grad_round_due:
+            return True
+        return self.policy.commit_grads([u.grad_flat for u in self.units])
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The held (sharded, fp32) params under the model's own names: what the optimizer updates."""
