@@ -25,7 +25,6 @@ import gc
 import importlib
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -116,10 +115,15 @@ class StopSignals:
             signal.signal(sig, previous)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def host_rendezvous_store(timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store of a local world, served by the launcher on a port the OS picks.
+
+    The launcher binds it before any worker starts and every worker connects as a client
+    (`TORCHELASTIC_USE_AGENT_STORE`, as under torchrun's agent). Choosing a free port and
+    letting rank 0 bind it later raced with other jobs on the machine (EADDRINUSE at start-up)."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -204,6 +208,7 @@ def _local_worker(
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the launcher hosts the store (host_rendezvous_store)
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(local_rank),
@@ -221,8 +226,11 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
     try:
         with start_zygote(worker, cfg.compile.enabled).workers() as workers:
 
+            stores: dict[int, dist.TCPStore] = {}  # a fresh one per start: a restarted world must not see old keys
+
             def start_group(m: int, restarts: int) -> list[int]:
-                port, env = _free_port(), replica_env(m, restarts, address)
+                stores[m] = host_rendezvous_store(cfg.mesh.timeout_s)
+                port, env = stores[m].port, replica_env(m, restarts, address)
                 targets = [
                     (_local_worker, (r, cfg, worker, port, shard, m * shard + r, local_world, env))
                     for r in range(shard)
@@ -378,10 +386,11 @@ def launch(cfg: Config, worker: Worker) -> None:
         )
         return
     world = cfg.world_size
-    port = _free_port()
+    store = host_rendezvous_store(cfg.mesh.timeout_s)
+    port = store.port
     with StopSignals() as stop:
         if world == 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
             stop.arm()
             try:
                 _init_and_run(cfg, worker, 0, 1, 0, 1)
