@@ -85,6 +85,8 @@ def train_worker(cfg: Config) -> None:
         last = step == cfg.run.steps - 1
         if last:
             engine.finish()  # a param sync still in flight lands before the final eval
+        if elastic:
+            elastic.after_step(step)  # serve a peer that healed from this replica its state, once the round closed
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         run.step_times.append(time.perf_counter() - t0)

@@ -201,8 +201,9 @@ def test_synced_flags_and_sync_bytes(runs: CompressRuns, case: str):
 class _Loopback:
     """M replicas in one process: the i-th all-gather completes (on wait) once every replica issued its i-th."""
 
-    def __init__(self, M: int) -> None:
+    def __init__(self, M: int, contributors: list[int] | None = None) -> None:
         self.M = M
+        self.contributors = list(range(M)) if contributors is None else contributors
         self.calls: dict[int, list] = {}
         self.sent: list[int] = [0] * M  # bytes each replica handed to all_gather
 
@@ -211,6 +212,7 @@ class _Loopback:
 
         class Transport:
             size = group.M
+            contributors = group.contributors
             issued = 0
 
             def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool):
@@ -298,6 +300,37 @@ def test_codec_equals_reference_bit_for_bit(codec: dict):
             assert group.sent == [payload_bytes(n, cfg)] * M3
         if errs is not None:
             assert all(float(e.abs().max()) > 0 for e in errs)  # something was held back
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [dict(quantize="int8", quant_block=16), dict(quantize="int4", quant_block=6), dict(topk=0.1, topk_chunk=64)],
+    ids=lambda c: "-".join(f"{v}" for v in c.values()),
+)
+def test_a_spectators_part_is_dropped_from_the_mean(codec: dict):
+    """An elastic replica that spectates a round (hsdp/sync/elastic.py) takes part in the gathers but its
+    part is not counted: 3 replicas with replica 1 spectating give every replica, the spectator too, the
+    mean that replicas 0 and 2 alone give, bit for bit. (The fp32 codec's all-reduce gets a zero part from
+    a spectator: the elastic kill runs cover it.)"""
+    from hsdp.sync.codec import build_codec
+
+    cfg = SyncConfig(**codec)
+    engine = build_codec(cfg)
+    n = 431
+    deltas = _deltas(n, 3, 7, cfg)
+
+    def means(group: _Loopback, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        transports = [group.transport(m) for m in range(group.M)]
+        reds = [engine.start(d.clone(), t, async_op=False) for d, t in zip(parts, transports)]
+        for red, t in zip(reds, transports):
+            engine.finish(red, t)
+        return [r.delta for r in reds]
+
+    alone = means(_Loopback(2), [deltas[0], deltas[2]])
+    spectated = means(_Loopback(3, contributors=[0, 2]), deltas)
+    assert torch.equal(alone[0], alone[1])
+    assert all(torch.equal(got, alone[0]) for got in spectated)
+    assert not torch.equal(means(_Loopback(3), deltas)[0], alone[0])  # counting replica 1 would differ
 
 
 # ---------------------------------------------------------------- distributed run == reference

@@ -132,6 +132,9 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
         assert all(torch.equal(got[k], reference[k]) for k in reference), m
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["replica_failures"] == 1 and summary["heals"] >= 1
+    if "warmup" not in " ".join(extra):  # healed at a param sync: out of band, spectating two rounds
+        restarted = json.loads((run_dir / "summary.replica1.json").read_text())
+        assert restarted["spectated_rounds"] == 2 and restarted["heal_fetch_s"] > 0, restarted
     # the survivors lost at most the failure timeout plus one sync
     assert summary["survivor_lost_s"] <= 2 + 8 * summary["median_step_time_s"] + 2
 

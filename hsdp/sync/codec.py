@@ -83,7 +83,7 @@ class Fp32Codec:
         if red.done:
             return
         _wait(red)
-        red.delta.div_(transport.size)
+        red.delta.div_(len(transport.contributors))  # a spectator's part was zero (FTTransport)
         red.done = True
 
 
@@ -114,8 +114,8 @@ class Int8Codec:
             return
         _wait(red)
         _, _, q_all, s_all = red.buffers
-        M = transport.size
-        dequantize_mean(q_all.view(M, -1), s_all.view(M, -1), self.block, red.delta)
+        q, scales = contributed_rows(q_all, transport), contributed_rows(s_all, transport)
+        dequantize_mean(q, scales, self.block, red.delta)
         red.buffers, red.done = (), True
 
 
@@ -156,11 +156,19 @@ def _start_gather(delta: torch.Tensor, parts: list[torch.Tensor], transport: Tra
     return Reduction(delta, [transport.all_gather(gathered, payload, async_op)], (payload, gathered))
 
 
+def contributed_rows(gathered: torch.Tensor, transport: Transport) -> torch.Tensor:
+    """A gather's output as one row per replica, keeping the rows of the replicas whose part counts
+    (all of them, except a spectating elastic replica's: hsdp/sync/elastic.py)."""
+    rows = gathered.view(transport.size, -1)
+    keep = transport.contributors
+    return rows if len(keep) == rows.shape[0] else rows[keep]
+
+
 def _finish_gather(red: Reduction, transport: Transport) -> tuple[int, int, torch.Tensor]:
-    """Wait for a packed all-gather: (M, the unit's n, the gathered bytes as [M, payload] rows)."""
+    """Wait for a packed all-gather: (M, the unit's n, the M contributing replicas' bytes as [M, payload] rows)."""
     _wait(red)
-    M = transport.size
-    return M, red.delta.numel(), red.buffers[1].view(M, -1)
+    rows = contributed_rows(red.buffers[1], transport)
+    return rows.shape[0], red.delta.numel(), rows
 
 
 class _Values:

@@ -33,6 +33,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 from hsdp.comm.groups import Comm, ring_bytes_of
 from hsdp.comm.mesh import Mesh, build_elastic_mesh
 from hsdp.config.schema import Config
+from hsdp.sync.schedule import fragments_due
 
 
 class _Done:
@@ -66,7 +67,9 @@ class FTTransport:
     def __init__(self, manager: Any, pg: Any, comm: Comm) -> None:
         self.manager, self.pg, self.comm = manager, pg, comm
         self.rounds = 0
-        self.participants: Optional[int] = None  # the last round's quorum size
+        self.participants: Optional[int] = None  # the last round's contributors (quorum less spectators)
+        self.participating = True  # False: this replica spectates its rounds (a part of zeros, not counted)
+        self._contributors: list[int] = [0]
         self.quorum_waits: list[float] = []  # seconds each begin_round waited for its quorum
         self.dropped_s = 0.0  # wall time of rounds that did not commit, after their quorum
         self._round_start = 0.0
@@ -76,6 +79,10 @@ class FTTransport:
     def size(self) -> int:
         return self.manager.num_participants()
 
+    @property
+    def contributors(self) -> list[int]:
+        return self._contributors
+
     def begin_round(self) -> None:
         if self.open:
             return
@@ -84,8 +91,23 @@ class FTTransport:
         self.manager.start_quorum()
         self._round_start = time.perf_counter()  # the quorum's wait is counted in quorum_waits, not twice
         self.quorum_waits.append(self._round_start - t0)
-        self.participants = self.manager.num_participants()
+        self._contributors = self._agree_contributors()
+        self.participants = len(self._contributors)
         self.rounds += 1
+
+    def _agree_contributors(self) -> list[int]:
+        """Which of the round's replicas count in its means: each says whether it spectates (one float each,
+        all-gathered). Only this replica knows it is spectating (hsdp/sync/elastic.py: ElasticReplica.join)."""
+        n = self.size
+        mine = torch.tensor([1.0 if self.participating else 0.0])
+        if n == 1:
+            return [0]  # alone (a spectator's peer died: its zero part stands, the round changes nothing)
+        flags = torch.zeros(n)
+        # Not counted in the sync bytes: control traffic, like the quorum's own messages.
+        self._guarded_all_gather(flags, mine).wait()
+        if self.manager.errored():  # the round is lost already: count everyone, its result is never applied
+            return list(range(n))
+        return [i for i in range(n) if flags[i] > 0]
 
     def commit_round(self) -> bool:
         self.open = False
@@ -103,6 +125,8 @@ class FTTransport:
         return sum(max(0.0, w - usual) for w in self.quorum_waits) + self.dropped_s
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool) -> Any:
+        if not self.participating:  # a spectator's part is zero (what torchft's allreduce does while healing)
+            t.zero_()
         self.comm.count("sync", "all_reduce", ring_bytes_of("all_reduce", self.size, t.numel() * t.element_size()))
         work = self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM)
         if not async_op:
@@ -111,32 +135,57 @@ class FTTransport:
         return work
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Any:
-        n = self.size
-        self.comm.count("sync", "all_gather", ring_bytes_of("all_gather", n, inp.numel() * inp.element_size()))
-        if self.manager.errored():
-            return _Done()  # the round is lost already; its result is never applied
-        try:
-            work = _Guarded(self.pg.allgather([list(out.chunk(n))], [inp], AllgatherOptions()), self.manager)
-        except Exception as e:
-            self.manager.report_error(e)
-            return _Done()
+        self.comm.count("sync", "all_gather", ring_bytes_of("all_gather", self.size, inp.numel() * inp.element_size()))
+        work = self._guarded_all_gather(out, inp)
         if not async_op:
             work.wait()
         return work
 
+    def _guarded_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        if self.manager.errored():
+            return _Done()  # the round is lost already; its result is never applied
+        try:
+            return _Guarded(self.pg.allgather([list(out.chunk(self.size))], [inp], AllgatherOptions()), self.manager)
+        except Exception as e:
+            self.manager.report_error(e)
+            return _Done()
+
 
 class HealState:
-    """What a rejoining replica copies from a live peer (torchft's state_dict / load_state_dict pair)."""
+    """What a rejoining replica copies from a live peer (torchft's state_dict / load_state_dict pair).
 
-    def __init__(self) -> None:
+    In a grad-sync round (one per step; the warmup) the state crosses inside the round, as torchft does.
+    In a param-sync round it crosses outside it, so the live replicas never wait for it behind a slow
+    link: torchft's heal carries only where to fetch it (`offer`); the peer serves its state once that
+    round has closed (`publish`, from its own snapshot server, while it trains on) and the rejoining
+    replica fetches it (`fetch`) and spectates the peers' next round to catch up (ElasticReplica.join).
+    """
+
+    def __init__(self, snapshots: Any = None) -> None:
         self.engine: Any = None  # attached once built (the transport, and so the manager, come first)
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.snapshots = snapshots  # this rank's server of its state for a peer healing out of band
         self.step = -1  # the last finished step (set by the training loop)
-        self.healed_to: Optional[int] = None  # set when a peer's state was loaded
+        self.training = False  # past the join (ElasticReplica.join): a peer healing now catches up out of band
+        self.healed_to: Optional[int] = None  # set when a peer's state (or its offer) was loaded
+        self.offer: Optional[tuple[str, int]] = None  # (a peer's snapshot address, the step its round began after)
+        self.asked_at: Optional[int] = None  # a peer healed from this rank in the round begun after this step
+        self.served_round: Optional[int] = None  # the round after which the served state was published
         self.heals = 0
+        self.fetch_s = 0.0  # wall time fetching peers' state out of band
 
     def state_dict(self) -> dict[str, Any]:
-        # Copies: torchft sends them from its own thread while this replica trains on.
+        """This rank's state for a peer healing in the round begun after `step` (torchft's quorum thread
+        calls it while the training thread waits in begin_round)."""
+        if not self.training or self.engine.policy.grad_sync(self.step + 1) or self.snapshots is None:
+            # Before training (a fresh run's replicas meeting: the initial state) or in a grad round (every
+            # step is one): the state crosses inside the round.
+            return self.full_state()
+        self.asked_at = self.step
+        return {"step": self.step, "snapshot": self.snapshots.address()}
+
+    def full_state(self) -> dict[str, Any]:
+        # Copies: they are sent from another thread while this replica trains on.
         return {
             "held": [u.held_flat.detach().clone() for u in self.engine.units],
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
@@ -144,15 +193,45 @@ class HealState:
             "step": self.step,
         }
 
-    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Install a live peer's state (torchft calls this on the training thread, inside begin_round)."""
+        """A peer's state, or its offer to serve it (torchft calls this on the training thread, in begin_round)."""
+        if "snapshot" in state:
+            self.offer = (state["snapshot"], int(state["step"]))
+            self.healed_to = int(state["step"])
+            return
+        self.load_full(state)
+
+    @torch.no_grad()
+    def load_full(self, state: dict[str, Any]) -> None:
         for u, held in zip(self.engine.units, state["held"], strict=True):
             u.held_flat.copy_(held)
         self.optimizer.load_state_dict(state["optimizer"])
         self.engine.policy.load_state_dict(state["policy"])
         self.step = self.healed_to = int(state["step"])
         self.heals += 1
+
+    def publish(self, step: int, round_: int, timeout: timedelta) -> None:
+        """Serve this rank's state after `step` to the peer that healed from it (fetched while training on)."""
+        self.snapshots.send_checkpoint(dst_ranks=[], step=step, state_dict=self.full_state(), timeout=timeout)
+        self.asked_at, self.served_round = None, round_
+
+    def unpublish(self, timeout: timedelta) -> None:
+        """Drop the served copy (the peer has caught up: a later round closed)."""
+        self.snapshots.send_checkpoint(dst_ranks=[], step=-1, state_dict={}, timeout=timeout)
+        self.served_round = None
+
+    def fetch(self, url: str, step: int, wait_s: float, timeout: timedelta) -> dict[str, Any]:
+        """A peer's state after `step`, once it serves it (it publishes when its round has closed)."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                state = self.snapshots.recv_checkpoint(src_rank=0, metadata=url, step=step, timeout=timeout)
+                self.fetch_s += time.perf_counter() - t0
+                return state
+            except Exception as e:  # 400: still serving an older state; a refused or cut connection
+                if time.perf_counter() - t0 > wait_s:
+                    raise RuntimeError(f"no state of step {step} from {url} within {wait_s:g} s: {e}") from e
+                time.sleep(0.05)
 
 
 class ElasticReplica:
@@ -164,6 +243,8 @@ class ElasticReplica:
         self.heal = HealState()
         self.transport: Optional[FTTransport] = None
         self.joined_at = 0.0
+        self.spectated = 0  # rounds this replica took part in without counting (catching up after a heal)
+        self.timeout = timedelta(seconds=cfg.elastic.timeout_s)
 
     def mesh(self, device: torch.device) -> Mesh:
         """The replica's own mesh, with the torchft transport as its sync group."""
@@ -176,17 +257,21 @@ class ElasticReplica:
     def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
         """The first quorum: the step to train from.
 
-        A replica behind the live ones (restarted) heals from one at their next sync round, takes part in
-        that round and trains on from the step after. A fresh run starts once all mesh.sync replicas are
-        in the quorum (replicas that start later, e.g. on other machines, are waited for up to
-        mesh.timeout_s): a replica must not race ahead alone from the initial weights.
+        A replica behind the live ones (restarted) heals from one at their next sync round: inside a
+        grad-sync round it takes the state there and joins the round; at a param-sync round it catches up
+        out of band (`catch_up`). A fresh run starts once all mesh.sync replicas are in the quorum (replicas
+        that start later, e.g. on other machines, are waited for up to mesh.timeout_s): a replica must not
+        race ahead alone from the initial weights.
         """
         self.heal.engine, self.heal.optimizer, self.heal.step = engine, optimizer, start_step - 1
         t0 = time.perf_counter()
         fresh = int(os.environ.get("HSDP_RESTART", "0")) == 0
         while True:
             self.transport.begin_round()
-            if self.heal.healed_to is not None:  # behind a live replica: healed, now in its round
+            if self.heal.offer is not None:  # a peer serves its state once this round closes
+                step = self.catch_up(engine.policy)
+                break
+            if self.heal.healed_to is not None:  # healed inside the peers' round
                 t = self.heal.healed_to
                 if engine.policy.grad_sync(t + 1):
                     pass  # the peers' round is step t+1's grads: left open, this replica's step t+1 joins it
@@ -210,7 +295,61 @@ class ElasticReplica:
                 )
             time.sleep(0.2)
         self.joined_at = time.perf_counter() - t0
+        self.heal.training = True
         return step
+
+    def catch_up(self, policy: Any) -> int:
+        """Heal out of band, from the peers' param-sync round this replica was just healed into (begun after
+        their step t); returns the step to train from.
+
+        1. Spectate that round: take part in its collectives with a part that does not count (the peers
+           need every quorum member in them), keep nothing.
+        2. Fetch the peer's state after that round while the peers train on (the slow part behind a slow
+           link: nobody waits for it) and load it: params, inner optimizer, θ_g, outer momentum, step.
+        3. Spectate the peers' next round: its mean Δ takes this replica's θ_g and momentum exactly where
+           the peers' are, and its params to θ_g (τ = 0, or α = 0), then train on with everyone.
+        If the peers reached that next round first, they healed this replica again there: start over.
+        """
+        cfg, transport = self.cfg, self.transport
+        last = cfg.run.steps - 1
+        transport.participating = False
+        policy.start_global_copy()  # a θ_g for the first round's Δ (not counted, and replaced in step 2)
+        while True:
+            url, t = self.heal.offer
+            self.heal.offer = None
+            self._spectate(policy, t)
+            at = min(t + cfg.sync.delay, last)  # the round lands τ steps after it began (or at the end)
+            self.heal.load_full(self.heal.fetch(url, at, cfg.mesh.timeout_s, self.timeout))
+            following = next((s for s in range(at + 1, cfg.run.steps) if fragments_due(s, cfg.sync)), None)
+            if following is None:  # the peers sync no more: train on alone to the end, as they do
+                break
+            transport.begin_round()
+            if self.heal.offer is not None:
+                continue
+            self._spectate(policy, following)
+            self.heal.step = min(following + cfg.sync.delay, last)
+            break
+        transport.participating = True
+        return self.heal.step + 1
+
+    def _spectate(self, policy: Any, step: int) -> None:
+        """The peers' round begun after `step` (already begun here), run through to its land."""
+        if policy.start_due(step, joined=True):
+            policy.finish()  # τ > 0: land it now; the peers land it τ steps later, with the same mean
+        else:
+            self.transport.commit_round()
+        self.spectated += 1
+
+    def after_step(self, step: int) -> None:
+        """After the training loop's sync: serve this rank's state to a peer that healed from it in a round
+        that has now closed, and drop that copy once a later round closed (the peer caught up)."""
+        h, transport = self.heal, self.transport
+        if transport.open:
+            return
+        if h.asked_at is not None and step >= h.asked_at:
+            h.publish(step, transport.rounds, self.timeout)
+        elif h.served_round is not None and transport.rounds > h.served_round:
+            h.unpublish(self.timeout)
 
     def step_record(self) -> dict[str, Any]:
         return {"replicas": self.transport.participants}
@@ -218,6 +357,8 @@ class ElasticReplica:
     def stats(self) -> dict[str, Any]:
         return {
             "heals": self.heal.heals,
+            "heal_fetch_s": round(self.heal.fetch_s, 3),  # fetching a peer's state, out of band
+            "spectated_rounds": self.spectated,
             "sync_rounds": self.transport.rounds,
             "dropped_syncs": self.heal.engine.policy.dropped,
             "elastic_lost_s": round(self.transport.lost_s(), 3),
@@ -264,6 +405,7 @@ def build_elastic(cfg: Config, replica: int, shard_rank: int, shard: int, comm: 
         checkpoint_transport=_http_transport(timeout, host),
         heartbeat_interval=timedelta(milliseconds=100),
     )
+    heal.snapshots = _http_transport(timeout, host)  # this rank's state, for a peer healing out of band
     return FTTransport(manager, pg, comm)
 
 

@@ -151,7 +151,7 @@ class SyncPolicy:
         # the backward (commit_grads), so a failure drops the step whole instead of ending the run.
         self.grads_in_rounds = transport.may_fail
         if cfg.warmup_steps == 0:
-            self._start_global_copy()
+            self.start_global_copy()
 
     def grad_sync(self, step: int) -> bool:
         return grad_sync_due(step, self.cfg)
@@ -165,7 +165,7 @@ class SyncPolicy:
         works = [self.transport.all_reduce_sum(g, async_op=True) for g in grads]
         for w in works:
             w.wait()
-        n = self.transport.size
+        n = len(self.transport.contributors)
         if not self.transport.commit_round():
             self.dropped += 1
             for g in grads:
@@ -183,7 +183,7 @@ class SyncPolicy:
         are sent); `self.landed` lists the fragments that landed in this call.
         """
         if self.cfg.warmup_steps is not None and step == self.cfg.warmup_steps - 1:
-            self._start_global_copy()  # end of warmup: replicas are identical here
+            self.start_global_copy()  # end of warmup: replicas are identical here
         self.landed = []
         # Land before starting: a fragment never has two syncs in flight (τ < every), and every
         # rank issues and waits on the sync group's collectives in this same order.
@@ -233,7 +233,8 @@ class SyncPolicy:
         # The syncs that landed after `step` started τ steps earlier (τ = 0: blocking, they started now).
         return len(fragments_due(step - self.delay, self.cfg)) == len(self.fragments)
 
-    def _start_global_copy(self) -> None:
+    def start_global_copy(self) -> None:
+        """θ_g ← θ_m (the end of the warmup, or the start of a run without one), if the method keeps θ_g."""
         if self.uses_global:
             self.outer = [_OuterState(global_params=h.clone()) for h in self.held]
 
@@ -244,7 +245,7 @@ class SyncPolicy:
         held = self.held[u]
         if not self.uses_global:
             self.transport.all_reduce_sum(held, async_op=False)
-            held.div_(self.transport.size)
+            held.div_(len(self.transport.contributors))
             return
         red = self.snapshot_delta(u, async_op=False)
         self.codec.finish(red, self.transport)
@@ -292,7 +293,7 @@ class SyncPolicy:
             means = [self.held[u].clone() for u in units]  # reduced apart from θ_m, which a drop keeps
             for t in means:
                 self.transport.all_reduce_sum(t, async_op=False)
-            n = self.transport.size
+            n = len(self.transport.contributors)
         if not self.transport.commit_round():
             self.dropped += 1
             return

@@ -36,7 +36,12 @@ class Transport(Protocol):
 
     @property
     def size(self) -> int:
-        """M: the number of replicas taking part (in the current round)."""
+        """The number of replicas in the group (in the current round): a gather's rows."""
+
+    @property
+    def contributors(self) -> list[int]:
+        """The group ranks whose parts count in this round's mean (M = its length); all but a spectating
+        elastic replica's, which takes part in the collectives with a part that is dropped."""
 
     def begin_round(self) -> None:
         """Agree on who takes part, before a round's first collective (nothing if a round is open)."""
@@ -62,6 +67,10 @@ class GroupTransport:
     @property
     def size(self) -> int:
         return self.comm.size(self.group)
+
+    @property
+    def contributors(self) -> list[int]:
+        return list(range(self.size))
 
     def begin_round(self) -> None:
         """Nothing to agree on: the c10d group's membership is fixed for the run."""
