@@ -186,10 +186,16 @@ class HealState:
 
     def full_state(self) -> dict[str, Any]:
         # Copies: they are sent from another thread while this replica trains on.
+        policy = copy.deepcopy(self.engine.policy.state_dict())
+        thetas = policy.get("global_params") or [None] * len(self.engine.units)
         return {
-            "held": [u.held_flat.detach().clone() for u in self.engine.units],
+            # A unit whose params are θ_g (just after its sync) is not sent twice: a fifth less behind a slow link.
+            "held": [
+                None if g is not None and torch.equal(u.held_flat, g) else u.held_flat.detach().clone()
+                for u, g in zip(self.engine.units, thetas, strict=True)
+            ],
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "policy": copy.deepcopy(self.engine.policy.state_dict()),
+            "policy": policy,
             "step": self.step,
         }
 
@@ -203,8 +209,9 @@ class HealState:
 
     @torch.no_grad()
     def load_full(self, state: dict[str, Any]) -> None:
-        for u, held in zip(self.engine.units, state["held"], strict=True):
-            u.held_flat.copy_(held)
+        thetas = state["policy"].get("global_params") or [None] * len(self.engine.units)
+        for u, held, g in zip(self.engine.units, state["held"], thetas, strict=True):
+            u.held_flat.copy_(g if held is None else held)
         self.optimizer.load_state_dict(state["optimizer"])
         self.engine.policy.load_state_dict(state["policy"])
         self.step = self.healed_to = int(state["step"])
