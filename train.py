@@ -104,7 +104,7 @@ def train_worker(cfg: Config) -> None:
                 "peak_mem_mb": peak_memory_mb(mesh.device),
                 "synced": synced,
                 "elapsed_s": run.prior_wall_s + time.perf_counter() - t_start,
-                **(elastic.step_record() if elastic else {}),  # the quorum size of the last sync
+                **(elastic.step_record() if elastic else {}),  # the replicas counted in the last sync
             }  # wall-clock, for time-to-loss
             if eval_now:
                 record["val_loss"] = run.val_loss = world_mean(

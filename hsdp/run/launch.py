@@ -225,7 +225,6 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
     shard, local_world = cfg.mesh.shard, cfg.world_size
     try:
         with start_zygote(worker, cfg.compile.enabled).workers() as workers:
-
             stores: dict[int, dist.TCPStore] = {}  # a fresh one per start: a restarted world must not see old keys
 
             def start_group(m: int, restarts: int) -> list[int]:
