@@ -12,7 +12,10 @@ collectives among them. `FTTransport` is that group behind the policy's `Transpo
 Healing: the state a replica needs to continue exactly where a live peer is (`HealState`): its held
 shards, the inner optimizer's state, the sync policy's state (θ_g, outer momentum; nothing is in
 flight at the start of a round) and the training step. The LR and the data stream are functions of
-the step and of the replica's own rank, so both are right once the step is.
+the step and of the replica's own rank, so both are right once the step is. At a param sync the state
+crosses outside the round (`ElasticReplica.catch_up`): the healed replica spectates that round and the
+next (its part not counted: `FTTransport.contributors`), fetching the state in between, so the live
+replicas never wait for it to cross a slow link.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ class FTTransport:
 
     def _agree_contributors(self) -> list[int]:
         """Which of the round's replicas count in its means: each says whether it spectates (one float each,
-        all-gathered). Only this replica knows it is spectating (hsdp/sync/elastic.py: ElasticReplica.join)."""
+        all-gathered). Only this replica knows it is spectating (ElasticReplica.catch_up)."""
         n = self.size
         mine = torch.tensor([1.0 if self.participating else 0.0])
         if n == 1:
@@ -161,10 +164,10 @@ class HealState:
     replica fetches it (`fetch`) and spectates the peers' next round to catch up (ElasticReplica.join).
     """
 
-    def __init__(self, snapshots: Any = None) -> None:
+    def __init__(self) -> None:
         self.engine: Any = None  # attached once built (the transport, and so the manager, come first)
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        self.snapshots = snapshots  # this rank's server of its state for a peer healing out of band
+        self.snapshots: Any = None  # this rank's server of its state for a peer healing out of band (build_elastic)
         self.step = -1  # the last finished step (set by the training loop)
         self.training = False  # past the join (ElasticReplica.join): a peer healing now catches up out of band
         self.healed_to: Optional[int] = None  # set when a peer's state (or its offer) was loaded
@@ -330,11 +333,15 @@ class ElasticReplica:
             following = next((s for s in range(at + 1, cfg.run.steps) if fragments_due(s, cfg.sync)), None)
             if following is None:  # the peers sync no more: train on alone to the end, as they do
                 break
+            # From here this replica can be a heal source itself (another replica restarted meanwhile): it
+            # offers the round it is in and, once that round has closed, serves its state after it.
+            self.heal.training, self.heal.step = True, following
             transport.begin_round()
             if self.heal.offer is not None:
                 continue
             self._spectate(policy, following)
             self.heal.step = min(following + cfg.sync.delay, last)
+            self.after_step(self.heal.step)
             break
         transport.participating = True
         return self.heal.step + 1
