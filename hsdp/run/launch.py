@@ -118,9 +118,11 @@ class StopSignals:
 def host_rendezvous_store(timeout_s: float) -> dist.TCPStore:
     """The rendezvous store of a local world, served by the launcher on a port the OS picks.
 
-    The launcher binds it before any worker starts and every worker connects as a client
-    (`TORCHELASTIC_USE_AGENT_STORE`, as under torchrun's agent). Choosing a free port and
-    letting rank 0 bind it later raced with other jobs on the machine (EADDRINUSE at start-up)."""
+    The launcher binds it before any worker starts; forked workers connect as clients
+    (`TORCHELASTIC_USE_AGENT_STORE` in their environment, as under torchrun's agent) and a rank
+    run in the launcher's own process is handed it (no flag left in the launcher's environment,
+    where later jobs it starts would inherit it). Choosing a free port and letting rank 0 bind it
+    later raced with other jobs on the machine (EADDRINUSE at start-up)."""
     return dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
     )
@@ -152,7 +154,16 @@ def threads_per_rank(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_world)
 
 
-def _init_and_run(cfg: Config, worker: Worker, rank: int, world: int, local_rank: int, local_world: int) -> None:
+def _init_and_run(
+    cfg: Config,
+    worker: Worker,
+    rank: int,
+    world: int,
+    local_rank: int,
+    local_world: int,
+    store: Optional[dist.Store] = None,
+) -> None:
+    """Join the world (through `store` if given, else the environment's rendezvous), run the worker, leave."""
     torch.set_num_threads(threads_per_rank(local_world))
     device = pick_device(local_rank)
     timeout = datetime.timedelta(seconds=cfg.mesh.timeout_s)
@@ -164,6 +175,7 @@ def _init_and_run(cfg: Config, worker: Worker, rank: int, world: int, local_rank
         world_size=world,
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
+        store=store,
     )
     try:
         worker(cfg)
@@ -389,10 +401,10 @@ def launch(cfg: Config, worker: Worker) -> None:
     port = store.port
     with StopSignals() as stop:
         if world == 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             stop.arm()
             try:
-                _init_and_run(cfg, worker, 0, 1, 0, 1)
+                _init_and_run(cfg, worker, 0, 1, 0, 1, store=store)  # in this process: no env flag left behind
             except KeyboardInterrupt:  # SIGINT with our handler not installed (not the main thread)
                 raise Interrupted(signal.SIGINT) from None
             except Exception as e:  # same report as a spawned rank's failure
