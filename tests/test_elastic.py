@@ -328,3 +328,61 @@ def test_elastic_checkpoints_resume_auto_from_the_newest_step_every_replica_save
         assert [r["loss"] for r in got] == [r["loss"] for r in want]
         g, w = resumed.params(m), ref.params(m)
         assert all(torch.equal(g[k], w[k]) for k in w)
+
+
+class _ScriptedManager:
+    """torchft's Manager as FTTransport sees it: each start_quorum takes the next scripted (wait, size)."""
+
+    def __init__(self, rounds: list[tuple[float, int]], dropped: set[int]) -> None:
+        self.rounds, self.dropped, self.i, self.n = rounds, dropped, -1, 0
+
+    def start_quorum(self) -> None:
+        self.i += 1
+        wait, self.n = self.rounds[self.i]
+        time.sleep(wait)
+
+    def num_participants(self) -> int:
+        return self.n
+
+    def errored(self) -> None:
+        return None
+
+    def should_commit(self) -> bool:
+        return self.i not in self.dropped
+
+
+class _EveryoneContributes:
+    """The process group's allgather of the contributor flags: every replica contributes."""
+
+    def allgather(self, outs, inps, opts):
+        from hsdp.sync.elastic import _Done
+
+        for chunk in outs[0]:
+            chunk.fill_(1.0)
+        return _Done()
+
+
+def test_survivor_lost_time_counts_only_the_rounds_a_failure_touched() -> None:
+    """lost_s sums the quorum waits beyond the median in rounds where the quorum changed size or that follow
+    a dropped round, plus the dropped rounds' time; other rounds' excess waits (the peers' jitter) are not
+    counted: over a grad-sync run's round per step they added up to more than the failure cost."""
+    from hsdp.comm.groups import Comm
+    from hsdp.sync.elastic import FTTransport
+
+    jitter, detect, rejoin = 0.03, 0.3, 0.2
+    # usual, jitter, the kill (2 → 1), alone, jitter, the rejoin (1 → 2), usual, jitter, a kill inside a
+    # round (its quorum still 2: dropped), the round after it (alone)
+    rounds = [(0, 2), (jitter, 2), (detect, 1), (0, 1), (jitter, 1), (rejoin, 2), (0, 2), (jitter, 2), (0, 2), (0, 1)]
+    transport = FTTransport(_ScriptedManager(rounds, dropped={8}), _EveryoneContributes(), Comm({}))
+    committed = []
+    for _ in rounds:
+        transport.begin_round()
+        committed.append(transport.commit_round())
+    assert committed == [True] * 8 + [False, True]
+    assert transport.touched == [False, False, True, False, False, True, False, False, False, True]
+    waits = transport.quorum_waits
+    usual = sorted(waits)[len(waits) // 2 - 1 : len(waits) // 2 + 1]
+    usual = sum(usual) / 2  # the median of an even count
+    expected = sum(max(0.0, waits[i] - usual) for i in (2, 5, 9)) + transport.dropped_s
+    assert transport.lost_s() == pytest.approx(expected)
+    assert expected < detect + rejoin + transport.dropped_s + jitter  # the jittered rounds are not in it

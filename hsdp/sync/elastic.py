@@ -74,6 +74,11 @@ class FTTransport:
         self.participating = True  # False: this replica spectates its rounds (a part of zeros, not counted)
         self._contributors: list[int] = [0]
         self.quorum_waits: list[float] = []  # seconds each begin_round waited for its quorum
+        # per round: did a failure touch it (the quorum changed size, a replica spectated, or the round
+        # before was dropped)? Only those rounds' waits count as lost (lost_s), not the peers' usual jitter.
+        self.touched: list[bool] = []
+        self._last_size: Optional[int] = None
+        self._last_dropped = False
         self.dropped_s = 0.0  # wall time of rounds that did not commit, after their quorum
         self._round_start = 0.0
         self.open = False  # a round has begun and not been committed (e.g. one a healed replica joined)
@@ -96,6 +101,10 @@ class FTTransport:
         self.quorum_waits.append(self._round_start - t0)
         self._contributors = self._agree_contributors()
         self.participants = len(self._contributors)
+        size = self.size
+        changed = self._last_size is not None and size != self._last_size
+        self.touched.append(changed or self.participants < size or self._last_dropped)
+        self._last_size, self._last_dropped = size, False
         self.rounds += 1
 
     def _agree_contributors(self) -> list[int]:
@@ -118,14 +127,19 @@ class FTTransport:
         ok = bool(self.manager.should_commit())
         if not ok:
             self.dropped_s += time.perf_counter() - self._round_start
+            self._last_dropped = True
             why = f"{type(error.original_exception).__name__}: {error.original_exception}" if error else "a peer failed"
             print(f"elastic: sync round {self.rounds} dropped ({why})", file=sys.stderr)
         return ok
 
     def lost_s(self) -> float:
-        """Wall time lost to peers' failures: quorum waits beyond the usual (median) one, and dropped rounds."""
+        """Wall time lost to peers' failures: the quorum waits beyond the usual (median) one in the rounds a
+        failure touched (detection, a rejoin, a spectating replica), and dropped rounds. Untouched rounds'
+        excess waits are the replicas' ordinary jitter, not counted: over 144 grad-sync rounds (one per
+        step) they summed to several seconds on a loaded box, more than the failure itself cost."""
         usual = statistics.median(self.quorum_waits) if self.quorum_waits else 0.0
-        return sum(max(0.0, w - usual) for w in self.quorum_waits) + self.dropped_s
+        touched = [w for w, t in zip(self.quorum_waits, self.touched, strict=True) if t]
+        return sum(max(0.0, w - usual) for w in touched) + self.dropped_s
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool) -> Any:
         if not self.participating:  # a spectator's part is zero (what torchft's allreduce does while healing)
