@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -19,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hsdp.comm.groups import Comm
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.checkpoint import complete_checkpoints, step_of
+from hsdp.sync.elastic import FTTransport, _Done
 from tests.helpers import QUIET_ENV, REPO, SMALL, run_train
 
 # The tiny CPU job, as the issue's must-show asks (2x2, DiLoCo every 8, no warmup); 0.2 s a step here.
@@ -355,8 +358,6 @@ class _EveryoneContributes:
     """The process group's allgather of the contributor flags: every replica contributes."""
 
     def allgather(self, outs, inps, opts):
-        from hsdp.sync.elastic import _Done
-
         for chunk in outs[0]:
             chunk.fill_(1.0)
         return _Done()
@@ -366,9 +367,6 @@ def test_survivor_lost_time_counts_only_the_rounds_a_failure_touched() -> None:
     """lost_s sums the quorum waits beyond the median in rounds where the quorum changed size or that follow
     a dropped round, plus the dropped rounds' time; other rounds' excess waits (the peers' jitter) are not
     counted: over a grad-sync run's round per step they added up to more than the failure cost."""
-    from hsdp.comm.groups import Comm
-    from hsdp.sync.elastic import FTTransport
-
     jitter, detect, rejoin = 0.03, 0.3, 0.2
     # usual, jitter, the kill (2 → 1), alone, jitter, the rejoin (1 → 2), usual, jitter, a kill inside a
     # round (its quorum still 2: dropped), the round after it (alone)
@@ -381,8 +379,7 @@ def test_survivor_lost_time_counts_only_the_rounds_a_failure_touched() -> None:
     assert committed == [True] * 8 + [False, True]
     assert transport.touched == [False, False, True, False, False, True, False, False, False, True]
     waits = transport.quorum_waits
-    usual = sorted(waits)[len(waits) // 2 - 1 : len(waits) // 2 + 1]
-    usual = sum(usual) / 2  # the median of an even count
+    usual = statistics.median(waits)
     expected = sum(max(0.0, waits[i] - usual) for i in (2, 5, 9)) + transport.dropped_s
     assert transport.lost_s() == pytest.approx(expected)
     assert expected < detect + rejoin + transport.dropped_s + jitter  # the jittered rounds are not in it

@@ -204,7 +204,7 @@ class HealState:
     def full_state(self) -> dict[str, Any]:
         # Copies: they are sent from another thread while this replica trains on.
         policy = copy.deepcopy(self.engine.policy.state_dict())
-        thetas = policy.get("global_params") or [None] * len(self.engine.units)
+        thetas = self._global_params(policy)
         return {
             # A unit whose params are θ_g (just after its sync) is not sent twice: a fifth less behind a slow link.
             "held": [
@@ -224,10 +224,13 @@ class HealState:
             return
         self.load_full(state)
 
+    def _global_params(self, policy_state: dict[str, Any]) -> list[Optional[torch.Tensor]]:
+        """θ_g per unit from a policy state dict (None for each unit where the policy keeps none)."""
+        return policy_state.get("global_params") or [None] * len(self.engine.units)
+
     @torch.no_grad()
     def load_full(self, state: dict[str, Any]) -> None:
-        thetas = state["policy"].get("global_params") or [None] * len(self.engine.units)
-        for u, held, g in zip(self.engine.units, state["held"], thetas, strict=True):
+        for u, held, g in zip(self.engine.units, state["held"], self._global_params(state["policy"]), strict=True):
             u.held_flat.copy_(g if held is None else held)
         self.optimizer.load_state_dict(state["optimizer"])
         self.engine.policy.load_state_dict(state["policy"])
