@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.comm.mesh import Mesh, build_mesh
-from hsdp.config.loader import load_config, save_config
-from hsdp.config.preflight import check_world_size
+from hsdp.config.loader import save_config
 from hsdp.config.schema import Config, ConfigError
 from hsdp.data import Data
 from hsdp.engines.base import Batch, Engine
@@ -36,6 +35,7 @@ from hsdp.run.guard import check_finite
 from hsdp.run.launch import Interrupted, WorkerError, launch, under_torchrun
 from hsdp.run.lock import hold_run_lock
 from hsdp.run.metrics import MetricsLogger, StepMemoryProbe, peak_memory_mb
+from hsdp.run.preflight import load_checked_config
 from hsdp.run.rundir import owns_run_dir, prepare_run_dir
 from hsdp.sync.elastic import ElasticReplica
 from hsdp.sync.schedule import steps_after_last_sync
@@ -217,13 +217,13 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
     args = parse_args(argv)
     cfg = None
     try:
-        cfg = load_config(args.config, args.set)
+        # the torchrun world is checked here, once, before anything in the run folder changes
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+        cfg = load_checked_config(args.config, args.set, world_size=world)
         if cfg.elastic.enabled and under_torchrun():
             enter_torchrun_replica(cfg)  # this agent's replica index, restart count and lighthouse
         with hold_run_lock(cfg) if owns_run_dir() else contextlib.nullcontext():  # one launch per run folder
             # Every check that can refuse the run comes before anything in the run folder changes.
-            if under_torchrun():
-                check_world_size(cfg, int(os.environ["WORLD_SIZE"]))
             resume_from = check_resume(cfg)  # the checkpoint run.resume names is intact and fits this config
             if finished(cfg, resume_from):
                 print(

@@ -12,15 +12,15 @@ import dataclasses
 
 import torch
 
-from hsdp.config.loader import load_config
 from hsdp.config.schema import Config
 from hsdp.data import Data
 from hsdp.model import build_model, loss_fn
 from hsdp.optim import build_optimizer, lr_at, set_lr
+from hsdp.run.preflight import load_checked_config
 
 
 def reference_config(overrides: list[str], world: int) -> Config:
-    cfg = load_config(None, overrides)
+    cfg = load_checked_config(None, overrides)
     cfg = dataclasses.replace(
         cfg,
         data=dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * world),

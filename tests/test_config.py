@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from hsdp.config.loader import from_dict, load_config, parse_override, save_config
-from hsdp.config.preflight import preflight
 from hsdp.config.schema import Config, ConfigError, ModelConfig, OptimConfig, RunConfig, to_dict
 from hsdp.config.validate import validate
+from hsdp.run.preflight import load_checked_config, preflight
 from tests.helpers import REPO
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -40,12 +40,12 @@ def test_defaults_are_valid_and_documented_values():
     assert cfg.sync.warmup_steps is None and cfg.sync.every == 1 and cfg.sync.method == "average"
     assert cfg.world_size == 1
     assert cfg.run_dir == Path("runs") / "tiny"
-    # load_config(None) is exactly the defaults
-    assert load_config(None) == Config()
+    # load_checked_config(None) is exactly the defaults
+    assert load_checked_config(None) == Config()
 
 
 def test_load_tiny_yaml_into_dataclasses():
-    cfg = load_config(TINY)
+    cfg = load_checked_config(TINY)
     assert isinstance(cfg.run, RunConfig) and isinstance(cfg.optim, OptimConfig)
     # values from the file
     assert cfg.run.steps == 600 and cfg.run.eval_every == 100 and cfg.run.eval_batches == 8
@@ -71,7 +71,7 @@ def test_yaml_file_scientific_notation_without_dot(tmp_path):
     # PyYAML reads `3e-4` (no dot) as a *string*; the loader must still give a float.
     p = tmp_path / "c.yaml"
     p.write_text("optim:\n  lr: 3e-4\n  min_lr: 1e-5\nrun:\n  steps: 7\n")
-    cfg = load_config(str(p))
+    cfg = load_checked_config(str(p))
     assert type(cfg.optim.lr) is float and cfg.optim.lr == pytest.approx(3e-4)
     assert cfg.optim.min_lr == pytest.approx(1e-5)
     assert cfg.run.steps == 7
@@ -97,14 +97,14 @@ def test_yaml_file_scientific_notation_without_dot(tmp_path):
     ],
 )
 def test_set_override_is_parsed_to_the_field_type(override, section, key, expected, tp):
-    cfg = load_config(TINY, ["sync.method=diloco", override])  # outer_* are diloco-only
+    cfg = load_checked_config(TINY, ["sync.method=diloco", override])  # outer_* are diloco-only
     got = getattr(getattr(cfg, section), key)
     assert type(got) is tp, f"{override}: got {got!r} of type {type(got).__name__}"
     assert got == (pytest.approx(expected) if tp is float else expected)
 
 
 def test_later_override_wins_and_file_values_are_overridden():
-    cfg = load_config(TINY, ["run.steps=10", "run.steps=11", "mesh.sync=1"])
+    cfg = load_checked_config(TINY, ["run.steps=10", "run.steps=11", "mesh.sync=1"])
     assert cfg.run.steps == 11 and cfg.mesh.sync == 1 and cfg.mesh.shard == 2
 
 
@@ -157,28 +157,28 @@ BAD_OVERRIDES = [
 
 @pytest.mark.parametrize("overrides, key", BAD_OVERRIDES)
 def test_bad_override_raises_one_line_error_naming_the_key(overrides, key):
-    msg = one_line_error(load_config, TINY, overrides)
+    msg = one_line_error(load_checked_config, TINY, overrides)
     assert key in msg, f"message does not name {key!r}: {msg!r}"
 
 
 def test_wrong_type_message_says_what_was_expected():
-    assert "int" in one_line_error(load_config, TINY, ["run.steps=ten"])
-    assert "float" in one_line_error(load_config, TINY, ["optim.lr=fast"])
-    msg = one_line_error(load_config, TINY, ["mesh.engine=megatron"])
+    assert "int" in one_line_error(load_checked_config, TINY, ["run.steps=ten"])
+    assert "float" in one_line_error(load_checked_config, TINY, ["optim.lr=fast"])
+    msg = one_line_error(load_checked_config, TINY, ["mesh.engine=megatron"])
     assert "hsdp" in msg and "fsdp2" in msg and "ddp" in msg and "megatron" in msg
 
 
 def test_periodic_sync_with_hsdp_or_full_warmup_with_fsdp2_is_fine():
     # the engine restriction is only for periodic sync (warmup_steps < steps)
-    load_config(TINY, ["sync.warmup_steps=10", "mesh.engine=hsdp"])
-    load_config(TINY, ["sync.warmup_steps=600", "mesh.engine=fsdp2"])
-    load_config(TINY, ["mesh.engine=fsdp2"])  # warmup_steps null = exact HSDP
-    load_config(TINY, ["sync.every=4", "sync.fragments=2"])
+    load_checked_config(TINY, ["sync.warmup_steps=10", "mesh.engine=hsdp"])
+    load_checked_config(TINY, ["sync.warmup_steps=600", "mesh.engine=fsdp2"])
+    load_checked_config(TINY, ["mesh.engine=fsdp2"])  # warmup_steps null = exact HSDP
+    load_checked_config(TINY, ["sync.every=4", "sync.fragments=2"])
 
 
 def test_missing_config_file(tmp_path):
     missing = tmp_path / "nope.yaml"
-    msg = one_line_error(load_config, str(missing))
+    msg = one_line_error(load_checked_config, str(missing))
     assert "--config" in msg and "nope.yaml" in msg
 
 
@@ -197,12 +197,20 @@ def test_missing_config_file(tmp_path):
 def test_bad_yaml_file_raises_one_line_error(tmp_path, text, key):
     p = tmp_path / "bad.yaml"
     p.write_text(text)
-    msg = one_line_error(load_config, str(p))
+    msg = one_line_error(load_checked_config, str(p))
     assert key in msg, f"message does not name {key!r}: {msg!r}"
 
 
+def test_load_config_checks_values_only_and_the_checked_load_the_machine(tmp_path):
+    """`load_config` parses and validates (no disk, no devices); `load_checked_config` adds the preflight."""
+    missing = ["data.source=text", f"data.path={tmp_path}/none-*.txt"]
+    assert load_config(TINY, missing).data.source == "text"  # the data files are preflight's business
+    assert "data.path" in one_line_error(load_checked_config, TINY, missing)
+    assert "mesh.engine" in one_line_error(load_config, TINY, ["mesh.engine=megatron"])  # values: both
+
+
 def test_world_size_mismatch():
-    cfg = load_config(TINY)  # 2 x 2 mesh
+    cfg = load_checked_config(TINY)  # 2 x 2 mesh
     preflight(cfg, world_size=4)  # matches: fine
     msg = one_line_error(preflight, cfg, world_size=3)
     assert "mesh" in msg and "3" in msg and "4" in msg
@@ -212,11 +220,11 @@ def test_data_path_present_is_accepted(tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_text("hello world\n" * 100)
     short = "model.seq_len=8"  # the splits must hold one window (see tests/test_robustness.py)
-    assert load_config(TINY, ["data.source=text", f"data.path={txt}", short]).data.path == str(txt)
-    assert load_config(TINY, ["data.source=text", f"data.path={tmp_path}/*.txt", short]).data.source == "text"
+    assert load_checked_config(TINY, ["data.source=text", f"data.path={txt}", short]).data.path == str(txt)
+    assert load_checked_config(TINY, ["data.source=text", f"data.path={tmp_path}/*.txt", short]).data.source == "text"
     binf = tmp_path / "train.bin"
     binf.write_bytes(b"\x01\x00" * 100)  # uint16 little-endian 1 (0x0100 = 256 is beyond tiny's vocab)
-    assert load_config(TINY, ["data.source=tokens", f"data.path={binf}", short]).data.source == "tokens"
+    assert load_checked_config(TINY, ["data.source=tokens", f"data.path={binf}", short]).data.source == "tokens"
 
 
 # ------------------------------------------------------------------ the CLI
@@ -245,7 +253,7 @@ def test_cli_config_error_exits_2_with_one_line(tmp_path, bad, key):
 
 # ------------------------------------------------------------------ save / load round trip
 def test_save_config_round_trip(tmp_path):
-    cfg = load_config(
+    cfg = load_checked_config(
         TINY,
         [
             "run.name=roundtrip",
@@ -267,7 +275,7 @@ def test_save_config_round_trip(tmp_path):
     save_config(cfg, path)
     text = path.read_text()
     assert "roundtrip" in text
-    back = load_config(str(path))
+    back = load_checked_config(str(path))
     assert back == cfg
     assert from_dict(yaml.safe_load(text)) == cfg
     # types survive (equality alone would accept 1 == 1.0)
@@ -300,18 +308,18 @@ def test_from_dict_rejects_unknown_key():
     "override, key", [("optim.lr=nan", "optim.lr"), ("optim.lr=.inf", "optim.lr"), ("optim.min_lr=nan", "optim.min_lr")]
 )
 def test_non_finite_values_rejected(override, key):
-    assert key in one_line_error(load_config, TINY, [override])
+    assert key in one_line_error(load_checked_config, TINY, [override])
 
 
 def test_text_path_matching_only_a_directory_is_rejected(tmp_path):
-    assert "data.path" in one_line_error(load_config, TINY, ["data.source=text", f"data.path={tmp_path}"])
+    assert "data.path" in one_line_error(load_checked_config, TINY, ["data.source=text", f"data.path={tmp_path}"])
 
 
 @pytest.mark.parametrize("name", ["2024-01-01", "010", "1.50"])
 def test_str_override_keeps_the_text(name):
-    assert load_config(TINY, [f"run.name={name}"]).run.name == name
+    assert load_checked_config(TINY, [f"run.name={name}"]).run.name == name
 
 
 def test_bool_override_accepts_1_and_0():
-    assert load_config(TINY, ["run.save_model=1"]).run.save_model is True
-    assert load_config(TINY, ["model.bias=0"]).model.bias is False
+    assert load_checked_config(TINY, ["run.save_model=1"]).run.save_model is True
+    assert load_checked_config(TINY, ["model.bias=0"]).model.bias is False

@@ -21,9 +21,9 @@ import torch
 
 import train
 from hsdp import sweep
-from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.metrics import MetricsLogger
+from hsdp.run.preflight import load_checked_config
 from hsdp.run.rundir import has_checkpoint, prepare_run_dir
 from kernels import bench
 from kernels.quant import MAX_BLOCK
@@ -89,7 +89,7 @@ def test_rerunning_a_name_is_refused_and_keeps_the_old_run(tmp_path, capsys):
     (tmp_path / "r" / "notes.txt").write_text("mine")
     assert main_in_process(capsys, tmp_path, "run.name=r", "run.seed=7", "run.overwrite=true") == (0, [])
     assert json.loads((tmp_path / "r" / "metrics.jsonl").read_text())["seed"] == 7
-    assert load_config(str(tmp_path / "r" / "config.yaml")).run.seed == 7
+    assert load_checked_config(str(tmp_path / "r" / "config.yaml")).run.seed == 7
     assert not (tmp_path / "r" / "model.replica0.pt").exists() and not (tmp_path / "r" / "wandb").exists()
     assert (tmp_path / "r" / "notes.txt").read_text() == "mine"  # only a run's own outputs are deleted
 
@@ -103,7 +103,7 @@ def make_checkpoint(run_dir: Path, step: int, complete: bool) -> None:
 
 
 def test_a_folder_with_a_complete_checkpoint_is_left_for_resuming(tmp_path):
-    cfg = load_config(None, [*ONE, f"run.out_dir={tmp_path}", "run.name=r"])
+    cfg = load_checked_config(None, [*ONE, f"run.out_dir={tmp_path}", "run.name=r"])
     run_dir = tmp_path / "r"
     prepare_run_dir(cfg)  # fresh: just creates the folder
     assert run_dir.is_dir() and not has_checkpoint(run_dir)
@@ -124,14 +124,14 @@ def test_a_folder_with_a_complete_checkpoint_is_left_for_resuming(tmp_path):
 
 @pytest.mark.parametrize("name", [".", "..", "", "a/b", "../escape", "x\0y"])
 def test_run_name_must_be_one_folder_name(name):
-    assert "run.name" in one_line_error(load_config, None, [f"run.name={name}"])
+    assert "run.name" in one_line_error(load_checked_config, None, [f"run.name={name}"])
 
 
 def test_run_name_linking_outside_out_dir_is_rejected(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "out" / "r").symlink_to(tmp_path / "elsewhere")
-    msg = one_line_error(load_config, None, [f"run.out_dir={tmp_path / 'out'}", "run.name=r"])
+    msg = one_line_error(load_checked_config, None, [f"run.out_dir={tmp_path / 'out'}", "run.name=r"])
     assert "run.name" in msg and "outside run.out_dir" in msg
 
 
@@ -146,17 +146,19 @@ def test_out_dir_problems_exit_2_before_anything_is_written(tmp_path, capsys, mo
         "/sys/kernel": "/sys",
     }
     for out_dir, words in cases.items():
-        msg = one_line_error(load_config, None, [f"run.out_dir={out_dir}"])
+        msg = one_line_error(load_checked_config, None, [f"run.out_dir={out_dir}"])
         assert msg.startswith("run.out_dir:") and words in msg, msg
     (tmp_path / "r").write_text("not a folder")
-    assert "exists and is not a folder" in one_line_error(load_config, None, [f"run.out_dir={tmp_path}", "run.name=r"])
+    assert "exists and is not a folder" in one_line_error(
+        load_checked_config, None, [f"run.out_dir={tmp_path}", "run.name=r"]
+    )
     # unwritable: root may write anywhere, so stand in for a normal user's permission check
     locked = tmp_path / "locked"
     locked.mkdir()
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != locked and real_access(p, mode, **kw))
-    assert "is not writable" in one_line_error(load_config, None, [f"run.out_dir={locked}"])
-    assert "cannot be created: " in one_line_error(load_config, None, [f"run.out_dir={locked}/new/deeper"])
+    assert "is not writable" in one_line_error(load_checked_config, None, [f"run.out_dir={locked}"])
+    assert "cannot be created: " in one_line_error(load_checked_config, None, [f"run.out_dir={locked}/new/deeper"])
     # and through the CLI entry point: exit 2, one line, nothing created
     rc, err = main_in_process(capsys, locked / "new")
     assert rc == 2 and len(err) == 1 and "run.out_dir" in err[0] and not (locked / "new").exists()
@@ -168,23 +170,23 @@ def test_local_mesh_is_capped_by_the_machine(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)  # gloo: 4 ranks per core
     gloo = [*ONE, "mesh.backend=gloo"]
-    load_config(None, [*gloo, "mesh.sync=2", "mesh.shard=2"])
-    msg = one_line_error(load_config, None, [*gloo, "mesh.sync=5", "mesh.shard=1"])
+    load_checked_config(None, [*gloo, "mesh.sync=2", "mesh.shard=2"])
+    msg = one_line_error(load_checked_config, None, [*gloo, "mesh.sync=5", "mesh.shard=1"])
     assert "mesh.sync×mesh.shard" in msg and "5" in msg and "at most 4" in msg
     if torch.cuda.is_available():  # nccl (auto on CUDA): one rank per GPU
         n = torch.cuda.device_count()
-        assert "GPUs" in one_line_error(load_config, None, [*ONE, f"mesh.sync={n + 1}"])
+        assert "GPUs" in one_line_error(load_checked_config, None, [*ONE, f"mesh.sync={n + 1}"])
     # under torchrun the environment's world is checked instead (at launch), not this machine
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "5")
-    assert load_config(None, [*gloo, "mesh.sync=5"]).world_size == 5
+    assert load_checked_config(None, [*gloo, "mesh.sync=5"]).world_size == 5
 
 
 def test_nccl_needs_cuda():
     if torch.cuda.is_available():
-        assert load_config(None, [*ONE, "mesh.backend=nccl"]).mesh.backend == "nccl"
+        assert load_checked_config(None, [*ONE, "mesh.backend=nccl"]).mesh.backend == "nccl"
     else:
-        assert "mesh.backend" in one_line_error(load_config, None, [*ONE, "mesh.backend=nccl"])
+        assert "mesh.backend" in one_line_error(load_checked_config, None, [*ONE, "mesh.backend=nccl"])
 
 
 # ------------------------------------------------------------------ data
@@ -192,17 +194,21 @@ def test_text_shorter_than_a_window_names_the_split(tmp_path):
     f = tmp_path / "a.txt"
     f.write_bytes(b"x" * 1000)  # val: the last 100 bytes
     base = ["data.source=text", f"data.path={f}"]
-    msg = one_line_error(load_config, None, [*base, "model.seq_len=128"])
+    msg = one_line_error(load_checked_config, None, [*base, "model.seq_len=128"])
     assert "data.path" in msg and "val split" in msg and "100 tokens" in msg and "129" in msg
-    assert "train split" in one_line_error(load_config, None, [*base, "model.seq_len=128", "data.val_fraction=0.9"])
-    load_config(None, [*base, "model.seq_len=99"])  # exactly one window fits
+    assert "train split" in one_line_error(
+        load_checked_config, None, [*base, "model.seq_len=128", "data.val_fraction=0.9"]
+    )
+    load_checked_config(None, [*base, "model.seq_len=99"])  # exactly one window fits
     f.write_bytes(b"")
-    assert "train split" in one_line_error(load_config, None, base)
+    assert "train split" in one_line_error(load_checked_config, None, base)
 
 
 def test_synthetic_and_stdlib_splits_are_checked_too():
-    assert "model.seq_len" in one_line_error(load_config, None, ["data.source=synthetic", "model.seq_len=70000"])
-    load_config(None, ["data.source=synthetic", "model.seq_len=65535"])
+    assert "model.seq_len" in one_line_error(
+        load_checked_config, None, ["data.source=synthetic", "model.seq_len=70000"]
+    )
+    load_checked_config(None, ["data.source=synthetic", "model.seq_len=65535"])
 
 
 def test_tokens_file_of_odd_length_names_the_file(tmp_path):
@@ -210,15 +216,17 @@ def test_tokens_file_of_odd_length_names_the_file(tmp_path):
     train_bin = tmp_path / "train.bin"
     train_bin.write_bytes(good.tobytes() + b"\x00")
     base = ["data.source=tokens", f"data.path={train_bin}", "model.seq_len=8"]
-    msg = one_line_error(load_config, None, base)
+    msg = one_line_error(load_checked_config, None, base)
     assert "data.path" in msg and str(train_bin) in msg and "odd byte length" in msg
     train_bin.write_bytes(good.tobytes())
     (tmp_path / "val.bin").write_bytes(good.tobytes()[:-1])
-    assert "val.bin" in one_line_error(load_config, None, base)
+    assert "val.bin" in one_line_error(load_checked_config, None, base)
 
 
 def test_vocab_size_below_2_is_rejected():
-    assert "model.vocab_size" in one_line_error(load_config, None, ["data.source=synthetic", "model.vocab_size=1"])
+    assert "model.vocab_size" in one_line_error(
+        load_checked_config, None, ["data.source=synthetic", "model.vocab_size=1"]
+    )
 
 
 def test_bad_data_exits_2_before_workers_start(tmp_path, capsys):
@@ -255,7 +263,7 @@ def test_bad_data_exits_2_before_workers_start(tmp_path, capsys):
 def test_bad_yaml_files(tmp_path, text, words):
     p = tmp_path / "c.yaml"
     p.write_text(text)
-    msg = one_line_error(load_config, str(p))
+    msg = one_line_error(load_checked_config, str(p))
     assert msg.startswith(f"--config: {p}"), msg
     for w in words:
         assert w in msg, msg
@@ -263,20 +271,20 @@ def test_bad_yaml_files(tmp_path, text, words):
 
 def test_fragments_at_most_the_model_units():
     model = ["model.n_layer=2", "sync.every=8", "sync.warmup_steps=0"]  # 4 units: embedding, 2 blocks, head
-    load_config(None, [*model, "sync.fragments=4"])
-    msg = one_line_error(load_config, None, [*model, "sync.fragments=8"])
+    load_checked_config(None, [*model, "sync.fragments=4"])
+    msg = one_line_error(load_checked_config, None, [*model, "sync.fragments=8"])
     assert "sync.fragments" in msg and "4 units" in msg
 
 
 def test_quant_block_cap_comes_from_the_kernel():
-    load_config(None, [f"sync.quant_block={MAX_BLOCK}"])
-    msg = one_line_error(load_config, None, [f"sync.quant_block={MAX_BLOCK + 1}"])
+    load_checked_config(None, [f"sync.quant_block={MAX_BLOCK}"])
+    msg = one_line_error(load_checked_config, None, [f"sync.quant_block={MAX_BLOCK + 1}"])
     assert "sync.quant_block" in msg and str(MAX_BLOCK) in msg
 
 
 @pytest.mark.parametrize("passes", ["ours", "inductor", "none"])
 def test_compile_passes_choices_stay_accepted(passes):
-    assert load_config(None, [f"compile.passes={passes}"]).compile.passes == passes
+    assert load_checked_config(None, [f"compile.passes={passes}"]).compile.passes == passes
 
 
 def test_wandb_mode_needs_the_package_unless_disabled(monkeypatch):
@@ -284,8 +292,8 @@ def test_wandb_mode_needs_the_package_unless_disabled(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    assert "wandb.mode" in one_line_error(load_config, None, ["wandb.mode=offline"])
-    load_config(None, ["wandb.mode=disabled"])
+    assert "wandb.mode" in one_line_error(load_checked_config, None, ["wandb.mode=offline"])
+    load_checked_config(None, ["wandb.mode=disabled"])
 
 
 # ------------------------------------------------------------------ sweeps
@@ -391,7 +399,7 @@ def test_wandb_online_without_network_warns_once_and_the_run_goes_on(tmp_path):
 
 def test_wandb_is_imported_only_when_enabled_and_a_broken_one_only_warns(tmp_path, monkeypatch, capsys):
     cfgs = {
-        mode: load_config(None, [f"wandb.mode={mode}", f"run.out_dir={tmp_path}", f"run.name={mode}"])
+        mode: load_checked_config(None, [f"wandb.mode={mode}", f"run.out_dir={tmp_path}", f"run.name={mode}"])
         for mode in ("disabled", "offline")
     }
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError, as without wandb

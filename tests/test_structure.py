@@ -1,5 +1,6 @@
-"""The code's shape: no import cycles among the project's modules, no module over 600 lines,
-and engine names compared only where engines are registered.
+"""The code's shape: imports only go down the layers of docs/design.md §0, no import cycles
+(between modules, or between packages), a config read without torch, no module over 600
+lines, and engine names compared only where engines are registered.
 
 The import graph is read from the source (ast), function-level imports included, so a
 "lazy" import that runs back up the layers counts as much as a top-level one.
@@ -9,12 +10,30 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from tests.helpers import REPO
 
 PACKAGES = ("hsdp", "kernels")
 MAX_LINES = 600
+
+# docs/design.md §0's layers, bottom first: a module may import its own layer and those below, never above.
+# An entry names a package (all its modules) or a module. Every module of the project must be in one.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("hsdp.config", "hsdp.shards"),  # no torch: a config is read and validated anywhere
+    ("hsdp.torch_compat",),  # every process-global torch patch and private torch/torchft API
+    ("kernels",),
+    ("hsdp.comm",),
+    ("hsdp.layout", "hsdp.model", "hsdp.data", "hsdp.optim"),
+    ("hsdp.sync",),
+    ("hsdp.compile",),  # the graph side: below the engines, which run its graphs
+    ("hsdp.engines",),
+    ("hsdp.run",),  # preflight included: it asks the data, the engines, the codec and the run folder
+    ("train", "hsdp.bench", "hsdp.export", "hsdp.sample", "hsdp.prepare", "hsdp.sweep", "hsdp.slowlink"),
+)
 
 
 def project_modules() -> dict[str, Path]:
@@ -28,10 +47,19 @@ def project_modules() -> dict[str, Path]:
     return modules
 
 
+def graph_modules() -> dict[str, Path]:
+    """`project_modules` and train.py (the driver, at the top of the layers)."""
+    return {**project_modules(), "train": REPO / "train.py"}
+
+
 def imports_of(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
     """The project modules `path` imports anywhere in its body (resolving `from pkg import module`)."""
+    return {target for target, _ in import_sites(path, name, modules)}
+
+
+def import_sites(path: Path, name: str, modules: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """(project module, line) for each import in `path`'s body, function-level ones included."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -48,13 +76,52 @@ def imports_of(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
             while target and target not in modules:
                 target = target.rpartition(".")[0]
             if target and target != name:
-                found.add(target)
-    return found
+                yield target, node.lineno
 
 
 def import_graph() -> dict[str, set[str]]:
-    modules = project_modules()
+    modules = graph_modules()
     return {name: imports_of(path, name, modules) for name, path in modules.items()}
+
+
+def package_of(module: str) -> str:
+    """A module collapsed to its package: hsdp.sync.policy → hsdp.sync, hsdp.data → itself, kernels.pack → kernels."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "hsdp" else parts[0]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between packages (an import inside one package is no edge)."""
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        here = package_of(module)
+        out.setdefault(here, set()).update(package_of(t) for t in targets if package_of(t) != here)
+    return out
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the entry `module` is (or is inside), or -1 if none names it."""
+    if module == "hsdp":
+        return 0  # the (empty) package itself
+    for i, layer in enumerate(LAYERS):
+        if any(module == entry or module.startswith(entry + ".") for entry in layer):
+            return i
+    return -1
+
+
+def upward_imports(modules: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Every import from a lower layer to a higher one, as "file:line: importer (layer) imports imported (layer)"."""
+    found = []
+    for name, path in modules.items():
+        if not path.is_file():
+            continue
+        for target, line in import_sites(path, name, modules):
+            if layer_of(target) > layer_of(name):
+                found.append(
+                    f"{path.relative_to(root)}:{line}: {name} (layer {layer_of(name)}) imports "
+                    f"{target} (layer {layer_of(target)})"
+                )
+    return sorted(set(found))
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -104,9 +171,49 @@ def test_no_import_cycles():
     assert not cycle, "import cycle: " + " → ".join(cycle)
 
 
+def test_no_import_cycles_between_packages():
+    graph = package_graph(import_graph())
+    assert {"hsdp.config", "hsdp.engines", "hsdp.compile", "hsdp.data", "kernels", "train"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert not cycle, "package import cycle: " + " → ".join(cycle)
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(name for name in graph_modules() if layer_of(name) < 0)
+    assert not unplaced, f"modules in no layer of LAYERS (docs/design.md §0): {unplaced}"
+
+
+def test_imports_only_go_down_the_layers():
+    bad = upward_imports(graph_modules())
+    assert not bad, "imports up the layers of docs/design.md §0:\n" + "\n".join(bad)
+
+
+def test_upward_imports_are_found_and_named(tmp_path):
+    (tmp_path / "hsdp" / "config").mkdir(parents=True)
+    src = tmp_path / "hsdp" / "config" / "x.py"
+    src.write_text("def f():\n    from hsdp.engines.registry import ENGINES\n")
+    modules = {"hsdp.config.x": src, "hsdp.engines.registry": tmp_path / "none", "hsdp.engines": tmp_path / "none"}
+    assert upward_imports(modules, tmp_path) == [
+        "hsdp/config/x.py:2: hsdp.config.x (layer 0) imports hsdp.engines.registry (layer 7)"
+    ]
+
+
+def test_layers_mirror_the_design_doc():
+    """§0's layer paragraph names the same entries in the same order as LAYERS."""
+    text = (REPO / "docs" / "design.md").read_text()
+    paragraph = text.split("**Layers.**", 1)[1].split("\n\n", 1)[0]
+    named = re.findall(r"`([\w.]+)`", paragraph)
+    assert named == [entry for layer in LAYERS for entry in layer], named
+
+
+def test_reading_a_config_does_not_import_torch():
+    code = "import hsdp.config.loader, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 def test_no_module_over_600_lines():
-    sizes = {name: len(path.read_text().splitlines()) for name, path in project_modules().items()}
-    sizes["train"] = len((REPO / "train.py").read_text().splitlines())
+    sizes = {name: len(path.read_text().splitlines()) for name, path in graph_modules().items()}
     too_big = {name: n for name, n in sizes.items() if n > MAX_LINES}
     assert not too_big, f"modules over {MAX_LINES} lines: {too_big}"
 

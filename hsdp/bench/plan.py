@@ -13,8 +13,8 @@ from typing import Optional
 from hsdp.bench.elastic import Kill
 from hsdp.bench.netns import MAX_REPLICAS
 from hsdp.bench.spec import REPO, LinkRunSpec, SweepSpec, load_link_spec, load_sweep, parse_rate, parse_runs_arg
-from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
+from hsdp.run.preflight import load_checked_config
 from hsdp.run.rundir import has_checkpoint
 
 NOCOMM = "-nocomm"  # suffix of a sweep run's no-communication twin (nocomm: true)
@@ -65,11 +65,12 @@ def plan_sweep(path: str, extra_set: list[str], only: set[str], no_run: bool, re
     overrides = {run: [*shared, *extra, f"run.name={name}-{run}"] for run, extra in all_runs.items()}
     to_run = [] if no_run else [run for run in overrides if not only or run.removesuffix(NOCOMM) in only]
     if resume:
-        dirs = {run: load_config(spec["base"], o).run_dir for run, o in overrides.items()}
+        dirs = {run: load_checked_config(spec["base"], o).run_dir for run, o in overrides.items()}
         to_run = [run for run in to_run if not (dirs[run] / "summary.json").is_file()]
     for run in to_run:  # a sweep re-runs its runs: replace their previous outputs (or continue them)
         overrides[run].append("run.resume=auto" if resume and has_checkpoint(dirs[run]) else "run.overwrite=true")
-    configs = {run: load_config(spec["base"], o) for run, o in overrides.items()}  # validate all before running any
+    # validate (and check against this machine) all before running any
+    configs = {run: load_checked_config(spec["base"], o) for run, o in overrides.items()}
     for run, cfg in configs.items():
         overrides[run].append(f"run.out_dir={Path(cfg.run.out_dir).expanduser().resolve()}")
     return SweepPlan(name=name, spec=spec, overrides=overrides, to_run=to_run, configs=configs)
@@ -148,7 +149,7 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
         raise ConfigError(f"--target: {target!r} is not a run (runs: {', '.join(runs)})")
     name = opts.name or (Path(opts.spec).stem if opts.spec else "slowlink")
     shared = [*(spec.shared if spec else []), *opts.shared]
-    cfg = load_config(base, shared)
+    cfg = load_checked_config(base, shared)
     out_dir = Path(cfg.run.out_dir).expanduser().resolve()
     spec_delay = spec.delay_ms if spec and spec.delay_ms is not None else 0
     spec_timeout = spec.timeout_s if spec and spec.timeout_s is not None else 1200
@@ -171,7 +172,7 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
     if plan.delay_ms < 0:
         raise ConfigError(f"--delay-ms: expected >= 0, got {plan.delay_ms}")
     for run, label in plan_items(plan):  # validate every run's config before building anything
-        c = load_config(base, overrides(plan, run, label))
+        c = load_checked_config(base, overrides(plan, run, label))
         kill = runs[run].kill or (opts.kill if c.elastic.enabled else None)
         if kill:
             plan.kills[run] = Kill.parse(kill, c, f"runs.{run}.kill" if runs[run].kill else "--kill")

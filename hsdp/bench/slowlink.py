@@ -52,9 +52,9 @@ from hsdp.bench.probe import ProbeResult, run_probe
 from hsdp.bench.records import LinkRun, Measured
 from hsdp.bench.report import link_tables, secs
 from hsdp.bench.spec import REPO, parse_only
-from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.launch import Interrupted, StopSignals
+from hsdp.run.preflight import load_checked_config
 
 BASE_PORT = 29400
 
@@ -117,7 +117,7 @@ def write_report(plan: LinkPlan, results: dict[Key, LinkRun], probes: dict[str, 
 def make_job(plan: LinkPlan, run: str, label: str, link: SlowLink, args: list[str], port: int, rdzv_s: int) -> Job:
     """The run's job across `link`: one torchrun world over all nodes, or an elastic run's replicas."""
     S, name, logs = plan.mesh[1], f"{run}-{label}", plan.out / "logs"
-    cfg = load_config(plan.base, overrides(plan, run, label))
+    cfg = load_checked_config(plan.base, overrides(plan, run, label))
     if not cfg.elastic.enabled:
         return Job(link, S, args, port, logs, name, rdzv_s)
     return ElasticJob(link, S, args, port, logs, name, rdzv_s, cfg=cfg, kill=plan.kills.get(run))

@@ -1,16 +1,20 @@
-"""Reading a config: defaults ← a YAML file (strict: duplicate keys refused) ← `--set` overrides."""
+"""Reading a config: defaults ← a YAML file (strict: duplicate keys refused) ← `--set` overrides.
+
+Parsing and value checks only (no torch, no devices, no data files): the checks against the
+machine are `hsdp.run.preflight`, and `hsdp.run.preflight.load_checked_config` runs both.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
-from hsdp.config.preflight import preflight
 from hsdp.config.schema import Config, ConfigError, to_dict
 from hsdp.config.validate import validate
 
@@ -183,8 +187,9 @@ def read_yaml(path: str, key: str = "--config", expected: str = "a mapping of se
     return data
 
 
-def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
-    """Defaults ← YAML file ← `--set` overrides, then `validate` (the values) and `preflight` (the machine)."""
+def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
+    """Defaults ← YAML file ← `--set` overrides, then `validate` (the values; not the machine: see
+    `hsdp.run.preflight.load_checked_config`)."""
     cfg = Config()
     if path is not None:
         _apply_mapping(cfg, read_yaml(path), str(path))
@@ -192,7 +197,6 @@ def load_config(path: Optional[str], overrides: list[str] = ()) -> Config:
         key, value = parse_override(text)
         _set_value(cfg, key, value)
     validate(cfg)
-    preflight(cfg)
     return cfg
 
 

@@ -1,7 +1,7 @@
 """The run configuration's schema: typed dataclasses, one per section, and their choices.
 
 This module only describes a config; `loader.py` reads one (YAML, `--set`),
-`validate.py` checks its values against each other, `preflight.py` checks it
+`validate.py` checks its values against each other, `hsdp/run/preflight.py` checks it
 against the machine (devices, data files, output folder). Every user error is a
 `ConfigError` with one line naming the key; `train.py` turns it into exit 2.
 """

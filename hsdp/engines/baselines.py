@@ -26,7 +26,7 @@ from hsdp.compile.cache import cpu_options, start_compile_pool_lazily
 from hsdp.config.schema import Config
 from hsdp.engines.base import Batch, Engine, SavedCheckpoint
 from hsdp.engines.clock import CompileClock
-from hsdp.engines.layout import DTYPES
+from hsdp.layout import DTYPES
 from hsdp.model import build_model
 from hsdp.sync.policy import NoSync
 

@@ -10,18 +10,20 @@ Both run asynchronously: `start_gather` / `start_reduce` launch and return a
 pending object that finishes later, so the engine can overlap them with compute.
 The eager engine and `full_state_dict` use these; the compiled path expresses
 the same steps with functional collectives (hsdp/compile/graph.py) and shares
-`ReducePlan`, so both divide and sync grads the same way.
+`ReducePlan` (hsdp/layout.py), so both divide and sync grads the same way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from hsdp.comm.groups import Comm
-from hsdp.engines.layout import UnitLayout, divide_factors, grad_divisor
+
+# ReducePlan and reduce_plan live in hsdp.layout (the compiled graph shares them); hsdp/engines/hsdp.py
+# still imports them from here.
+from hsdp.layout import ReducePlan, UnitLayout, reduce_plan  # noqa: F401
 from kernels.pack import pack_shards, unpack_full
 from kernels.reduce import accumulate_grad_shards, pack_grads
 
@@ -67,22 +69,6 @@ def gather_full(comm: Comm, held_flat: torch.Tensor, layout: UnitLayout, dtype: 
 
 
 # ---------------------------------------------------------------- reduce
-@dataclass(frozen=True)
-class ReducePlan:
-    """How one step's grads are reduced: dtype, whether replicas average too, and the split divisor."""
-
-    reduce_dtype: torch.dtype
-    sync_grads: bool  # all-reduce the grad shard across the sync group (exact HSDP / warmup)
-    pre: float  # divide before the sum (keeps low-precision sums from overflowing)
-    post: float  # divide after it (keeps small grads from underflowing)
-
-
-def reduce_plan(shard_size: int, sync_size: int, sync_grads: bool, reduce_dtype: torch.dtype) -> ReducePlan:
-    """The mean over the shard group, and over the replicas when they sync grads."""
-    pre, post = divide_factors(grad_divisor(shard_size, sync_size, sync_grads))
-    return ReducePlan(reduce_dtype, sync_grads, pre, post)
-
-
 def pack_grads_for_reduce(
     grads: list[Optional[torch.Tensor]], layout: UnitLayout, plan: ReducePlan, rs_in: Optional[torch.Tensor]
 ) -> torch.Tensor:

@@ -32,8 +32,8 @@ from hsdp.compile.passes import CacheablePass, OurPasses, inductor_overlap_optio
 from hsdp.config.schema import CompileConfig, Config
 from hsdp.engines.base import Batch
 from hsdp.engines.clock import CompileClock
-from hsdp.engines.collectives import ReducePlan
 from hsdp.engines.hsdp import HSDPEngine
+from hsdp.layout import ReducePlan
 
 Variant = tuple[ReducePlan, str]  # (how grads are reduced, reduce | accumulate | reduce_pending)
 

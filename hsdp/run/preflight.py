@@ -1,8 +1,11 @@
 """Checks of a config against the machine, run before any worker starts or any file is written.
 
 Devices (CUDA for nccl / Triton), the local world's size, optional packages
-(wandb), the output folder and the data files. Separate from `validate.py`
-because these import torch and look at the disk.
+(wandb), the engine's capabilities, the output folder and the data files.
+Here, above the engines, and not in `hsdp.config` (which parses and validates
+values only, without torch): these checks ask the data module, the engine
+registry, the codec and the run folder, so a config read does not pull in the
+engine stack (docs/design.md §0). `load_checked_config` is what a command calls.
 """
 
 from __future__ import annotations
@@ -10,13 +13,27 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+from collections.abc import Sequence
 from typing import Optional
 
+import torch
+
+from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
 from hsdp.data import check_data, resolve_vocab_size, token_files
 from hsdp.engines.registry import check_engine_config
 from hsdp.run.rundir import check_output_dir
 from hsdp.sync.codec import check_codec
+
+
+def load_checked_config(path: Optional[str], overrides: Sequence[str] = (), world_size: Optional[int] = None) -> Config:
+    """`load_config` (defaults ← YAML ← `--set`, validated), then `preflight` (the machine, data, engine, folder).
+
+    `world_size`: the torchrun world, if any (checked against the mesh). ConfigError on the first problem.
+    """
+    cfg = load_config(path, overrides)
+    preflight(cfg, world_size)
+    return cfg
 
 
 def preflight(cfg: Config, world_size: Optional[int] = None) -> None:
@@ -30,8 +47,6 @@ def preflight(cfg: Config, world_size: Optional[int] = None) -> None:
     check_data_paths(cfg)
     resolve_vocab_size(cfg)  # model.vocab_size null → tokenizer.json's size, before anything reads it
     if cfg.kernels.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        import torch  # only here: config parsing stays light otherwise
-
         if not torch.cuda.is_available():
             raise ConfigError(
                 "kernels.backend: triton needs a CUDA GPU (or TRITON_INTERPRET=1 to interpret "
@@ -80,8 +95,6 @@ def check_mesh_fits(cfg: Config) -> None:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if cfg.mesh.backend != "nccl" and (torchrun or cfg.world_size == 1):
         return
-    import torch  # lazy: only a multi-rank or nccl config needs to know the machine
-
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.mesh.backend == "nccl" and not gpus:
         raise ConfigError("mesh.backend: nccl needs CUDA GPUs and none are available here; use auto or gloo")
