@@ -354,6 +354,16 @@ def test_prune_keeps_the_newest_and_drops_leftovers(tmp_path: Path) -> None:
     assert sorted(p.name for p in root.iterdir()) == ["step_15", "step_20"]
 
 
+def test_an_elastic_replica_prune_never_drops_later_checkpoints(tmp_path: Path) -> None:
+    """drop_later=False (an elastic replica's saves): older ones beyond keep go, a later complete one stays."""
+    root = tmp_path / "checkpoints"
+    for step in (5, 10, 20):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / ".complete").write_text("{}")
+    prune(tmp_path, root / "step_10", keep=1, drop_later=False)
+    assert sorted(p.name for p in root.iterdir()) == ["step_10", "step_20"]
+
+
 # ---------------------------------------------------------------- export
 def test_export_global_and_replicas(out: Path, diloco_ref: RunResult) -> None:
     """θ_g at the final full sync equals every replica's params; a replica between syncs differs from θ_g."""

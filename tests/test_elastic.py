@@ -310,8 +310,8 @@ def test_elastic_compiled_engine_computes_the_eager_one(tmp_path: Path) -> None:
 
 def test_elastic_checkpoints_resume_auto_from_the_newest_step_every_replica_saved(tmp_path: Path) -> None:
     """Each replica saves its own checkpoints (replica<m>/checkpoints/step_N, in its own world); resume=auto
-    restarts every replica from the newest step all of them saved (here replica 1 lacks step 11, as if it
-    was down then, so both resume from step 7) and the run continues bit for bit as the uninterrupted one."""
+    restarts every replica from its own newest checkpoint (here both step 7) and, when they agree, the run
+    continues bit for bit as the uninterrupted one (replicas that disagree: tests/test_elastic_resume.py)."""
     base = SMALL + ["mesh.sync=2", "mesh.shard=1", "run.steps=16", "sync.warmup_steps=4", "sync.every=4"]
     base += ["sync.method=diloco", "elastic.enabled=true", "run.checkpoint_every=4", "run.keep_checkpoints=10"]
     ref = run_train(tmp_path, "ref", base, timeout=300)
@@ -321,7 +321,7 @@ def test_elastic_checkpoints_resume_auto_from_the_newest_step_every_replica_save
     shutil.copytree(ref.run_dir, run_dir)
     for m in (0, 1):
         shutil.rmtree(run_dir / f"replica{m}" / "checkpoints" / "step_15")
-    shutil.rmtree(run_dir / "replica1" / "checkpoints" / "step_11")
+        shutil.rmtree(run_dir / f"replica{m}" / "checkpoints" / "step_11")
     resumed = run_train(tmp_path, "resumed", base, timeout=300)  # run.resume=auto is the default
     for m in (0, 1):
         summary = json.loads((run_dir / f"summary.replica{m}.json").read_text())

@@ -110,6 +110,40 @@ def test_a_corrupt_checkpoint_is_refused_by_resume_and_export(out: Path, finishe
     assert not (out / f"corrupt-{where}.pt").exists()
 
 
+def test_a_checkpoint_that_lost_its_checksums_is_refused(out: Path, finished: RunResult) -> None:
+    """checksums.json deleted and a tensor's bytes changed: the marker says the checksums were written, so resume
+    and export refuse (one line naming the file); nothing in the run folder changes."""
+    run = out / "no-checksums"
+    shutil.copytree(finished.run_dir, run)
+    step = run / "checkpoints" / "step_7"
+    assert json.loads((step / ".complete").read_text()) == {"step": 7, "checksums": "checksums.json"}
+    (step / "checksums.json").unlink()
+    victim = step / "__1_0.distcp"
+    flip_bytes(victim, victim.stat().st_size // 2)
+    before = files_under(run)
+    res = run_train(out, run.name, BASE + ["run.steps=10"], check=False)
+    assert res.returncode == 2, res.stderr
+    line = last_line(res.stderr)
+    assert line.startswith("config error: run.resume:") and "missing its checksums.json" in line, line
+    assert str(step) in line
+    assert files_under(run) == before
+    assert export_main([str(step), str(out / "no-checksums.pt")]) == 2
+    assert not (out / "no-checksums.pt").exists()
+
+
+def test_a_checkpoint_from_before_checksums_still_loads(out: Path, finished: RunResult) -> None:
+    """A marker without the checksums record (written before checksums existed) and no checksums.json: the
+    checkpoint loads unverified, as it always did, and the run continues from it."""
+    run = out / "old-format"
+    shutil.copytree(finished.run_dir, run)
+    step = run / "checkpoints" / "step_7"
+    (step / "checksums.json").unlink()
+    (step / ".complete").write_text(json.dumps({"step": 7}) + "\n")
+    res = run_train(out, run.name, BASE + ["run.steps=10"])
+    assert res.summary["resumed_from"] == str(step)
+    assert [m["step"] for m in res.metrics] == list(range(10))
+
+
 def test_checksums_cover_every_file(finished: RunResult) -> None:
     step = finished.run_dir / "checkpoints" / "step_7"
     listed = set(json.loads((step / "checksums.json").read_text()))

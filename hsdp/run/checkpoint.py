@@ -100,36 +100,50 @@ def replica_home(run_dir: Path, replica: int) -> Path:
     return Path(run_dir) / f"replica{replica}"
 
 
-def common_checkpoints(cfg: Config) -> list[Path]:
-    """An elastic run's resume points, as replica 0's folders: the steps every replica has complete.
+def replica_newest(cfg: Config) -> list[Optional[Path]]:
+    """An elastic run's resume points: each replica's newest complete checkpoint (None where it has none).
 
-    The replicas of an elastic run resume together from one step, each from its own state (a replica
-    that was down at a checkpoint step has none there, so that step is not a resume point)."""
-    steps = None
-    for m in range(cfg.mesh.sync):
-        have = {step_of(p) for p in complete_checkpoints(replica_home(cfg.run_dir, m))}
-        steps = have if steps is None else steps & have
-    root = checkpoints_dir(replica_home(cfg.run_dir, 0))
-    return [root / f"step_{s}" for s in sorted(steps or ())]
+    The replicas need not agree: one that was down while the others saved is behind. Each resumes from
+    its own newest state, and one behind the newest heals from a replica ahead at their first quorum
+    (hsdp/sync/elastic.py, `ElasticReplica.join`), as a replica restarted within the run does. Nothing a
+    replica saved is given up for a step that all of them share (docs/design.md §11)."""
+    return [latest_checkpoint(replica_home(cfg.run_dir, m)) for m in range(cfg.mesh.sync)]
 
 
-def for_replica(path: Path, replica: int) -> Path:
-    """Replica 0's checkpoint folder of an elastic run → the same step's folder of `replica`."""
-    return checkpoints_dir(replica_home(path.parents[2], replica)) / path.name
+def elastic_resume_note(cfg: Config) -> Optional[str]:
+    """One line when an elastic run's replicas resume from different steps (who heals from whom), else None."""
+    if not cfg.elastic.enabled or cfg.run.resume != "auto" or cfg.run.overwrite:
+        return None
+    steps = [step_of(p) if p is not None else None for p in replica_newest(cfg)]
+    ahead = max((s for s in steps if s is not None), default=None)
+    if ahead is None or all(s == ahead for s in steps):
+        return None
+    have = ", ".join(f"replica {m} step_{s}" if s is not None else f"replica {m} none" for m, s in enumerate(steps))
+    behind = [str(m) for m, s in enumerate(steps) if s != ahead]
+    many = len(behind) > 1
+    return (
+        f"note: the replicas' newest checkpoints differ ({have}); each resumes from its own, and "
+        f"replica{'s' if many else ''} {', '.join(behind)} heal{'' if many else 's'} from step_{ahead} when they meet"
+    )
 
 
-def resolve_resume(cfg: Config) -> Optional[Path]:
+def resolve_resume(cfg: Config, replica: Optional[int] = None) -> Optional[Path]:
     """The checkpoint `run.resume` asks for: None (start fresh) or a complete checkpoint's folder.
 
     auto: the latest complete checkpoint of the run folder, if any; never: None; a path:
-    a checkpoint folder, or a run folder (then its latest complete checkpoint).
+    a checkpoint folder, or a run folder (then its latest complete checkpoint). An elastic run
+    (auto only): `replica`'s own newest checkpoint; without `replica`, the newest of any replica's.
     """
     resume = cfg.run.resume
     if resume == "never":
         return None
-    if resume == "auto" and cfg.elastic.enabled:  # replica 0's folder of the newest step every replica has
-        common = [] if cfg.run.overwrite else common_checkpoints(cfg)
-        return common[-1] if common else None
+    if resume == "auto" and cfg.elastic.enabled:
+        if cfg.run.overwrite:
+            return None
+        newest = replica_newest(cfg)
+        if replica is not None:
+            return newest[replica] if replica < len(newest) else None
+        return max((p for p in newest if p is not None), key=step_of, default=None)
     if resume == "auto":  # run.overwrite=true replaces the run, its checkpoints included: nothing to resume
         return None if cfg.run.overwrite else latest_checkpoint(cfg.run_dir)
     path = Path(resume).expanduser()
@@ -158,21 +172,27 @@ def check_resume(cfg: Config) -> Optional[Path]:
             f"run.resume: {path} is inside {cfg.run_dir}, which run.overwrite=true would delete; "
             "resume without run.overwrite, or copy the checkpoint elsewhere first"
         )
-    meta = validate_checkpoint(path, cfg)
-    for m in range(1, cfg.mesh.sync if cfg.elastic.enabled else 1):  # every replica's own state
-        validate_checkpoint(for_replica(path, m), cfg)
-    done = meta["step"] + 1
-    if cfg.run.steps < done:
-        raise ConfigError(
-            f"run.steps: {cfg.run.steps} is below the {done} steps checkpoint {path} has already trained; "
-            f"set run.steps above {done - 1}, or run.resume=never"
-        )
+    # An elastic run: every replica's own newest checkpoint is checked (each resumes from its own).
+    chosen = [p for p in replica_newest(cfg) if p is not None] if cfg.elastic.enabled else [path]
+    for checkpoint in chosen:
+        done = validate_checkpoint(checkpoint, cfg)["step"] + 1
+        if cfg.run.steps < done:
+            raise ConfigError(
+                f"run.steps: {cfg.run.steps} is below the {done} steps checkpoint {checkpoint} has already "
+                f"trained; set run.steps above {done - 1}, or run.resume=never"
+            )
     return path
 
 
 def finished(cfg: Config, path: Optional[Path]) -> bool:
-    """Whether the checkpoint to resume from already holds all `run.steps` steps (re-running a finished run)."""
-    return path is not None and read_meta(path)["step"] + 1 == cfg.run.steps
+    """Whether the checkpoint to resume from already holds all `run.steps` steps (re-running a finished run);
+    an elastic run's only when every replica's newest does (one behind still heals and finishes)."""
+    if path is None:
+        return False
+    if cfg.elastic.enabled and cfg.run.resume == "auto":
+        newest = replica_newest(cfg)
+        return all(p is not None and read_meta(p)["step"] + 1 == cfg.run.steps for p in newest)
+    return read_meta(path)["step"] + 1 == cfg.run.steps
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -231,14 +251,31 @@ def read_dcp_metadata(path: Path, key: str = "run.resume") -> Metadata:
 def verify_files(path: Path, key: str = "run.resume") -> None:
     """Every file of the checkpoint matches the checksum saved with it (ConfigError naming the first that does not).
 
-    A checkpoint from before checksums were written (no checksums.json) is accepted as it is.
+    A checkpoint whose `.complete` marker records its checksums must have them; only one from before
+    checksums were written (a marker without that record) is accepted unverified.
     """
     if not (path / CHECKSUMS).is_file():
+        if marker_records_checksums(path):
+            raise ConfigError(
+                f"{key}: checkpoint {path} is missing its {CHECKSUMS} (its {COMPLETE} marker says it was written), "
+                "so its files cannot be verified; resume from an earlier checkpoint"
+            )
         return
     try:
         verify_checksums(path)
     except (ChecksumError, OSError, ValueError) as e:
         raise ConfigError(f"{key}: checkpoint {path} is corrupt: {e}; resume from an earlier checkpoint") from None
+
+
+def marker_records_checksums(path: Path) -> bool:
+    """Whether the checkpoint's `.complete` marker records that checksums.json was written with it. Markers
+    were always JSON ({"step": N}); one that is not (damaged) counts as recording them, so that it cannot
+    turn a checkpoint into an unverified one."""
+    try:
+        marker = json.loads((path / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return True
+    return not isinstance(marker, dict) or "checksums" in marker
 
 
 def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
@@ -327,11 +364,12 @@ class Checkpoints:
             return Progress()
         if self.replica is not None and os.environ.get("HSDP_RESTART", "0") != "0":
             return Progress()  # a replica restarted within the run heals from a live one instead (newer)
-        choice = [str(resolve_resume(self.cfg) or "") if self.first else None]
+        # An elastic replica resumes from its own newest checkpoint; one behind the others heals at the join.
+        choice = [str(resolve_resume(self.cfg, self.replica) or "") if self.first else None]
         dist.broadcast_object_list(choice, src=0)  # every rank loads the same one, even if a save lands now
         if not choice[0]:
             return Progress()
-        path = Path(choice[0]) if self.replica is None else for_replica(Path(choice[0]), self.replica)
+        path = Path(choice[0])
         meta = read_meta(path)
         keys = frozenset(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         same_replicas = meta["mesh"]["sync"] == self.mesh.sync_size
@@ -457,7 +495,9 @@ class Checkpoints:
                 checksums = write_checksums(tmp, {k: v for d in digests for k, v in d.items()})
                 _fsync_files([tmp / "meta.json", tmp / "config.yaml", checksums])  # DCP fsyncs its own files
                 publish(tmp, final)
-                prune(self.home, final, self.cfg.run.keep_checkpoints)
+                # An elastic replica has no later checkpoints to drop (it resumed from its own newest): never
+                # delete one (a run's resume never deletes what a replica saved).
+                prune(self.home, final, self.cfg.run.keep_checkpoints, drop_later=self.replica is None)
         except BaseException as e:
             if rank0:  # a full disk must not stay full of a save that will never complete
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -491,12 +531,14 @@ class Checkpoints:
         return latest_checkpoint(self.home)
 
 
-def prune(run_dir: Path, newest: Path, keep: int) -> None:
+def prune(run_dir: Path, newest: Path, keep: int, drop_later: bool = True) -> None:
     """After `newest` is complete: delete older complete checkpoints beyond the `keep` newest, later ones
-    (an abandoned continuation, after resuming from an earlier checkpoint) and crashed saves (rank 0)."""
+    (an abandoned continuation, after resuming from an earlier checkpoint; not with `drop_later=False`)
+    and crashed saves (rank 0)."""
     done = complete_checkpoints(run_dir)
     older = [p for p in done if step_of(p) <= step_of(newest)]
-    for old in older[:-keep] + [p for p in done if step_of(p) > step_of(newest)]:
+    later = [p for p in done if step_of(p) > step_of(newest)] if drop_later else []
+    for old in older[:-keep] + later:
         if old != newest:
             shutil.rmtree(old, ignore_errors=True)
     for p in checkpoints_dir(run_dir).iterdir():  # crashed saves: temporary folders, renamed but never marked
@@ -513,7 +555,9 @@ def publish(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
     fsync_dir(final.parent)
     marker = final / (COMPLETE + ".tmp")
-    marker.write_text(json.dumps({"step": step_of(final)}) + "\n")
+    # The marker records the checksums file, so a checkpoint that lost it is refused, not loaded unverified.
+    record = {"step": step_of(final), **({"checksums": CHECKSUMS} if (final / CHECKSUMS).is_file() else {})}
+    marker.write_text(json.dumps(record) + "\n")
     os.replace(marker, final / COMPLETE)
     fsync_dir(final)
 

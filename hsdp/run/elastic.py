@@ -100,6 +100,7 @@ class ElasticLaunch:
         self.start_group = start_group  # (replica, restarts) -> worker indices
         self.replicas = [Replica(m) for m in range(cfg.mesh.sync)]
         self.owner: dict[int, int] = {}  # worker index -> replica (current generation only)
+        self.ended = False  # the launch is over (its workers stopped): no pid is live
 
     def start(self, m: int) -> None:
         r = self.replicas[m]
@@ -132,6 +133,17 @@ class ElasticLaunch:
             r.restart_at = time.monotonic() + self.cfg.elastic.restart_delay_s
         self.write_replicas_json()
 
+    def on_stalled(self, e: Exit) -> None:
+        """A worker stopped (SIGSTOP, a debugger) for longer than mesh.timeout_s: kill it and fail its replica
+        (restarted and healed like any failure, or given up), naming the pid."""
+        self.workers.send_signal(signal.SIGKILL, [e.index])
+        self.on_exit(Exit(e.index, None, f"a worker stopped answering: {e.traceback}", stalled=True))
+
+    def end(self) -> None:
+        """The launch is over and its workers are gone: replicas.json lists no live pid."""
+        self.ended = True
+        self.write_replicas_json()
+
     def restart_due(self) -> None:
         """Start the replicas whose restart delay has passed."""
         for r in self.replicas:
@@ -147,9 +159,12 @@ class ElasticLaunch:
         """replicas.json: each replica's live worker pids and its restarts (atomic rewrite)."""
         state = {
             str(r.index): {
-                "pids": [] if r.given_up else [self.workers.pids[i] for i in r.workers if i in self.workers.pids],
+                "pids": []
+                if r.given_up or self.ended
+                else [self.workers.pids[i] for i in r.workers if i in self.workers.pids],
                 "restarts": r.restarts,
                 "given_up": r.given_up,
+                "ended": self.ended,
             }
             for r in self.replicas
         }

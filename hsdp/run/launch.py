@@ -35,7 +35,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hsdp.config.preflight import check_world_size
 from hsdp.config.schema import Config
+from hsdp.run.checkpoint import elastic_resume_note
 from hsdp.run.elastic import ElasticLaunch, replica_env, start_lighthouse, write_summary
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.zygote import Exit, Workers, Zygote
@@ -232,6 +234,9 @@ def _local_worker(
 def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
     """An elastic run (hsdp/run/elastic.py): the lighthouse, then one local world per replica, each restarted
     alone when it fails. Raises WorkerError if a replica was given up (the others still finished)."""
+    note = elastic_resume_note(cfg)  # replicas resuming from different steps: say who heals from whom
+    if note:
+        print(note, file=sys.stderr)
     server, address = start_lighthouse(cfg)
     shard, local_world = cfg.mesh.shard, cfg.world_size
     try:
@@ -248,6 +253,7 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
                 return workers.start(targets)
 
             run = ElasticLaunch(cfg, workers, start_group)
+            stopped_at: dict[int, float] = {}
             try:
                 for m in range(cfg.mesh.sync):
                     run.start(m)
@@ -255,6 +261,12 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
                 while run.running:
                     for ended in workers.wait(0.2):
                         run.on_exit(ended)
+                    # A stopped worker neither exits nor heartbeats: its replica's peers may wait on it forever
+                    # (a replica of one rank has none that would time out). Fail its replica after the bound.
+                    stalled = _stopped_too_long(workers, cfg.mesh.timeout_s, stopped_at)
+                    if stalled is not None:
+                        stopped_at.pop(workers.pids.get(stalled.index), None)
+                        run.on_stalled(stalled)
                     run.restart_due()
             except Interrupted as e:
                 stop.disarm()
@@ -262,6 +274,7 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
             finally:
                 stop.disarm()
                 stop_workers(workers)
+                run.end()  # replicas.json: no live pids left
             write_summary(cfg, run)
             failed = run.outcome()
             if failed:
@@ -378,13 +391,14 @@ def launch(cfg: Config, worker: Worker) -> None:
     """Run `worker(cfg)` on every rank of the mesh.
 
     Raises WorkerError if any rank fails, Interrupted (after stopping the workers)
-    on SIGINT/SIGTERM. The mesh is assumed checked (`load_checked_config`, the torchrun world included).
+    on SIGINT/SIGTERM. The mesh is assumed validated (`load_config`).
     """
     if cfg.elastic.enabled and not under_torchrun():  # under torchrun: one replica per agent, as below
         with StopSignals() as stop:
             return _launch_elastic(cfg, worker, stop)
     if under_torchrun():  # torchrun's agent owns the workers' lifetime and signals
         world = int(os.environ["WORLD_SIZE"])
+        check_world_size(cfg, world)
         _init_and_run(
             cfg,
             worker,

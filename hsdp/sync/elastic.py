@@ -185,6 +185,7 @@ class HealState:
         self.step = -1  # the last finished step (set by the training loop)
         self.training = False  # past the join (ElasticReplica.join): a peer healing now catches up out of band
         self.healed_to: Optional[int] = None  # set when a peer's state (or its offer) was loaded
+        self.peer_joining = False  # the state came from a peer in its own join round (a resume: it was ahead)
         self.offer: Optional[tuple[str, int]] = None  # (a peer's snapshot address, the step its round began after)
         self.asked_at: Optional[int] = None  # a peer healed from this rank in the round begun after this step
         self.served_round: Optional[int] = None  # the round after which the served state was published
@@ -214,6 +215,7 @@ class HealState:
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "policy": policy,
             "step": self.step,
+            "joining": not self.training,  # the round the state crosses in is this rank's join round
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -235,6 +237,7 @@ class HealState:
         self.optimizer.load_state_dict(state["optimizer"])
         self.engine.policy.load_state_dict(state["policy"])
         self.step = self.healed_to = int(state["step"])
+        self.peer_joining = bool(state.get("joining", False))
         self.heals += 1
 
     def publish(self, step: int, round_: int, timeout: timedelta) -> None:
@@ -293,14 +296,19 @@ class ElasticReplica:
         self.heal.engine, self.heal.optimizer, self.heal.step = engine, optimizer, start_step - 1
         t0 = time.perf_counter()
         fresh = int(os.environ.get("HSDP_RESTART", "0")) == 0
+        manager = self.transport.manager
         while True:
+            if fresh:  # torchft's step is the training step resumed at: one resumed behind heals from one ahead
+                manager.load_state_dict({**manager.state_dict(), "step": start_step})
             self.transport.begin_round()
             if self.heal.offer is not None:  # a peer serves its state once this round closes
                 step = self.catch_up(engine.policy)
                 break
             if self.heal.healed_to is not None:  # healed inside the peers' round
                 t = self.heal.healed_to
-                if engine.policy.grad_sync(t + 1):
+                if self.heal.peer_joining:
+                    self.transport.commit_round()  # the peer's join round, which it commits too
+                elif engine.policy.grad_sync(t + 1):
                     pass  # the peers' round is step t+1's grads: left open, this replica's step t+1 joins it
                 elif not engine.policy.start_due(t, joined=True):
                     self.transport.commit_round()  # the peers' round had nothing to sync at t
