@@ -6,22 +6,31 @@ INPUT is a text file, a folder (its files ending in a --suffix, recursively, exc
 under subfolders named by --exclude) or a quoted glob. Documents: each line of a
 `.jsonl` file (`{"text": ...}`); any other file is one document, or several
 separated by `<|endoftext|>`. Document i (in input order) goes to val iff
-⌊(i+1)·F⌋ > ⌊i·F⌋: whole documents, evenly spread.
+⌊(i+1)·F⌋ > ⌊i·F⌋: whole documents, evenly spread. When that gives val no
+document (fewer than 1/F documents, e.g. one), val is instead the last F of the
+last document's characters (cut at a pre-token boundary), as a document of its own.
 Each document is preceded by the end-of-text id (as llm.c's fineweb.py does), so
 that id lies between documents.
 
-Passes: check (every file readable, UTF-8, and .jsonl lines parse; before any
-output), train a byte-level BPE on the train documents (unless --tokenizer),
-encode. Files are read in chunks cut at a pre-token boundary, so memory does not
-grow with the corpus and the tokens equal encoding each document whole. Outputs
-appear only complete (temp name, fsync, os.replace); `prepare.json` records the
-corpus, so a folder holding another corpus is refused and a finished one is kept.
+Passes: check (every file readable, UTF-8, and .jsonl lines parse; documents
+counted and files hashed; before any output), train a byte-level BPE on the train
+documents (unless --tokenizer), encode. The trained tokenizer's pre-tokenizer is
+GPT-2's, then a cut of every pre-token longer than MAX_PRETOKEN_BYTES into pieces
+of that many bytes: BPE training cost grows with the square of a pre-token's
+length, so one whitespace-free document would otherwise stall it (normal text has
+no pre-token that long, so its tokens do not change). Files are read in chunks cut
+at a pre-token boundary, so memory does not grow with the corpus and the tokens
+equal encoding each document whole. Outputs appear only complete (temp name,
+fsync, os.replace); `prepare.json` records the corpus (each file's path, size and
+SHA-256), so a folder holding another corpus is refused and a finished one is
+kept; a prepare that fails or is interrupted removes what it wrote.
 """
 
 from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import glob
 import hashlib
 import json
@@ -30,9 +39,9 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 from tqdm import tqdm
@@ -47,6 +56,10 @@ DEFAULT_VOCAB = 4096
 DEFAULT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 OUTPUTS = ("tokenizer.json", "train.bin", "val.bin")
 MANIFEST = "prepare.json"
+# Longest pre-token the trained tokenizer keeps whole (in bytes; longer ones are cut into pieces this long).
+# BPE training slows with the square of a pre-token's length (100 KB without whitespace: 4 s, 400 KB: 97 s);
+# Python's stdlib (31 MB of code) has no pre-token longer than this, so normal text encodes as without the cut.
+MAX_PRETOKEN_BYTES = 256
 # A cut point: before a space or newline that starts a new pre-token (the next char is not whitespace).
 # GPT-2's pre-tokenizer regex splits there too, so encoding the pieces equals encoding the whole.
 CUT = re.compile(r"[ \n](?=\S)")
@@ -61,6 +74,18 @@ class Corpus:
     files: list[Path]  # in order; documents are numbered across them
     nbytes: int
     skipped: list[Path]  # found by a folder or glob, but not UTF-8 text
+    documents: int = 0  # non-empty documents across the files
+    last_chars: int = 0  # characters of the last document
+    sha256: list[str] = field(default_factory=list)  # each file's, in order
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which text goes to val: whole documents (is_val), or else the tail of the last document."""
+
+    val_fraction: float
+    tail_doc: Optional[int] = None  # the document whose tail is val (None: whole documents)
+    tail_from: int = 0  # the character of that document where val may begin (moved on to a pre-token start)
 
 
 # ---------------------------------------------------------------- input
@@ -92,30 +117,70 @@ def find_files(
     return files, explicit
 
 
-def check_file(path: Path) -> Optional[str]:
-    """Why `path` is not a usable text file (None if it is): not UTF-8, or a .jsonl line without a "text"."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    with open(path, "rb") as f:
-        if path.suffix == ".jsonl":
-            for n, line in enumerate(f, 1):
-                try:
-                    if line.strip() and not isinstance(json.loads(line).get("text"), str):
-                        return f'line {n} has no string "text"'
-                except (ValueError, AttributeError) as e:
-                    return f"line {n} is not a JSON object ({str(e).splitlines()[0]})"
-            return None
-        offset = 0
-        while chunk := f.read(CHUNK_BYTES):
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                return f"not UTF-8 text (byte {offset + e.start})"
-            offset += len(chunk)
+@dataclass(frozen=True)
+class FileScan:
+    """What the check pass learns of one file."""
+
+    problem: Optional[str]  # why it is not usable text (None: it is)
+    documents: int  # non-empty documents in it (as read_pieces yields them)
+    last_chars: int  # characters of its last document
+    sha256: str  # of its bytes: the corpus's identity, whatever its mtime
+
+
+def scan_jsonl(f: BinaryIO, digest: Any) -> FileScan:
+    """A .jsonl file: every non-blank line a JSON object with a string "text"; a non-empty one is a document."""
+    docs, last = 0, 0
+    for n, line in enumerate(f, 1):
+        digest.update(line)
+        if not line.strip():
+            continue
         try:
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            return "not UTF-8 text (it ends inside a character)"
-    return None
+            text = json.loads(line).get("text")
+        except (ValueError, AttributeError) as e:
+            return FileScan(f"line {n} is not a JSON object ({str(e).splitlines()[0]})", 0, 0, "")
+        if not isinstance(text, str):
+            return FileScan(f'line {n} has no string "text"', 0, 0, "")
+        if text:
+            docs, last = docs + 1, len(text)
+    return FileScan(None, docs, last, digest.hexdigest())
+
+
+def scan_text(f: BinaryIO, digest: Any) -> FileScan:
+    """A text file: UTF-8, its documents the non-empty stretches between <|endoftext|> markers.
+
+    Streamed: only the last len(EOT) - 1 characters are kept between chunks (a marker may straddle two)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    keep = len(EOT) - 1
+    carry, chars, docs, last, offset = "", 0, 0, 0, 0  # chars: of the current document, not counting carry
+    while chunk := f.read(CHUNK_BYTES):
+        digest.update(chunk)
+        try:
+            text = carry + decoder.decode(chunk)
+        except UnicodeDecodeError as e:
+            return FileScan(f"not UTF-8 text (byte {offset + e.start})", 0, 0, "")
+        offset += len(chunk)
+        *whole, rest = text.split(EOT)
+        for part in whole:
+            chars += len(part)
+            if chars:
+                docs, last = docs + 1, chars
+            chars = 0
+        chars += max(0, len(rest) - keep)
+        carry = rest[max(0, len(rest) - keep) :]
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return FileScan("not UTF-8 text (it ends inside a character)", 0, 0, "")
+    chars += len(carry)
+    if chars:
+        docs, last = docs + 1, chars
+    return FileScan(None, docs, last, digest.hexdigest())
+
+
+def scan_file(path: Path) -> FileScan:
+    """Check one file, count its documents and hash it, in one read."""
+    with open(path, "rb") as f:
+        return (scan_jsonl if path.suffix == ".jsonl" else scan_text)(f, hashlib.sha256())
 
 
 def check_inputs(inputs: list[str], suffixes: tuple[str, ...], exclude: tuple[str, ...], bar: bool) -> Corpus:
@@ -124,21 +189,33 @@ def check_inputs(inputs: list[str], suffixes: tuple[str, ...], exclude: tuple[st
     for f in files:
         if not os.access(f, os.R_OK):
             raise PrepareError(f"input: cannot read {f} (permission denied)")
-    kept, skipped = [], []
+    kept: list[tuple[Path, FileScan]] = []
+    skipped: list[Path] = []
     total = sum(f.stat().st_size for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="check", disable=not bar) as t:
         for f in files:
             try:
-                problem = check_file(f)
+                scan = scan_file(f)
             except OSError as e:
                 raise PrepareError(f"input: cannot read {f} ({e.strerror})") from None
-            if problem and f in explicit:
-                raise PrepareError(f"input: {f}: {problem}")
-            (skipped if problem else kept).append(f)
+            if scan.problem and f in explicit:
+                raise PrepareError(f"input: {f}: {scan.problem}")
+            if scan.problem:
+                skipped.append(f)
+            else:
+                kept.append((f, scan))
             t.update(f.stat().st_size)
     if not kept:
         raise PrepareError(f"input: none of the {len(files)} files is UTF-8 text")
-    return Corpus(kept, sum(f.stat().st_size for f in kept), skipped)
+    last = [s.last_chars for _, s in kept if s.documents]
+    return Corpus(
+        files=[f for f, _ in kept],
+        nbytes=sum(f.stat().st_size for f, _ in kept),
+        skipped=skipped,
+        documents=sum(s.documents for _, s in kept),
+        last_chars=last[-1] if last else 0,
+        sha256=[s.sha256 for _, s in kept],
+    )
 
 
 def last_cut(text: str, chunk_bytes: int) -> int:
@@ -187,27 +264,70 @@ def is_val(doc: int, val_fraction: float) -> bool:
     return int((doc + 1) * val_fraction) > int(doc * val_fraction)
 
 
-def documents(corpus: Corpus, val_fraction: float, chunk_bytes: int) -> Iterator[tuple[bool, bool, str, int]]:
+def plan_split(corpus: Corpus, val_fraction: float) -> Split:
+    """Whole documents to val if that gives val at least one, else the tail of the last document (PrepareError
+    when there is no text, or the last document is too short to cut)."""
+    n = corpus.documents
+    if n == 0:
+        raise PrepareError(f"input: the {len(corpus.files)} files hold no text (no documents)")
+    if int(n * val_fraction) >= 1:
+        return Split(val_fraction)
+    if corpus.last_chars < 2:
+        raise PrepareError(
+            f"--val-fraction: {n} documents give val none at {val_fraction}, and the last document "
+            f"({corpus.last_chars} character) is too short to split into train and val; give more text"
+        )
+    tail = max(1, round(corpus.last_chars * val_fraction))
+    return Split(val_fraction, tail_doc=n - 1, tail_from=corpus.last_chars - tail)
+
+
+def tail_cut(text: str, at: int) -> int:
+    """Where val begins in a piece: the first pre-token start at or after `at` (else `at` itself)."""
+    m = CUT.search(text, at)
+    return m.start() if m else at
+
+
+def documents(corpus: Corpus, split: Split, chunk_bytes: int) -> Iterator[tuple[bool, bool, str, int]]:
     """(is val, starts a document, text, bytes read) over the whole corpus."""
-    doc = -1
+    doc, seen, in_tail = -1, 0, False  # seen: characters of the tail document before this piece
     for path in corpus.files:
         for start, text, nbytes in read_pieces(path, chunk_bytes):
             doc += start
-            yield is_val(doc, val_fraction), start, text, nbytes
+            if doc != split.tail_doc:
+                yield is_val(doc, split.val_fraction), start, text, nbytes
+            elif in_tail:
+                yield True, False, text, nbytes
+            elif (at := split.tail_from - seen) >= len(text):
+                seen += len(text)
+                yield False, start, text, nbytes
+            else:  # val begins in this piece: its tail is a document of its own
+                cut = tail_cut(text, max(at, 0))
+                if cut:
+                    yield False, start, text[:cut], nbytes
+                yield True, True, text[cut:], 0 if cut else nbytes
+                in_tail = True
 
 
 # ---------------------------------------------------------------- tokenizer
 def new_tokenizer() -> Any:
-    """An untrained byte-level BPE (GPT-2's pre-tokenizer and decoder)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """An untrained byte-level BPE: GPT-2's pre-tokenizer, then pre-tokens cut to MAX_PRETOKEN_BYTES; its decoder.
+
+    The cut is part of tokenizer.json, so hsdp.sample encodes a prompt as prepare encoded the corpus."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+            # After ByteLevel each byte is one character; [\s\S] matches any (Oniguruma's . skips newlines).
+            pre_tokenizers.Split(Regex(f"[\\s\\S]{{1,{MAX_PRETOKEN_BYTES}}}"), behavior="isolated"),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
-def train_tokenizer(corpus: Corpus, vocab: int, val_fraction: float, bar: bool, chunk_bytes: int) -> Any:
+def train_tokenizer(corpus: Corpus, vocab: int, split: Split, bar: bool, chunk_bytes: int) -> Any:
     """A byte-level BPE of `vocab` ids (id 0 = <|endoftext|>, then the 256 bytes) trained on the train documents."""
     from tokenizers import pre_tokenizers, trainers
 
@@ -221,7 +341,7 @@ def train_tokenizer(corpus: Corpus, vocab: int, val_fraction: float, bar: bool, 
     with tqdm(total=corpus.nbytes, unit="B", unit_scale=True, desc="train BPE", disable=not bar) as t:
 
         def train_texts() -> Iterator[str]:
-            for val, _, text, nbytes in documents(corpus, val_fraction, chunk_bytes):
+            for val, _, text, nbytes in documents(corpus, split, chunk_bytes):
                 t.update(nbytes)
                 if not val:
                     yield text
@@ -250,40 +370,75 @@ def load_tokenizer(path: Path) -> Any:
 
 # ---------------------------------------------------------------- output
 def manifest(corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
-    """What identifies a prepared corpus: its files (path, size, mtime), the tokenizer and the split."""
+    """What identifies a prepared corpus: its files (path, size, SHA-256), the tokenizer and the split."""
     tokenizer = (
         {"file_sha256": hashlib.sha256(args.tokenizer.read_bytes()).hexdigest()}
         if args.tokenizer
         else {"trained_vocab": args.vocab}
     )
-    files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in corpus.files]
+    files = [[str(f.resolve()), f.stat().st_size, h] for f, h in zip(corpus.files, corpus.sha256)]
     return {"files": files, "tokenizer": tokenizer, "val_fraction": args.val_fraction}
 
 
-def check_out(out: Path, want: dict[str, Any]) -> bool:
-    """PrepareError unless `out` is new or holds this very corpus (ours); True if that is already complete."""
+def same_files(saved: Any, want: list[list[Any]]) -> bool:
+    """Whether a manifest's files are these: same paths, sizes and contents.
+
+    A manifest written before contents were hashed holds each file's mtime instead; it matches while
+    the mtime does (a touched file then reads as another corpus, as it did)."""
+    if not isinstance(saved, list) or len(saved) != len(want):
+        return False
+    for old, new in zip(saved, want):
+        if not isinstance(old, list) or len(old) != 3 or old[:2] != new[:2]:
+            return False
+        if isinstance(old[2], str) and old[2] != new[2]:
+            return False
+        if isinstance(old[2], int) and old[2] != Path(new[0]).stat().st_mtime_ns:
+            return False
+    return True
+
+
+def check_out(out: Path, want: dict[str, Any]) -> str:
+    """What `out` holds: "new" (nothing of ours), "done" (this corpus, complete), "resume" (this corpus,
+    unfinished) or "replace" (an unfinished prepare of another corpus: nothing usable, so it is replaced).
+
+    PrepareError if it holds files not written by hsdp.prepare, or a complete prepare of another corpus."""
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out: {out} is a file, not a folder")
     present = [n for n in (*OUTPUTS, MANIFEST) if (out / n).exists()]
     if not present:
-        return False
+        return "new"
     try:
         saved = json.loads((out / MANIFEST).read_text())
+        if not isinstance(saved, dict):
+            raise ValueError
     except (OSError, ValueError):
         raise PrepareError(
             f"--out: {out} holds {', '.join(present)} not written by hsdp.prepare; use another folder"
         ) from None
-    for key in ("files", "tokenizer", "val_fraction"):
-        if saved.get(key) != want[key]:
-            raise PrepareError(
-                f"--out: {out} holds a different corpus ({key} differs from this command's); "
-                "use another folder or delete it"
-            )
-    return bool(saved.get("complete")) and all((out / n).is_file() for n in OUTPUTS)
+    complete = bool(saved.get("complete")) and all((out / n).is_file() for n in OUTPUTS)
+    differs = [k for k in ("tokenizer", "val_fraction") if saved.get(k) != want[k]]
+    if not same_files(saved.get("files"), want["files"]):
+        differs.insert(0, "files")
+    if differs and complete:
+        raise PrepareError(
+            f"--out: {out} holds a different corpus ({differs[0]} differs from this command's); "
+            "use another folder or delete it"
+        )
+    if differs:
+        return "replace"
+    return "done" if complete else "resume"
+
+
+def remove_outputs(out: Path) -> None:
+    """Delete every file hsdp.prepare writes in `out` (outputs, manifest, temporaries of killed runs)."""
+    for name in (*OUTPUTS, MANIFEST):
+        (out / name).unlink(missing_ok=True)
+        for stale in stale_temps(out / name):
+            stale.unlink(missing_ok=True)
 
 
 def encode_corpus(
-    tok: Any, corpus: Corpus, out: Path, val_fraction: float, bar: bool, chunk_bytes: int = CHUNK_BYTES
+    tok: Any, corpus: Corpus, out: Path, split: Split, bar: bool, chunk_bytes: int = CHUNK_BYTES
 ) -> dict[str, dict[str, int]]:
     """Write train.bin and val.bin (each complete or not at all); {split: {tokens, documents}}."""
     eot = np.array([tok.token_to_id(EOT)], dtype=np.uint16)
@@ -295,41 +450,47 @@ def encode_corpus(
 
         def flush() -> None:
             encodings = tok.encode_batch_fast([text for _, _, text in batch], add_special_tokens=False)
-            for (split, start, _), enc in zip(batch, encodings):
+            for (name, start, _), enc in zip(batch, encodings):
                 if start:
-                    writers[split].write(eot)
-                writers[split].write(np.array(enc.ids, dtype=np.uint16))
+                    writers[name].write(eot)
+                writers[name].write(np.array(enc.ids, dtype=np.uint16))
             batch.clear()
 
         with tqdm(total=corpus.nbytes, unit="B", unit_scale=True, desc="encode", disable=not bar) as t:
-            for is_val_doc, start, text, nbytes in documents(corpus, val_fraction, chunk_bytes):
-                split = "val" if is_val_doc else "train"
-                docs[split] += start
-                batch.append((split, start, text))
+            for is_val_doc, start, text, nbytes in documents(corpus, split, chunk_bytes):
+                name = "val" if is_val_doc else "train"
+                docs[name] += start
+                batch.append((name, start, text))
                 chars += len(text)
                 if chars > BATCH_CHARS:
                     flush()
                     chars = 0
                 t.update(nbytes)
             flush()
-        for split, n in docs.items():
-            if n == 0:
-                raise PrepareError(
-                    f"--val-fraction: the {split} split got no documents ({sum(docs.values())} in all at "
-                    f"--val-fraction {val_fraction}); give more documents (files, or <|endoftext|> between them)"
-                )
-    return {split: {"tokens": writers[split].count, "documents": docs[split]} for split in docs}
+    return {name: {"tokens": writers[name].count, "documents": docs[name]} for name in docs}
 
 
 # ---------------------------------------------------------------- the command
+VAL_HELP = (
+    "share of documents held out as val (default 0.1): document i goes to val iff floor((i+1)F) > floor(iF); "
+    "when that gives val none (fewer than 1/F documents, e.g. one), val is the last F of the last document's "
+    "text instead"
+)
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m hsdp.prepare", description=__doc__.splitlines()[0])
     p.add_argument("inputs", nargs="*", metavar="INPUT", help="text files, folders or quoted globs")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--vocab", type=int, default=None, help=f"train a BPE of N ids (default {DEFAULT_VOCAB})")
+    which.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help=f"train a BPE of N ids (default {DEFAULT_VOCAB}); pre-tokens are cut to {MAX_PRETOKEN_BYTES} bytes",
+    )
     which.add_argument("--tokenizer", type=Path, default=None, help="use this tokenizer.json instead of training")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="share of documents held out (default 0.1)")
+    p.add_argument("--val-fraction", type=float, default=0.1, metavar="F", help=VAL_HELP)
     p.add_argument("--suffix", action="append", default=None, help=f"folder files to read (default {DEFAULT_SUFFIXES})")
     p.add_argument("--exclude", action="append", default=[], metavar="NAME", help="skip subfolders of this name")
     args = p.parse_args(argv)
@@ -346,40 +507,72 @@ def check_args(args: argparse.Namespace) -> None:
         raise PrepareError(
             f"--vocab: expected {BYTES + 1} (the bytes and {EOT}) to {MAX_VOCAB} (uint16 shards), got {args.vocab}"
         )
-    if not 0 < args.val_fraction < 1:
+    if not 0 < args.val_fraction < 1:  # also refuses nan
         raise PrepareError(f"--val-fraction: expected a value in (0, 1), got {args.val_fraction}")
     if args.tokenizer is not None and not args.tokenizer.is_file():
         raise PrepareError(f"--tokenizer: {args.tokenizer} is not a file")
 
 
-def prepare(args: argparse.Namespace, bar: bool) -> dict[str, Any]:
-    """The whole command after parsing; returns what it did (for the last line)."""
-    check_args(args)
-    suffixes = tuple(args.suffix or DEFAULT_SUFFIXES)
-    tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    corpus = check_inputs(args.inputs, suffixes, tuple(args.exclude), bar)
-    want = manifest(corpus, args)
-    out: Path = args.out
-    if check_out(out, want):
-        return {"done_before": True, "corpus": corpus}
+def start_output(out: Path, state: str, want: dict[str, Any]) -> None:
+    """Make `out` ours: replace an unfinished prepare of another corpus, drop killed runs' temporaries, and
+    write the manifest (incomplete)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
+        if state == "replace":
+            print(f"note: {out} held an unfinished prepare of another corpus; replacing it", file=sys.stderr)
+            remove_outputs(out)
         for name in OUTPUTS:
             for stale in stale_temps(out / name):
                 stale.unlink()
         write_json(out / MANIFEST, {**want, "complete": False})
     except OSError as e:
         raise PrepareError(f"--out: cannot write to {out} ({e.strerror})") from None
+
+
+def write_outputs(args: argparse.Namespace, tok: Any, corpus: Corpus, split: Split, want: dict, bar: bool) -> dict:
+    """Train (unless given a tokenizer), then tokenizer.json, the shards and the complete manifest."""
+    out: Path = args.out
     t0 = time.perf_counter()
     if tok is None:
-        tok = train_tokenizer(corpus, args.vocab, args.val_fraction, bar, CHUNK_BYTES)
+        tok = train_tokenizer(corpus, args.vocab, split, bar, CHUNK_BYTES)
     tmp = temp_name(out / "tokenizer.json")
     tok.save(str(tmp))
     os.replace(tmp, out / "tokenizer.json")
-    splits = encode_corpus(tok, corpus, out, args.val_fraction, bar)
+    splits = encode_corpus(tok, corpus, out, split, bar)
     seconds = time.perf_counter() - t0
-    write_json(out / MANIFEST, {**want, "complete": True, "splits": splits, "seconds": round(seconds, 2)})
-    return {"done_before": False, "corpus": corpus, "splits": splits, "seconds": seconds, "vocab": tok.get_vocab_size()}
+    record = {**want, "complete": True, "splits": splits, "seconds": round(seconds, 2)}
+    if split.tail_doc is not None:
+        record["val_is_tail_of_document"] = split.tail_doc
+    write_json(out / MANIFEST, record)
+    return {"splits": splits, "seconds": seconds, "vocab": tok.get_vocab_size()}
+
+
+def prepare(args: argparse.Namespace, bar: bool) -> dict[str, Any]:
+    """The whole command after parsing; returns what it did (for the last line).
+
+    Every refusal comes before `out` is touched; a failure or Ctrl-C after that removes what this run
+    wrote (and `out` itself if this run made it), so the folder takes any corpus next time."""
+    check_args(args)
+    suffixes = tuple(args.suffix or DEFAULT_SUFFIXES)
+    tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    corpus = check_inputs(args.inputs, suffixes, tuple(args.exclude), bar)
+    split = plan_split(corpus, args.val_fraction)
+    want = manifest(corpus, args)
+    out: Path = args.out
+    state = check_out(out, want)
+    if state == "done":
+        return {"done_before": True, "corpus": corpus}
+    made = not out.exists()
+    start_output(out, state, want)
+    try:
+        done = write_outputs(args, tok, corpus, split, want, bar)
+    except BaseException:
+        remove_outputs(out)
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+    return {"done_before": False, "corpus": corpus, "split": split, **done}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -390,9 +583,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # the shard writers have deleted their temporary files
-        print(f"interrupted; {args.out} holds no partly written shard", file=sys.stderr)
+    except KeyboardInterrupt:  # prepare() has removed what it wrote
+        print(f"interrupted; nothing of this run is left in {args.out}", file=sys.stderr)
         return 130
+    except OSError as e:  # e.g. the disk filled up, or an input vanished mid-run; prepare() has cleaned up
+        print(f"error: {e.filename or args.out}: {e.strerror}", file=sys.stderr)
+        return 2
     corpus: Corpus = done["corpus"]
     if corpus.skipped:
         note = f"note: skipped {len(corpus.skipped)} files that are not UTF-8 text, e.g. {corpus.skipped[0]}"
@@ -401,6 +597,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{args.out}: already prepared from these inputs; nothing to do", file=sys.stderr)
         return 0
     s = done["splits"]
+    if done["split"].tail_doc is not None:
+        print(
+            f"note: {corpus.documents} documents give val no whole one at --val-fraction {args.val_fraction}; "
+            "val is the last document's tail",
+            file=sys.stderr,
+        )
     mb = corpus.nbytes / 1e6
     print(
         f"wrote {args.out}: tokenizer.json ({done['vocab']} ids), train.bin ({s['train']['tokens']:,} tokens, "

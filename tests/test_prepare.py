@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
+from tokenizers.pre_tokenizers import ByteLevel
 
 from hsdp import prepare
 from hsdp.config.loader import load_config
@@ -108,11 +109,11 @@ def test_long_document_in_chunks_equals_whole(tmp_path: Path, prepared: Path) ->
     (tmp_path / "long.txt").write_text(text)
     (tmp_path / "other.txt").write_text("tiny\n")
     corpus = prepare.Corpus([tmp_path / "long.txt", tmp_path / "other.txt"], 0, [])
-    pieces = [p for _, _, p, _ in prepare.documents(corpus, 0.5, 64)]
+    pieces = [p for _, _, p, _ in prepare.documents(corpus, prepare.Split(0.5), 64)]
     assert len(pieces) > 10 and "".join(pieces[:-1]) == text
     out = tmp_path / "out"
     out.mkdir()
-    prepare.encode_corpus(tok, corpus, out, 0.5, bar=False, chunk_bytes=64)
+    prepare.encode_corpus(tok, corpus, out, prepare.Split(0.5), bar=False, chunk_bytes=64)
     _, tokens = read_shard(out / "train.bin")
     assert tokens.tolist() == [tok.token_to_id(EOT), *tok.encode(text, add_special_tokens=False).ids]
 
@@ -155,7 +156,8 @@ def test_bad_input_refused_before_any_output(corpus: Path, tmp_path: Path, capsy
     foreign.mkdir()
     (foreign / "train.bin").write_bytes(b"\0\0")
     _exit_2_with_one_line([str(corpus), "--out", str(foreign)], capsys, "not written by hsdp.prepare")
-    _exit_2_with_one_line([str(corpus / "a.txt"), "--out", str(out)], capsys, "no documents")  # one document
+    (tmp_path / "empty.txt").write_text("")
+    _exit_2_with_one_line([str(tmp_path / "empty.txt"), "--out", str(out)], capsys, "no text")
     assert not (out / "train.bin").exists() and not list(out.glob(".*tmp*"))
     assert (foreign / "train.bin").read_bytes() == b"\0\0"
 
@@ -173,9 +175,15 @@ def test_interrupted_prepare_leaves_no_final_shard(corpus: Path, tmp_path: Path,
     with monkeypatch.context() as m:
         m.setattr(ShardWriter, "write", interrupt)
         assert main([str(corpus), "--out", str(out), "--vocab", "300"]) == 130
-    assert not (out / "train.bin").exists() and not (out / "val.bin").exists()
-    assert not [p.name for p in out.iterdir() if "tmp" in p.name]
-    assert main([str(corpus), "--out", str(out), "--vocab", "300"]) == 0
+        assert not out.exists()  # this run made the folder: it is gone with what the run wrote
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        calls.clear()
+        assert main([str(corpus), "--out", str(out), "--vocab", "300"]) == 130
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]  # no manifest, tokenizer, shard or temporary
+    assert main([str(corpus / "a.txt"), "--out", str(out), "--vocab", "300"]) == 0  # any corpus is welcome
+    assert main([str(corpus), "--out", str(tmp_path / "other"), "--vocab", "300"]) == 0
+    out = tmp_path / "other"
     assert (out / "train.bin").is_file() and (out / "val.bin").is_file()
 
 
@@ -274,3 +282,101 @@ def test_bad_shards_refused_with_exit_2(tmp_path: Path, bad: str) -> None:
     assert len(line.splitlines()) == 1 and "train.bin" in line and "data.path" in line, line
     assert {"magic": "magic", "version": "version", "length": "truncated", "id": "token id 400"}[bad] in line
     assert not (tmp_path / "bad").exists()
+
+
+# ----------------------------------------------------------------- bounded pre-tokens, the split, identity
+def test_long_pretokens_are_cut_and_normal_text_encodes_as_before(tmp_path: Path) -> None:
+    """A whitespace-free document: no pre-token of the trained tokenizer exceeds the bound (BPE training cost
+    grows with the square of a pre-token's length; this is what keeps 10 MB of it at seconds), the shards
+    equal encoding with tokenizer.json (what hsdp.sample uses), and normal text has GPT-2's pre-tokens."""
+    (tmp_path / "nospace.txt").write_text("ab" * 50_000 + "é" * 300)  # 100 KB, then 2-byte chars
+    (tmp_path / "other.txt").write_text(EOT.join(DOCS))
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "nospace.txt"), str(tmp_path / "other.txt"), "--out", str(out), "--vocab", "300"]) == 0
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    nospace = (tmp_path / "nospace.txt").read_text()
+    pieces = tok.pre_tokenizer.pre_tokenize_str(nospace)
+    assert max(len(p) for p, _ in pieces) == prepare.MAX_PRETOKEN_BYTES  # byte-level: one character a byte
+    assert "".join(p for p, _ in pieces) == "".join(
+        p for p, _ in ByteLevel(add_prefix_space=False).pre_tokenize_str(nospace)
+    )
+    assert tok.decode(tok.encode(nospace, add_special_tokens=False).ids) == nospace
+    ids = [tok.token_to_id(EOT), *tok.encode(nospace, add_special_tokens=False).ids]
+    assert read_shard(out / "train.bin")[1].tolist()[: len(ids)] == ids
+    plain = Tokenizer.from_str(tok.to_str())  # the same model behind GPT-2's pre-tokenizer alone
+    plain.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    normal = [*DOCS, (REPO / "hsdp" / "prepare.py").read_text(), (REPO / "README.md").read_text()]
+    for text in normal:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert ids == plain.encode(text, add_special_tokens=False).ids
+        assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def _shard_text(tok: Tokenizer, path: Path) -> list[str]:
+    """The documents of a shard, decoded (split at the end-of-text id)."""
+    ids = read_shard(path)[1].tolist()
+    eot, docs = tok.token_to_id(EOT), []
+    for i in ids:
+        if i == eot:
+            docs.append([])
+        else:
+            docs[-1].append(i)
+    return [tok.decode(d) for d in docs]
+
+
+def test_one_document_gives_val_its_tail(tmp_path: Path, capsys) -> None:
+    """One document: val is its last F (from a pre-token start), train the rest; together the document."""
+    doc = "".join(f"line {i}: the quick brown fox\n" for i in range(200))
+    (tmp_path / "one.txt").write_text(doc)
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "one.txt"), "--out", str(out), "--vocab", "280", "--val-fraction", "0.25"]) == 0
+    assert "val is the last document's tail" in capsys.readouterr().err
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    [head], [tail] = _shard_text(tok, out / "train.bin"), _shard_text(tok, out / "val.bin")
+    assert head + tail == doc and tail[0] in " \n" and not tail[1].isspace()
+    assert abs(len(tail) - 0.25 * len(doc)) < 10  # the cut moved on to the next pre-token start only
+    manifest = json.loads((out / "prepare.json").read_text())
+    assert manifest["splits"]["val"]["documents"] == 1 and manifest["val_is_tail_of_document"] == 0
+
+
+def test_touching_an_input_keeps_the_corpus_editing_it_does_not(prepared: Path, corpus: Path, tmp_path: Path, capsys):
+    """Identity is path, size and SHA-256: a new mtime is the same corpus; same size, other bytes is not."""
+    files = sorted(corpus.iterdir())
+    copy = tmp_path / "corpus"
+    copy.mkdir()
+    for f in files:
+        (copy / f.name).write_bytes(f.read_bytes())
+    out = tmp_path / "out"
+    args = [str(copy), "--out", str(out), "--vocab", "300", "--val-fraction", "0.25"]
+    assert main(args) == 0
+    capsys.readouterr()
+    os.utime(copy / "a.txt", ns=(1, 1))
+    assert main(args) == 0 and "nothing to do" in capsys.readouterr().err
+    saved = json.loads((out / "prepare.json").read_text())  # a manifest from before hashes: mtimes
+    old = {**saved, "files": [[p, size, Path(p).stat().st_mtime_ns] for p, size, _ in saved["files"]]}
+    (out / "prepare.json").write_text(json.dumps(old))
+    assert main(args) == 0 and "nothing to do" in capsys.readouterr().err
+    (out / "prepare.json").write_text(json.dumps(saved))
+    (copy / "a.txt").write_text(DOCS[0].replace("x", "y"))  # same size, other content
+    _exit_2_with_one_line(args, capsys, "different corpus (files differs")
+
+
+def test_failure_after_output_began_removes_what_it_wrote(corpus: Path, tmp_path: Path, monkeypatch, capsys):
+    """An error while training (here a full disk) removes the manifest and tokenizer; a kill -9's leftovers
+    (an unfinished manifest of another corpus) do not block another corpus."""
+    out = tmp_path / "out"
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(out / "tokenizer.json"))
+
+    with monkeypatch.context() as m:
+        m.setattr(prepare, "train_tokenizer", disk_full)
+        _exit_2_with_one_line([str(corpus), "--out", str(out), "--vocab", "300"], capsys, "No space left")
+    assert not out.exists()
+    out.mkdir()  # what a killed prepare of another corpus leaves
+    (out / "prepare.json").write_text(json.dumps({"files": [["/elsewhere", 1, "00"]], "complete": False}))
+    (out / "tokenizer.json").write_text("{}")
+    (out / ".train.bin.tmp-1").write_bytes(b"\0")
+    assert main([str(corpus), "--out", str(out), "--vocab", "300"]) == 0
+    assert "unfinished prepare of another corpus" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["prepare.json", "tokenizer.json", "train.bin", "val.bin"]
