@@ -35,7 +35,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hsdp.config.preflight import check_world_size
 from hsdp.config.schema import Config
 from hsdp.run.checkpoint import elastic_resume_note
 from hsdp.run.elastic import ElasticLaunch, replica_env, start_lighthouse, write_summary
@@ -391,14 +390,13 @@ def launch(cfg: Config, worker: Worker) -> None:
     """Run `worker(cfg)` on every rank of the mesh.
 
     Raises WorkerError if any rank fails, Interrupted (after stopping the workers)
-    on SIGINT/SIGTERM. The mesh is assumed validated (`load_config`).
+    on SIGINT/SIGTERM. The mesh is assumed checked (`load_checked_config`, the torchrun world included).
     """
     if cfg.elastic.enabled and not under_torchrun():  # under torchrun: one replica per agent, as below
         with StopSignals() as stop:
             return _launch_elastic(cfg, worker, stop)
     if under_torchrun():  # torchrun's agent owns the workers' lifetime and signals
         world = int(os.environ["WORLD_SIZE"])
-        check_world_size(cfg, world)
         _init_and_run(
             cfg,
             worker,
