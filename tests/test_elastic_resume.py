@@ -18,8 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hsdp.config.loader import load_config
+from hsdp.config.schema import ConfigError
 from hsdp.run.checkpoint import complete_checkpoints, step_of
-from tests.helpers import SMALL, RunResult, run_train
+from hsdp.run.elastic import ElasticLaunch, check_lighthouse_reachable
+from hsdp.run.zygote import Exit
+from tests.helpers import REPO, SMALL, RunResult, run_train
 from tests.test_elastic import _finish, _last_step, _replicas, _start
 from tests.test_never_lose import files_under, flip_bytes, last_line
 
@@ -150,3 +154,53 @@ def test_a_stopped_elastic_worker_is_failed_and_the_run_ends(tmp_path: Path) -> 
         assert "replica 1 failed 1 times" in line and f"(pid {pid}) has been stopped" in line, line
         assert "replica 0 finished" in line, line
     assert records(run_dir, 0)[-1]["step"] == 39
+
+
+# ---------------------------------------------------------------- the launcher's smaller cases
+def test_a_malformed_or_unreachable_lighthouse_is_one_line(tmp_path: Path) -> None:
+    """A malformed elastic.lighthouse is a config error (before anything is written); an unreachable one is one
+    line at once, not a restart of every replica until max_restarts."""
+    base = ["elastic.enabled=true", "mesh.sync=2", "sync.warmup_steps=0", "sync.every=8"]
+    for url in ("foo", "http://host", "ftp://host:1"):
+        with pytest.raises(ConfigError, match="elastic.lighthouse: expected http://HOST:PORT"):
+            load_config(str(REPO / "configs/tiny.yaml"), [*base, f"elastic.lighthouse={url}"])
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), [*base, "elastic.lighthouse=http://127.0.0.1:9"])
+    with pytest.raises(ConfigError, match="elastic.lighthouse: cannot reach http://127.0.0.1:9"):
+        check_lighthouse_reachable(cfg)
+
+
+class _Workers:
+    """The launcher's workers as ElasticLaunch sees them (no processes)."""
+
+    def __init__(self) -> None:
+        self.pids: dict[int, int] = {}
+        self.killed: list[int] = []
+
+    def send_signal(self, sig: int, indices: list[int]) -> None:
+        self.killed += list(indices)
+
+
+def test_every_replica_down_ends_the_run_instead_of_restarting(tmp_path: Path) -> None:
+    """kill -9 of both replicas: with no live replica to heal from, neither is restarted (each restart would fail
+    the same way until max_restarts); the outcome is one line naming both."""
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), ["elastic.enabled=true", "mesh.sync=2", "mesh.shard=1"])
+    cfg.run.out_dir, cfg.run.name = str(tmp_path), "both"
+    (tmp_path / "both").mkdir()
+    workers = _Workers()
+    starts = iter(range(100))
+
+    def start_group(m: int, restarts: int) -> list[int]:
+        i = next(starts)
+        workers.pids[i] = 1000 + i
+        return [i]
+
+    run = ElasticLaunch(cfg, workers, start_group)
+    run.start(0)
+    run.start(1)
+    run.on_exit(Exit(0, -9))  # replica 0 killed: replica 1 is live, so replica 0 waits for its restart
+    assert run.replicas[0].restart_at is not None and not run.replicas[0].given_up
+    run.on_exit(Exit(1, -9))  # replica 1 killed too: nobody left to heal from
+    assert all(r.given_up and r.restart_at is None for r in run.replicas) and not run.running
+    line = run.outcome()
+    assert line.startswith("replicas 0, 1 given up; replica 0 failed 1 times (no live replica left to heal from)")
+    assert json.loads((tmp_path / "both" / "replicas.json").read_text())["1"]["given_up"] is True

@@ -7,6 +7,7 @@ folder, the engine's capabilities) is `preflight.py`.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from hsdp.config.schema import CHOICES, Config, ConfigError
 
@@ -155,8 +156,22 @@ def check_elastic(cfg: Config) -> None:
     if cfg.run.resume not in ("auto", "never"):
         raise ConfigError(
             "run.resume: an elastic run's replicas resume together, each from its own checkpoint, so it takes "
-            f"auto or never (auto: the newest step every replica saved), got {cfg.run.resume!r}"
+            f"auto or never (auto: each replica's own newest), got {cfg.run.resume!r}"
         )
+    if e.lighthouse:
+        check_lighthouse(e.lighthouse)
+
+
+def check_lighthouse(url: str) -> None:
+    """elastic.lighthouse is http(s)://HOST:PORT: a malformed one is refused here, before anything is written,
+    instead of failing every replica's start until elastic.max_restarts is spent."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # a port that is not a number in 0..65535
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port or parts.path not in ("", "/"):
+        raise ConfigError(f"elastic.lighthouse: expected http://HOST:PORT (e.g. http://node0:29510), got {url!r}")
 
 
 NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems

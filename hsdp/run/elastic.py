@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlsplit
 
 from hsdp.config.schema import Config, ConfigError
 from hsdp.run.zygote import Exit, Workers
@@ -39,6 +41,11 @@ class Replica:
     def done(self) -> bool:
         return self.given_up or (self.restart_at is None and self.finished == len(self.workers))
 
+    @property
+    def training(self) -> bool:
+        """Its workers are running (a replica a restarted one can heal from)."""
+        return not self.given_up and self.restart_at is None and 0 < len(self.workers) and not self.done
+
 
 def replica_env(replica: int, restarts: int, lighthouse: str) -> dict[str, str]:
     """What an elastic worker learns from the launcher besides the usual rank variables."""
@@ -59,8 +66,25 @@ def enter_torchrun_replica(cfg: Config) -> None:
         raise ConfigError(
             f"elastic.replica: under torchrun, this machine's replica index in 0..{cfg.mesh.sync - 1}, got {e.replica}"
         )
+    check_lighthouse_reachable(cfg)
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     os.environ.update(replica_env(e.replica, int(restarts or 0), e.lighthouse))
+
+
+def check_lighthouse_reachable(cfg: Config) -> None:
+    """ConfigError (one line) unless elastic.lighthouse, when set, accepts a connection within elastic.timeout_s:
+    otherwise every replica's start would fail and be restarted until elastic.max_restarts is spent."""
+    url = cfg.elastic.lighthouse
+    if not url:
+        return
+    parts = urlsplit(url)
+    try:
+        socket.create_connection((parts.hostname, parts.port), timeout=cfg.elastic.timeout_s).close()
+    except OSError as e:
+        raise ConfigError(
+            f"elastic.lighthouse: cannot reach {url} ({e.strerror or type(e).__name__}); start torchft_lighthouse "
+            "there first, or leave elastic.lighthouse empty to have the launcher start one"
+        ) from None
 
 
 def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
@@ -125,9 +149,14 @@ class ElasticLaunch:
             self.owner.pop(i)
         self.workers.send_signal(signal.SIGKILL, rest)  # the replica's survivors would wait on it
         r.workers = []
-        alone = all(x.done and not x.given_up for x in self.replicas if x is not r)  # nobody to heal from
-        if r.restarts >= self.cfg.elastic.max_restarts or alone:
+        if r.restarts >= self.cfg.elastic.max_restarts:
             r.given_up = True
+        elif not any(x.training for x in self.replicas):
+            # Nobody to heal from (every other replica finished, failed or waits for its own restart): a restart
+            # would find no live replica and fail again, spending every restart. Give up on all that wait.
+            for x in self.replicas:
+                if not x.done or x is r:
+                    x.given_up, x.restart_at = True, None
         else:
             r.restarts += 1
             r.restart_at = time.monotonic() + self.cfg.elastic.restart_delay_s
@@ -178,12 +207,15 @@ class ElasticLaunch:
         r = lost[0]
         ok = [str(x.index) for x in self.replicas if not x.given_up]
         others = f"; replica{'s' if len(ok) > 1 else ''} {', '.join(ok)} finished" if ok else ""
+        if not r.failures:  # given up while waiting for its restart: the replica that failed last left it alone
+            r = next(x for x in reversed(lost) if x.failures)
         why = (
             f"elastic.max_restarts={self.cfg.elastic.max_restarts}"
             if r.restarts >= self.cfg.elastic.max_restarts
             else "no live replica left to heal from"
         )
-        return f"replica {r.index} failed {len(r.failures)} times ({why}), last: {r.failures[-1]}{others}"
+        given_up = f"replicas {', '.join(str(x.index) for x in lost)} given up; " if len(lost) > 1 else ""
+        return f"{given_up}replica {r.index} failed {len(r.failures)} times ({why}), last: {r.failures[-1]}{others}"
 
 
 def write_summary(cfg: Config, run: ElasticLaunch) -> None:

@@ -35,9 +35,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hsdp.config.schema import Config
+from hsdp.config.schema import Config, ConfigError
 from hsdp.run.checkpoint import elastic_resume_note
-from hsdp.run.elastic import ElasticLaunch, replica_env, start_lighthouse, write_summary
+from hsdp.run.elastic import (
+    ElasticLaunch,
+    check_lighthouse_reachable,
+    replica_env,
+    start_lighthouse,
+    write_summary,
+)
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.zygote import Exit, Workers, Zygote
 
@@ -236,6 +242,10 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
     note = elastic_resume_note(cfg)  # replicas resuming from different steps: say who heals from whom
     if note:
         print(note, file=sys.stderr)
+    try:
+        check_lighthouse_reachable(cfg)  # one line now, not a restart of every replica until max_restarts
+    except ConfigError as e:
+        raise WorkerError(str(e)) from None
     server, address = start_lighthouse(cfg)
     shard, local_world = cfg.mesh.shard, cfg.world_size
     try:
