@@ -17,6 +17,10 @@ Three things kept every run paying a full compile:
    importing torch) on every compile, needed or not; a warm compile
    generates no code, so the pool is left to start lazily, when a cold
    compile first needs it (`TORCH_WARM_POOL=0`, unless the user set it).
+
+Points 2 and 4 change torch's process-global state, so they are hsdp/torch_compat.py's
+(`allow_autograd_functions_in_aot_cache`, `start_compile_pool_lazily`), as are the private
+inductor names point 3 reads.
 """
 
 from __future__ import annotations
@@ -31,18 +35,7 @@ from typing import Any
 import torch
 
 from hsdp.shards import write_json
-
-
-def allow_autograd_functions_in_cache() -> None:
-    """Let AOTAutograd cache graphs that hold our (pure) autograd.Functions (point 2 above)."""
-    config = torch._functorch.config
-    if hasattr(config, "autograd_cache_allow_custom_autograd_functions"):  # older torch: no AOT cache hit, still right
-        config.autograd_cache_allow_custom_autograd_functions = True
-
-
-def start_compile_pool_lazily() -> None:
-    """Point 4 above; call before the first torch.compile call of the process."""
-    os.environ.setdefault("TORCH_WARM_POOL", "0")
+from hsdp.torch_compat import cpu_vec_isa_probe, inductor_cache_dir
 
 
 def cpu_options() -> dict[str, Any]:
@@ -52,16 +45,15 @@ def cpu_options() -> dict[str, Any]:
     """
     if platform.machine() not in ("x86_64", "AMD64"):
         return {}
-    try:
-        from torch._inductor.cpu_vec_isa import supported_vec_isa_list, valid_vec_isa_list, x86_isa_checker
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-    except ImportError:  # inductor moved its probe: fall back to probing every time
+    probe = cpu_vec_isa_probe()
+    if probe is None:  # inductor moved its probe: fall back to probing every time
         return {}
+    supported_vec_isa_list, valid_vec_isa_list, x86_isa_checker = probe
     cpu_flags = x86_isa_checker()
     key = hashlib.sha256(
         json.dumps([sorted(cpu_flags), torch.__version__, os.environ.get("CXX", ""), os.environ.get("CC", "")]).encode()
     ).hexdigest()[:16]
-    path = Path(cache_dir()) / "hsdp-vec-isa.json"
+    path = Path(inductor_cache_dir()) / "hsdp-vec-isa.json"
     known = _read_json(path)
     if key not in known:
         on_cpu = [isa for isa in supported_vec_isa_list if all(f in cpu_flags for f in str(isa).split())]

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from hsdp.comm.groups import ring_bytes_of
 from hsdp.compile.passes import BUCKET_VIEW_OPS, COLLECTIVES, SOURCE_HASH, WAITS, C, max_gathered_alive
 from hsdp.shards import write_json
+from hsdp.torch_compat import CustomGraphPass, inductor_cache_dir, resolve_process_group
 
 
 @dataclass
@@ -94,15 +94,11 @@ def saved_gathered(graph: fx.Graph) -> list[fx.Node]:
 
 
 def _group_size(group_name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).size()
+    return resolve_process_group(group_name).size()
 
 
 def sidecar_dir() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir()) / "hsdp-census"
+    return Path(inductor_cache_dir()) / "hsdp-census"
 
 
 class MissingCensus(RuntimeError):

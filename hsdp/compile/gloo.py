@@ -11,7 +11,8 @@ torch.compile; docs/results/compile.md). The eager engine's calls (`all_gather_s
 
 So, for CPU tensors only, `route_functional_collectives_to_c10d` registers a CPU kernel for the two
 functional ops that issues those c10d calls asynchronously and hands the work to the functional
-work registry (`_register_work`), where the graph's `wait_tensor` finds it. The graph, inductor's
+work registry (`_register_work`), where the graph's `wait_tensor` finds it. The registration (a
+process-global patch) and the private c10d names are hsdp/torch_compat.py's. The graph, inductor's
 lowering, our passes and the byte census see the same ops as before; only the kernel behind them
 on CPU changes. CUDA tensors (NCCL) keep torch's kernel. The in-place all-reduce already takes
 gloo's plain all-reduce, as eager does, and is left alone.
@@ -19,34 +20,25 @@ gloo's plain all-reduce, as eager does, and is left alone.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from hsdp.comm.groups import _all_gather_single, _reduce_scatter_single
+from hsdp.torch_compat import register_cpu_collectives, register_work, resolve_process_group
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_LIBRARY: Optional[torch.library.Library] = None  # kept alive: dropping it would unregister the kernels
 
 
 def route_functional_collectives_to_c10d() -> None:
     """Register the CPU kernels (once per process; later calls do nothing)."""
-    global _LIBRARY
-    if _LIBRARY is not None:
-        return
-    lib = torch.library.Library("_c10d_functional", "IMPL")
-    lib.impl("all_gather_into_tensor", all_gather_into_tensor, "CPU")
-    lib.impl("reduce_scatter_tensor", reduce_scatter_tensor, "CPU")
-    _LIBRARY = lib
+    register_cpu_collectives(all_gather_into_tensor, reduce_scatter_tensor)
 
 
 def all_gather_into_tensor(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """`_c10d_functional.all_gather_into_tensor` on CPU: gloo's `_allgather_base`, async, work registered."""
     out = inp.new_empty((inp.shape[0] * group_size, *inp.shape[1:]))
-    work = _all_gather_single(out, inp.contiguous(), group=_resolve_process_group(group_name), async_op=True)
-    torch._C._distributed_c10d._register_work(out, work)
+    work = _all_gather_single(out, inp.contiguous(), group=resolve_process_group(group_name), async_op=True)
+    register_work(out, work)
     return out
 
 
@@ -54,6 +46,6 @@ def reduce_scatter_tensor(inp: torch.Tensor, reduce_op: str, group_size: int, gr
     """`_c10d_functional.reduce_scatter_tensor` on CPU: gloo's `_reduce_scatter_base`, async, work registered."""
     out = inp.new_empty((inp.shape[0] // group_size, *inp.shape[1:]))
     op = _REDUCE_OPS[reduce_op.lower()]
-    work = _reduce_scatter_single(out, inp.contiguous(), op=op, group=_resolve_process_group(group_name), async_op=True)
-    torch._C._distributed_c10d._register_work(out, work)
+    work = _reduce_scatter_single(out, inp.contiguous(), op=op, group=resolve_process_group(group_name), async_op=True)
+    register_work(out, work)
     return out

@@ -36,10 +36,11 @@ from torch.func import functional_call
 
 from hsdp.layout import ReducePlan, UnitLayout
 from hsdp.model import loss_fn
+from hsdp.torch_compat import C10D_FUNCTIONAL
 from kernels.pack import cast_shard
 from kernels.reduce import scale_grad, scaled_grad_shard
 
-C = torch.ops._c10d_functional
+C = C10D_FUNCTIONAL
 
 
 @dataclass(frozen=True)

@@ -27,19 +27,26 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
 import kernels.pack  # noqa: F401  (registers hsdp_kernels::cast_shard, named below)
+from hsdp.torch_compat import (
+    ATEN_TO_COPY,
+    ATEN_UNSAFE_VIEW,
+    C10D_FUNCTIONAL,
+    C10D_FUNCTIONAL_PREFIX,
+    CustomGraphPass,
+    get_hash_for_files,
+)
 
-C = torch.ops._c10d_functional
+C = C10D_FUNCTIONAL
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 # Ops that only cast, view or copy what the all-gather produced: recomputing them is as cheap as the gather.
 _UNPACK_OPS = {
     aten.view.default,
-    aten._unsafe_view.default,
+    ATEN_UNSAFE_VIEW,
     aten.reshape.default,
     aten.split_with_sizes.default,
     aten.split.Tensor,
@@ -52,7 +59,7 @@ _UNPACK_OPS = {
     aten.expand.default,
     aten.unsqueeze.default,
     aten.squeeze.dim,
-    aten._to_copy.default,
+    ATEN_TO_COPY,
     prims.convert_element_type.default,
     operator.getitem,
     aten.cat.default,
@@ -348,9 +355,9 @@ def schedule_of_code(code: str) -> list[str]:
 
 
 def _collective_event(line: str) -> str | None:
-    if "torch.ops._c10d_functional." not in line or line.startswith(("#", "assert")):
+    if C10D_FUNCTIONAL_PREFIX not in line or line.startswith(("#", "assert")):
         return None
-    call = line.split("torch.ops._c10d_functional.", 1)[1]
+    call = line.split(C10D_FUNCTIONAL_PREFIX, 1)[1]
     name, args = call.split(".default(", 1)
     first = args.split(",", 1)[0].split(")", 1)[0]
     if name == "wait_tensor":

@@ -6,12 +6,6 @@ the forked ranks inherit them). About 1.5 s of CPU per rank; on a 2-core box wit
 that was a third of a warm compile.
 """
 
-import contextlib
+from hsdp.torch_compat import prewarm_inductor
 
-import torch._inductor.compile_fx  # noqa: F401
-from torch._inductor import codecache
-
-# A torch without these helpers: the ranks compute the keys themselves.
-with contextlib.suppress(Exception):
-    codecache.torch_key()
-    codecache.CacheBase.get_system()  # triton's key
+prewarm_inductor()

@@ -4,13 +4,13 @@ Same model, data, optimizer and metrics; `mesh.engine` picks one, so every
 comparison is one flag. Their collectives are counted through `Comm` like ours:
 FSDP2's all-gathers and reduce-scatters through its own custom-comm hooks
 (`set_custom_all_gather` / `set_custom_reduce_scatter`), its replica all-reduce
-(which has no hook) by `count_all_reduces` around the step, and DDP's bucket
-all-reduces through a comm hook.
+by its all-reduce hook (`set_all_reduce_hook`, called with the all-reduced
+tensor after each), and DDP's bucket all-reduces through a comm hook. No torch
+function is replaced: nothing process-global changes while an engine lives.
 """
 
 import contextlib
-import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,18 +22,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hsdp.comm.groups import Comm, ring_bytes
 from hsdp.comm.mesh import Mesh
-from hsdp.compile.cache import cpu_options, start_compile_pool_lazily
+from hsdp.compile.cache import cpu_options
 from hsdp.config.schema import Config
 from hsdp.engines.base import Batch, Engine, SavedCheckpoint
 from hsdp.engines.clock import CompileClock
 from hsdp.layout import DTYPES
 from hsdp.model import build_model
 from hsdp.sync.policy import NoSync
+from hsdp.torch_compat import FSDPAllGather, FSDPReduceScatter, start_compile_pool_lazily
 
-try:  # the custom-comm interfaces (torch >= 2.9); older torch leaves FSDP2's own comms in place, uncounted
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # pragma: no cover - depends on the installed torch
-    AllGather = ReduceScatter = None
+# The custom-comm interfaces (torch >= 2.9); older torch leaves FSDP2's own comms in place, uncounted.
+AllGather, ReduceScatter = FSDPAllGather, FSDPReduceScatter
 
 
 class _CountedAllGather(AllGather or object):
@@ -71,25 +70,17 @@ class _CountedReduceScatter(ReduceScatter or object):
         return self.comm.reduce_scatter(output_tensor, input_tensor, self.comm.label(group), op=op, async_op=async_op)
 
 
-@contextlib.contextmanager
-def count_all_reduces(comm: Comm) -> Iterator[None]:
-    """Count the `dist.all_reduce` calls made inside the block (FSDP2's replica all-reduce has no hook).
+def counted_all_reduce_hook(comm: Comm, group: dist.ProcessGroup) -> Callable[[torch.Tensor], None]:
+    """FSDP2's all-reduce hook that counts its replica all-reduce (HSDP: called after each, with its tensor).
 
-    Comm keeps its own reference to the real all_reduce, so our collectives are not counted twice.
+    FSDP2 issues that all-reduce itself, on `group` (the mesh's replicate dim), with no custom-comm hook.
     """
-    real = dist.all_reduce
+    label, n = comm.label(group), dist.get_world_size(group)
 
-    @functools.wraps(real)
-    def counted(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
-        group = group or dist.group.WORLD
-        comm.count(comm.label(group), "all_reduce", ring_bytes("all_reduce", dist.get_world_size(group), tensor))
-        return real(tensor, op=op, group=group, async_op=async_op)
+    def count(reduced: torch.Tensor) -> None:
+        comm.count(label, "all_reduce", ring_bytes("all_reduce", n, reduced))
 
-    dist.all_reduce = counted
-    try:
-        yield
-    finally:
-        dist.all_reduce = real
+    return count
 
 
 class _TorchCheckpoint:
@@ -125,6 +116,10 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
             for unit in [*model.units, model]:
                 unit.set_custom_all_gather(_CountedAllGather(mesh.comm))
                 unit.set_custom_reduce_scatter(_CountedReduceScatter(mesh.comm))
+        # The mesh is 2-D ("sync", "shard"): FSDP2 runs HSDP, so the hook follows each replica all-reduce.
+        count = counted_all_reduce_hook(mesh.comm, mesh.device_mesh.get_group("sync"))
+        for unit in [*model.units, model]:
+            unit.set_all_reduce_hook(count)
         self.mesh = mesh
         self.policy = NoSync()
         self.clock: CompileClock | None = None  # set when the blocks are compiled
@@ -147,7 +142,7 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
         return self.module(idx)
 
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
-        with count_all_reduces(self.mesh.comm), self.clock.call() if self.clock else contextlib.nullcontext():
+        with self.clock.call() if self.clock else contextlib.nullcontext():
             return super().forward_backward(batches)
 
     def stats(self) -> dict[str, Any]:

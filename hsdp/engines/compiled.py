@@ -17,14 +17,13 @@ engine's bytes for any optim.grad_accum (up to 3 more graph pairs are compiled).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, Optional
 
 import torch
 
-from hsdp.compile.cache import allow_autograd_functions_in_cache, cpu_options, start_compile_pool_lazily
+from hsdp.compile.cache import cpu_options
 from hsdp.compile.census import CollectiveCensus
 from hsdp.compile.gloo import route_functional_collectives_to_c10d
 from hsdp.compile.graph import Groups, plan_buckets, sharded_loss
@@ -34,6 +33,7 @@ from hsdp.engines.base import Batch
 from hsdp.engines.clock import CompileClock
 from hsdp.engines.hsdp import HSDPEngine
 from hsdp.layout import ReducePlan
+from hsdp.torch_compat import allow_autograd_functions_in_aot_cache, capture_output_code, start_compile_pool_lazily
 
 Variant = tuple[ReducePlan, str]  # (how grads are reduced, reduce | accumulate | reduce_pending)
 
@@ -85,7 +85,7 @@ class CompiledHSDPEngine(HSDPEngine):
         """Our joint pass always (release); who schedules the collectives is compile.passes."""
         # Cacheable passes (stable uuids): a warm compile loads the graphs from inductor's FX graph and
         # AOTAutograd caches; the census then comes from its sidecar (hsdp.compile.census).
-        allow_autograd_functions_in_cache()  # _GatherShards
+        allow_autograd_functions_in_aot_cache()  # _GatherShards (hsdp.compile.cache, point 2)
         start_compile_pool_lazily()
         options: dict[str, Any] = {"joint_custom_pre_pass": CacheablePass(recompute_gathers), **cpu_options()}
         if self.compile_cfg.passes == "ours":
@@ -123,7 +123,7 @@ class CompiledHSDPEngine(HSDPEngine):
         variant: Variant = (self.plan, mode)
         fn = self._step_fn(variant)
         self.census.current = variant
-        with self.clock.call(variant) as first, _capture_generated_code(self._on_code if first else None):
+        with self.clock.call(variant) as first, capture_output_code(self._on_code if first else None):
             loss = fn(self.leaves, x, y, **kwargs) / n_micro
             loss.backward()
         self.census.current = None
@@ -189,19 +189,3 @@ def schedule_text(engine: CompiledHSDPEngine) -> str:
         out.extend(schedule_of_code(code))
         out.append("")
     return "\n".join(out)
-
-
-@contextlib.contextmanager
-def _capture_generated_code(sink: Callable[[str], None] | None) -> Iterator[None]:
-    """Hand inductor's output code of each graph compiled or cache-loaded inside the block to `sink`."""
-    if sink is None:
-        yield
-        return
-    from torch._inductor.graph import GraphLowering
-
-    previous = GraphLowering.save_output_code
-    GraphLowering.save_output_code = sink
-    try:
-        yield
-    finally:
-        GraphLowering.save_output_code = previous

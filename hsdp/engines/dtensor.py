@@ -6,10 +6,7 @@ from typing import Any
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover - torch < 2.5
-    from torch.distributed._tensor import DTensor, Shard
+from hsdp.torch_compat import DTensor, Shard
 
 
 def shard_dtensor(local: torch.Tensor, full_shape: torch.Size, shard_mesh: Any) -> DTensor:

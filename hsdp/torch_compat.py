@@ -1,0 +1,246 @@
+"""Every process-global patch of torch, and every private torch / torchft API, the project depends on.
+
+Checked against torch 2.13.0 and torchft 0.2.0 (`TORCH_CHECKED`, `TORCHFT_CHECKED`). The rest of
+the project reaches these only through this module (tests/test_torch_compat.py reads the source
+and fails on a private name used anywhere else), so a torch upgrade re-checks one file: the test
+resolves every entry of `PRIVATE_APIS` and `PATCHES` in the installed torch and torchft, and
+names the ones that moved.
+
+Patches (process-global state of torch that the project changes; `PATCHES`):
+  capture_output_code      GraphLowering.save_output_code, set inside a block and restored after it
+  allow_autograd_functions_in_aot_cache    a functorch config flag, set once
+  register_cpu_collectives the CPU kernels of two `_c10d_functional` ops (gloo), registered once
+  start_compile_pool_lazily TORCH_WARM_POOL=0 in the environment, unless the user set it
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+TORCH_CHECKED = "2.13.0"
+TORCHFT_CHECKED = "0.2.0"
+
+
+@dataclass(frozen=True)
+class Api:
+    """One private name the project uses: where it lives (dotted) and why we need it."""
+
+    path: str  # "module:attribute.chain" (the part after ":" is read with getattr)
+    why: str
+    instance_attr: Optional[str] = None  # set on instances (in __init__), not on the class named by path
+
+
+# Every private API used (through the helpers below). tests/test_torch_compat.py resolves each.
+PRIVATE_APIS: tuple[Api, ...] = (
+    Api("torch:_chunk_cat", "the torch reference of the grad pack (kernels/reduce.py)"),
+    Api("torch._dynamo.utils:counters", "graphs compiled in this process (recompile counts)"),
+    Api("torch._functorch.config:autograd_cache_allow_custom_autograd_functions", "AOT cache hits (patch)"),
+    Api("torch._inductor.graph:GraphLowering.save_output_code", "the generated code of each graph (patch)"),
+    Api("torch._inductor.custom_graph_pass:CustomGraphPass", "our cacheable graph passes"),
+    Api("torch._inductor.custom_graph_pass:get_hash_for_files", "the passes' cache uuid"),
+    Api("torch._inductor.cpu_vec_isa:supported_vec_isa_list", "the CPU vector-ISA probe, kept"),
+    Api("torch._inductor.cpu_vec_isa:valid_vec_isa_list", "the CPU vector-ISA probe, kept"),
+    Api("torch._inductor.cpu_vec_isa:x86_isa_checker", "the CPU vector-ISA probe, kept"),
+    Api("torch._inductor.runtime.cache_dir_utils:cache_dir", "inductor's cache folder (census sidecars)"),
+    Api("torch._inductor.compile_fx:compile_fx", "imported by the zygote before it forks the ranks"),
+    Api("torch._inductor.codecache:torch_key", "torch's source hash, computed once before the fork"),
+    Api("torch._inductor.codecache:CacheBase.get_system", "triton's cache key, computed once before the fork"),
+    Api("torch._inductor.async_compile:AsyncCompile", "reads TORCH_WARM_POOL (patch)"),
+    Api("torch._C._distributed_c10d:_register_work", "a c10d work handed to the graph's wait_tensor"),
+    Api("torch.distributed.distributed_c10d:_resolve_process_group", "a graph's group name → its group"),
+    Api("torch:ops._c10d_functional.all_gather_into_tensor.default", "the compiled graph's collectives"),
+    Api("torch:ops._c10d_functional.reduce_scatter_tensor.default", "the compiled graph's collectives"),
+    Api("torch:ops._c10d_functional.all_reduce.default", "the compiled graph's collectives"),
+    Api("torch:ops._c10d_functional.wait_tensor.default", "the compiled graph's collectives"),
+    Api("torch:ops.aten._unsafe_view.default", "a view op our release pass recomputes"),
+    Api("torch:ops.aten._to_copy.default", "a cast op our release pass recomputes"),
+    Api("torch.distributed.fsdp._fully_shard._fsdp_api:AllGather", "FSDP2's all-gathers counted through Comm"),
+    Api("torch.distributed.fsdp._fully_shard._fsdp_api:ReduceScatter", "FSDP2's reduce-scatters through Comm"),
+    Api("torch.testing._internal.distributed.fake_pg:FakeStore", "registers mesh.backend=fake"),
+    Api("torch.nn:Module", "a unit's param swapped for its gathered full tensor", instance_attr="_parameters"),
+    Api("torch.autograd:Variable._execution_engine.queue_callback", "the end of backward: land pending reduces"),
+    Api(
+        "torchft.checkpointing.http_transport:HTTPTransport",
+        "the heal server's port (the address a replica advertises)",
+        instance_attr="_server",
+    ),
+)
+
+# The process-global state the project changes: name → the Api (above) it changes.
+PATCHES: dict[str, str] = {
+    "capture_output_code": "torch._inductor.graph:GraphLowering.save_output_code",
+    "allow_autograd_functions_in_aot_cache": "torch._functorch.config:autograd_cache_allow_custom_autograd_functions",
+    "register_cpu_collectives": "torch:ops._c10d_functional.all_gather_into_tensor.default",
+    "start_compile_pool_lazily": "torch._inductor.async_compile:AsyncCompile",
+}
+
+
+def resolve(api: Api) -> Any:
+    """The object `api.path` names in the installed torch / torchft (ImportError / AttributeError if gone)."""
+    module, _, chain = api.path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for name in chain.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+# ------------------------------------------------------------------ compiled graphs: ops and passes
+C10D_FUNCTIONAL = torch.ops._c10d_functional  # the ops a compiled graph's collectives are
+C10D_FUNCTIONAL_PREFIX = "torch.ops._c10d_functional."  # how inductor's generated code calls them
+ATEN_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+ATEN_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _custom_graph_pass() -> tuple[type, Callable[..., Any]]:
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    return CustomGraphPass, get_hash_for_files
+
+
+CustomGraphPass, get_hash_for_files = _custom_graph_pass()
+
+
+def compiled_graph_count() -> int:
+    """Graphs dynamo compiled in this process so far (all engines)."""
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def inductor_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def cpu_vec_isa_probe() -> Optional[tuple[Any, Callable[[], Any], Callable[[], Any]]]:
+    """(supported ISAs, the ISAs valid here, the CPU's flags) from inductor, or None if it moved them."""
+    try:
+        from torch._inductor.cpu_vec_isa import supported_vec_isa_list, valid_vec_isa_list, x86_isa_checker
+    except ImportError:
+        return None
+    return supported_vec_isa_list, valid_vec_isa_list, x86_isa_checker
+
+
+def prewarm_inductor() -> None:
+    """Import inductor and compute torch's and triton's cache keys (both cached per process) before a fork."""
+    import torch._inductor.compile_fx  # noqa: F401
+    from torch._inductor import codecache
+
+    with contextlib.suppress(Exception):  # a torch without these helpers: the ranks compute the keys themselves
+        codecache.torch_key()
+        codecache.CacheBase.get_system()  # triton's key
+
+
+@contextlib.contextmanager
+def capture_output_code(sink: Optional[Callable[[str], None]]) -> Iterator[None]:
+    """Patch: hand inductor's output code of each graph compiled or cache-loaded inside the block to `sink`."""
+    if sink is None:
+        yield
+        return
+    from torch._inductor.graph import GraphLowering
+
+    previous = GraphLowering.save_output_code
+    GraphLowering.save_output_code = sink
+    try:
+        yield
+    finally:
+        GraphLowering.save_output_code = previous
+
+
+def allow_autograd_functions_in_aot_cache() -> None:
+    """Patch: let AOTAutograd cache graphs holding (pure) autograd.Functions; older torch: no cache hit."""
+    config = torch._functorch.config
+    if hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
+        config.autograd_cache_allow_custom_autograd_functions = True
+
+
+def start_compile_pool_lazily() -> None:
+    """Patch (environment): inductor starts its compile workers when a compile first needs them."""
+    os.environ.setdefault("TORCH_WARM_POOL", "0")
+
+
+# ------------------------------------------------------------------ c10d
+_CPU_COLLECTIVES: Optional[torch.library.Library] = None  # kept alive: dropping it would unregister the kernels
+
+
+def register_cpu_collectives(all_gather: Callable[..., Any], reduce_scatter: Callable[..., Any]) -> None:
+    """Patch: the CPU kernels of `_c10d_functional.all_gather_into_tensor` / `reduce_scatter_tensor` (once)."""
+    global _CPU_COLLECTIVES
+    if _CPU_COLLECTIVES is not None:
+        return
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    lib.impl("all_gather_into_tensor", all_gather, "CPU")
+    lib.impl("reduce_scatter_tensor", reduce_scatter, "CPU")
+    _CPU_COLLECTIVES = lib
+
+
+def register_work(tensor: torch.Tensor, work: Any) -> None:
+    """Hand an async c10d work to the functional-collective registry, where `wait_tensor(tensor)` finds it."""
+    torch._C._distributed_c10d._register_work(tensor, work)
+
+
+def resolve_process_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a compiled graph names."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def register_fake_backend() -> None:
+    """Make `fake` a c10d backend (torch registers it when its testing module is imported)."""
+    importlib.import_module("torch.testing._internal.distributed.fake_pg")
+
+
+def _fsdp_comm_interfaces() -> tuple[Optional[type], Optional[type]]:
+    """FSDP2's custom-comm interfaces (torch >= 2.9), or (None, None) on a torch without them."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError:  # pragma: no cover - depends on the installed torch
+        return None, None
+    return AllGather, ReduceScatter
+
+
+FSDPAllGather, FSDPReduceScatter = _fsdp_comm_interfaces()
+
+
+def _dtensor_classes() -> tuple[type, type]:
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # pragma: no cover - torch < 2.5 has them under a private name
+        from torch.distributed._tensor import DTensor, Shard
+    return DTensor, Shard
+
+
+DTensor, Shard = _dtensor_classes()
+
+
+# ------------------------------------------------------------------ tensors and modules
+def chunk_cat(tensors: list[torch.Tensor], dim: int, num_chunks: int, out: torch.Tensor) -> torch.Tensor:
+    """`torch._chunk_cat`: each tensor cut into `num_chunks` along `dim`, chunk i of all concatenated in row i."""
+    return torch._chunk_cat(tensors, dim=dim, num_chunks=num_chunks, out=out)
+
+
+def swap_parameter(owner: nn.Module, attr: str, tensor: torch.Tensor) -> None:
+    """Put a plain tensor where `owner.<attr>` (a parameter) is, without nn.Module's checks (as FSDP2 does)."""
+    owner._parameters[attr] = tensor
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` when the running backward pass ends (as FSDP2 does; autograd's engine, private)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# ------------------------------------------------------------------ torchft
+def http_transport_port(transport: Any) -> int:
+    """The port of torchft's HTTP checkpoint transport's own server (private, as its address() reads it)."""
+    return transport._server.socket.getsockname()[1]

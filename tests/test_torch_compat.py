@@ -1,0 +1,220 @@
+"""hsdp/torch_compat.py is the one door to torch's private APIs and process-global patches.
+
+Two checks, so a torch (or torchft) upgrade shows what to re-check: every private API and patch
+the module lists still exists in the installed versions, and no other module of the project
+names a private torch / torchft API or patches torch (read from the source with ast).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hsdp import torch_compat
+from tests.helpers import REPO
+
+COMPAT = REPO / "hsdp" / "torch_compat.py"
+ROOTS = ("torch", "torchft")
+# Private names of the standard library that code may use (namedtuple's API, os._exit after fork).
+STDLIB_PRIVATE = {"_exit", "_replace", "_asdict", "_fields", "_make"}
+# Private uses in files whose owners have not yet routed them through hsdp/torch_compat.py:
+# path → what to call instead. Delete an entry when its file is done (a stale entry is reported).
+PENDING: dict[str, str] = {
+    "hsdp/engines/clock.py": "torch_compat.compiled_graph_count()",
+    "hsdp/engines/hsdp.py": "torch_compat.swap_parameter(owner, attr, tensor), queue_backward_callback(fn)",
+    "hsdp/run/launch.py": "torch_compat.register_fake_backend()",
+    "hsdp/sync/elastic.py": "torch_compat.http_transport_port(self)",
+    "kernels/reduce.py": "torch_compat.chunk_cat(...)",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _chain(node: ast.AST) -> tuple[str, list[str]] | None:
+    """`a.b.c` → ("a", ["b", "c"]); None unless the expression is a name followed by attributes."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return (node.id, attrs[::-1]) if isinstance(node, ast.Name) else None
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                ids.add(id(first.value))
+    return ids
+
+
+def project_files() -> list[Path]:
+    return sorted([*REPO.glob("hsdp/**/*.py"), *REPO.glob("kernels/*.py"), REPO / "train.py"])
+
+
+def defined_private_names(files: list[Path]) -> set[str]:
+    """Private names the project defines itself (functions, classes, attributes, variables, modules)."""
+    names = {p.stem for p in files if _private(p.stem)}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.alias):
+                names.add((node.asname or node.name).split(".")[0])
+    return {n for n in names if _private(n)}
+
+
+def private_uses(path: Path, defined: set[str]) -> list[str]:
+    """Each private torch / torchft name, torch patch or foreign private attribute `path` uses, as "line: what"."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = _docstrings(tree)
+    torch_names: set[str] = set()  # names bound to torch / torchft modules or objects
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in ROOTS:
+                    torch_names.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ROOTS and not node.level:
+            torch_names.update(a.asname or a.name for a in node.names)
+    for node in ast.walk(tree):  # aliases: `aten = torch.ops.aten`, `config = torch._functorch.config`
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            chain = _chain(node.value)
+            if chain and chain[0] in torch_names:
+                torch_names.add(node.targets[0].id)
+    found = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in ROOTS and any(map(_private, a.name.split("."))):
+                    found.append(f"{line}: import {a.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ROOTS and not node.level:
+            names = [*node.module.split("."), *(a.name for a in node.names)]
+            if any(map(_private, names)):
+                found.append(f"{line}: from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Attribute):
+            chain = _chain(node)
+            # the first private name of a torch chain (torch._C, not torch._C._distributed_c10d again)
+            if chain and chain[0] in torch_names and _private(node.attr) and not any(map(_private, chain[1][:-1])):
+                found.append(f"{line}: {chain[0]}.{'.'.join(chain[1])}")
+            elif not chain or chain[0] not in torch_names:
+                if _private(node.attr) and node.attr not in defined | STDLIB_PRIVATE:
+                    found.append(f"{line}: .{node.attr} (a library's private attribute)")
+            if isinstance(node.ctx, ast.Store) and chain and chain[0] in torch_names:
+                found.append(f"{line}: patches {chain[0]}.{'.'.join(chain[1])}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            if re.search(r"\btorch(\.\w+)*\._[a-z]", node.value):
+                found.append(f"{line}: {node.value!r}")
+        elif isinstance(node, ast.Call):
+            chain = _chain(node.func)
+            if chain and chain[1][-2:] == ["library", "Library"]:
+                found.append(f"{line}: torch.library.Library (a process-global kernel registration)")
+            if chain and chain[0] == "setattr" and node.args and (_chain(node.args[0]) or ("",))[0] in torch_names:
+                found.append(f"{line}: setattr on torch")
+    return sorted(set(found), key=lambda s: int(s.split(":")[0]))
+
+
+def test_no_private_torch_api_outside_torch_compat():
+    files = project_files()
+    defined = defined_private_names(files)
+    bad, pending_seen = [], set()
+    for path in files:
+        if path == COMPAT:
+            continue
+        rel = str(path.relative_to(REPO))
+        uses = private_uses(path, defined)
+        if uses and rel in PENDING:
+            pending_seen.add(rel)
+            continue
+        bad += [f"{rel}:{use}" for use in uses]
+    assert not bad, "private torch/torchft APIs or torch patches outside hsdp/torch_compat.py:\n" + "\n".join(bad)
+    stale = set(PENDING) - pending_seen
+    assert not stale, f"PENDING entries whose files no longer use a private API (delete them): {sorted(stale)}"
+
+
+def test_the_scan_sees_each_kind_of_private_use(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "import torch\nimport torch.distributed as dist\nfrom torch._inductor.graph import GraphLowering\n"
+        "aten = torch.ops.aten\n"
+        "def f(m, x):\n"
+        "    torch._C._foo(x)\n"
+        "    y = aten._to_copy.default\n"
+        "    dist.all_reduce = x\n"
+        "    m._parameters['w'] = x\n"
+        "    lib = torch.library.Library('_c10d_functional', 'IMPL')\n"
+        "    return 'torch.testing._internal.x'\n"
+    )
+    uses = "\n".join(private_uses(src, defined=set()))
+    for expected in [
+        "3: from torch._inductor.graph",
+        "6: torch._C",
+        "7: aten._to_copy",
+        "8: patches dist.all_reduce",
+        "9: ._parameters",
+        "10: torch.library.Library",
+        "11: 'torch.testing._internal.x'",
+    ]:
+        assert expected in uses, (expected, uses)
+
+
+def test_every_listed_private_api_exists_in_the_installed_torch():
+    """A torch / torchft upgrade that moved one of these fails here, naming it (and its use)."""
+    missing = []
+    for api in torch_compat.PRIVATE_APIS:
+        if api.path.startswith("torchft") and importlib.util.find_spec("torchft") is None:
+            continue
+        try:
+            obj = torch_compat.resolve(api)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{api.path} ({api.why}): {e}")
+            continue
+        if api.instance_attr and not re.search(rf"\b{api.instance_attr}\b", inspect.getsource(obj.__init__)):
+            missing.append(f"{api.path}: its __init__ no longer sets self.{api.instance_attr} ({api.why})")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_patch_is_a_listed_api_and_a_function_of_the_module():
+    paths = {api.path for api in torch_compat.PRIVATE_APIS}
+    for name, target in torch_compat.PATCHES.items():
+        assert callable(getattr(torch_compat, name)), name
+        assert target in paths, f"{name} patches {target}, which PRIVATE_APIS does not list"
+
+
+def test_checked_versions_are_named():
+    """The versions this module was checked against; a different installed one is a reminder, not a failure."""
+    assert re.fullmatch(r"\d+\.\d+\.\d+", torch_compat.TORCH_CHECKED)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", torch_compat.TORCHFT_CHECKED)
+    if torch.__version__.split("+")[0] != torch_compat.TORCH_CHECKED:
+        pytest.skip(f"torch {torch.__version__} installed, checked against {torch_compat.TORCH_CHECKED}: re-check")
+    try:
+        ft = importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if ft != torch_compat.TORCHFT_CHECKED:
+        pytest.skip(f"torchft {ft} installed, checked against {torch_compat.TORCHFT_CHECKED}: re-check")
+
+
+def test_capture_output_code_restores_what_it_patched():
+    from torch._inductor.graph import GraphLowering  # noqa: F401 - tests may name private APIs
+
+    before = GraphLowering.save_output_code
+    with torch_compat.capture_output_code(lambda code: None):
+        assert GraphLowering.save_output_code is not before
+    assert GraphLowering.save_output_code is before
