@@ -8,6 +8,10 @@ differ from θ_g and from each other between param syncs); baselines (fsdp2,
 ddp) have one model. DCP assembles each full tensor from whatever shards the
 checkpoint holds, so the mesh it was saved on does not matter. The output loads
 with `GPT(cfg.model).load_state_dict(torch.load(out))`.
+
+A checkpoint path that does not exist (pruned by `run.keep_checkpoints`, or never
+saved) or is unfinished is refused with the run's complete checkpoints listed; one
+pruned while it is being read (a run still training) is reported as such.
 """
 
 from __future__ import annotations
@@ -26,12 +30,89 @@ from torch.distributed.checkpoint import FileSystemReader
 from hsdp.config.schema import ConfigError
 from hsdp.engines.registry import saved_engine_class
 from hsdp.model import GPT
-from hsdp.run.checkpoint import read_dcp_metadata, read_meta, read_saved_config, verify_files
+from hsdp.run.checkpoint import (
+    CHECKPOINTS,
+    COMPLETE,
+    complete_checkpoints,
+    read_dcp_metadata,
+    read_meta,
+    read_saved_config,
+    step_of,
+    verify_files,
+)
 from hsdp.run.integrity import first_non_finite
 
 
+class CheckpointGone(ConfigError):
+    """The checkpoint folder vanished or lost its marker while it was read (pruned by a run still training)."""
+
+
+def run_checkpoints(run: Path) -> list[Path]:
+    """A run folder's complete checkpoints: its own, then each elastic replica's (replica<m>/checkpoints)."""
+    homes = [run, *sorted((p for p in run.glob("replica[0-9]*") if p.is_dir()), key=lambda p: int(p.name[7:]))]
+    return [c for home in homes for c in complete_checkpoints(home)]
+
+
+def available(run: Path) -> str:
+    """The run's complete checkpoints, for a one-line error (the newest few, relative to the run)."""
+    found = run_checkpoints(run)
+    if not found:
+        return f"{run} has no complete checkpoint"
+    names = [str(c.relative_to(run)) for c in found]
+    more = f"{len(names) - 6} older and " if len(names) > 6 else ""
+    return f"{run}'s complete checkpoints: {more}{', '.join(names[-6:])}"
+
+
+def run_of(path: Path) -> Optional[Path]:
+    """The run folder of a path named like <run>/[replica<m>/]checkpoints/step_N, if it exists."""
+    if path.parent.name != CHECKPOINTS:
+        return None
+    run = path.parent.parent
+    if run.name.startswith("replica") and run.name[7:].isdigit():
+        run = run.parent
+    return run if run.is_dir() else None
+
+
+def check_checkpoint_path(path: Path) -> None:
+    """ConfigError (one line, with the run's checkpoints where known) unless `path` is a complete checkpoint."""
+    run = run_of(path)
+    if not path.exists():
+        why = "pruned by run.keep_checkpoints, or never saved" if step_of(path) is not None else "no such folder"
+        where = f"; {available(run)}" if run else ""
+        raise CheckpointGone(f"checkpoint: {path} does not exist ({why}){where}")
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint: {path} is a file; give a checkpoint folder (<run>/checkpoints/step_N)")
+    if (path / COMPLETE).is_file():
+        return
+    if (path / CHECKPOINTS).is_dir() or any(path.glob(f"replica[0-9]*/{CHECKPOINTS}")):  # a run folder
+        raise ConfigError(f"checkpoint: {path} is a run folder; give one of its checkpoints ({available(path)})")
+    where = f"; {available(run)}" if run else ""
+    raise ConfigError(
+        f"checkpoint: {path} is not a complete checkpoint (no {COMPLETE} marker: a save in progress or one "
+        f"that never finished){where}"
+    )
+
+
 def export(checkpoint: Path, replica: Optional[int] = None, use_global: bool = False) -> tuple[dict, str]:
-    """The full fp32 state dict of GPT from `checkpoint`, and what it is (θ_g or a replica)."""
+    """The full fp32 state dict of GPT from `checkpoint`, and what it is (θ_g or a replica).
+
+    CheckpointGone if the folder is pruned before or while it is read (a run training with
+    run.keep_checkpoints deletes older checkpoints as it saves new ones)."""
+    check_checkpoint_path(checkpoint)
+    try:
+        return read_checkpoint(checkpoint, replica, use_global)
+    except Exception:
+        if (checkpoint / COMPLETE).is_file():
+            raise
+        run = run_of(checkpoint)
+        where = f"; {available(run)}" if run else ""
+        raise CheckpointGone(
+            f"checkpoint: {checkpoint} was deleted while it was read (pruned by the run, still training){where}"
+        ) from None
+
+
+def read_checkpoint(checkpoint: Path, replica: Optional[int], use_global: bool) -> tuple[dict, str]:
+    """export's reading, after the path was found complete."""
     meta = read_meta(checkpoint, key="checkpoint")
     cfg = read_saved_config(checkpoint, key="checkpoint")
     read_dcp_metadata(checkpoint, key="checkpoint")  # fails early (ConfigError) on missing or truncated files
@@ -65,8 +146,10 @@ def check_out_path(out: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", type=Path, help="a checkpoint folder (<run>/checkpoints/step_N)")
+    p = argparse.ArgumentParser(prog="python -m hsdp.export", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "checkpoint", type=Path, help="a checkpoint folder (<run>/checkpoints/step_N, <run>/replica<m>/checkpoints/...)"
+    )
     p.add_argument("out", type=Path, help="output .pt file (torch.save of the state dict)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--replica", type=int, default=None, help="export replica m's own params")
