@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from hsdp.torch_compat import chunk_cat
 from kernels._triton_helpers import from_fp32, to_fp32
 from kernels._util import (
     FLOAT_DTYPES,
@@ -88,7 +89,7 @@ def _grads_dtype(grads: list[torch.Tensor | None], default: torch.dtype) -> torc
 def pack_grads_ref(
     grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor, scale: float, accumulate: bool = False
 ) -> None:
-    """out[r, off_i + j] (+)= grads[i].flatten()[r*sn_i + j] * scale (0 past the end), via torch._chunk_cat.
+    """out[r, off_i + j] (+)= grads[i].flatten()[r*sn_i + j] * scale (0 past the end), via torch's _chunk_cat.
 
     _chunk_cat pads dim 0 of each grad to a multiple of S and lays rank r's rows
     at out[r, off_i : off_i + sn_i], which is exactly the dim-0 shard layout.
@@ -109,7 +110,7 @@ def pack_grads_ref(
     # own dtype (torch computes low-precision mul in fp32), else through an fp32 buffer.
     direct = not accumulate and out.dtype in (torch.float32, gdtype)
     buf = out if direct else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    torch._chunk_cat(parts, dim=0, num_chunks=S, out=buf)
+    chunk_cat(parts, dim=0, num_chunks=S, out=buf)
     if scale != 1.0:
         buf.mul_(scale)
     if accumulate:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
 from hsdp.data import Data, TokenStream, check_data, load_tokens, stdlib_files, synthetic_tokens
+from hsdp.run.preflight import load_checked_config
 
 
 def make_cfg(**sections) -> Config:
@@ -221,7 +221,7 @@ def test_text_source_single_file(tmp_path):
     text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200)).encode()
     f = tmp_path / "corpus.txt"
     f.write_bytes(text)
-    cfg = load_config(
+    cfg = load_checked_config(
         None, ["data.source=text", f"data.path={f}", "model.seq_len=16", "data.batch_size=2", "data.val_fraction=0.2"]
     )
     train, val = load_tokens(cfg)
@@ -243,7 +243,7 @@ def test_text_source_glob_splits_by_file(tmp_path):
         contents[name] = (name * 500).encode()
         (tmp_path / name).write_bytes(contents[name])
     (tmp_path / "skip.md").write_text("not matched")
-    cfg = load_config(None, ["data.source=text", f"data.path={tmp_path}/*.txt", "data.val_fraction=0.5"])
+    cfg = load_checked_config(None, ["data.source=text", f"data.path={tmp_path}/*.txt", "data.val_fraction=0.5"])
     train, val = load_tokens(cfg)
     # sorted files, every 2nd is validation: a, c → val; b, d → train
     assert bytes(val) == contents["a.txt"] + contents["c.txt"]
@@ -254,7 +254,7 @@ def test_tokens_source_reads_uint16_and_splits_without_val_bin(tmp_path):
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 1000, size=5000).astype(np.uint16)
     path = write_bin(tmp_path / "train.bin", toks)
-    cfg = load_config(
+    cfg = load_checked_config(
         None,
         [
             "data.source=tokens",
@@ -286,7 +286,7 @@ def test_tokens_source_uses_val_bin_beside_it(tmp_path):
     val_toks = (np.arange(700) % 300 + 200).astype(np.uint16)
     path = write_bin(tmp_path / "train.bin", toks)
     write_bin(tmp_path / "val.bin", val_toks)
-    cfg = load_config(
+    cfg = load_checked_config(
         None,
         ["data.source=tokens", f"data.path={path}", "model.vocab_size=500", "model.seq_len=8", "data.batch_size=2"],
     )
@@ -316,13 +316,13 @@ def test_tokens_source_rejects_val_ids_beyond_vocab(tmp_path):
 
 
 def test_token_id_check_scans_the_whole_file(tmp_path):
-    """One bad id after 3M good ones (beyond any head sample) is found, by load_config."""
+    """One bad id after 3M good ones (beyond any head sample) is found, by load_checked_config."""
     tokens = np.zeros(3_000_001, dtype=np.uint16)
     tokens[-1] = 300
     path = write_bin(tmp_path / "train.bin", tokens)
     with pytest.raises(ConfigError, match="position 3000000"):
-        load_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab_size=256"])
-    assert load_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab_size=301"])
+        load_checked_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab_size=256"])
+    assert load_checked_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab_size=301"])
 
 
 def test_synthetic_source_is_in_vocab_and_seeded():

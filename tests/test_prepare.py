@@ -20,10 +20,10 @@ from tokenizers import Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
 from hsdp import prepare
-from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.data import Data, load_tokens
 from hsdp.prepare import EOT, main
+from hsdp.run.preflight import load_checked_config
 from hsdp.shards import MAGIC, ShardWriter
 from tests.helpers import QUIET_ENV, REPO, run_train
 
@@ -214,7 +214,7 @@ def test_killed_prepare_leaves_no_final_shard(prepared: Path, tmp_path: Path) ->
 
 # ----------------------------------------------------------------- data.source=tokens
 def tokens_cfg(path: Path, *extra: str):
-    return load_config(
+    return load_checked_config(
         None, ["data.source=tokens", f"data.path={path}", "model.seq_len=8", "data.batch_size=2", *extra]
     )
 

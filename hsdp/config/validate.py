@@ -1,7 +1,7 @@
 """Value checks of a config on its own: choices, ranges and rules that tie fields together.
 
 Pure: no torch, no files. What needs the machine (devices, data, the output
-folder, the engine's capabilities) is `preflight.py`.
+folder, the engine's capabilities) is `hsdp/run/preflight.py`.
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ import contextlib
 import time
 from collections.abc import Hashable, Iterator
 
-import torch._dynamo.utils
+from hsdp.torch_compat import compiled_graph_count
 
 
 def graphs_captured() -> int:
     """Graphs dynamo has captured so far in this process (one more after the first = a recompile)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return compiled_graph_count()
 
 
 class CompileClock:
