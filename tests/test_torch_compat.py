@@ -27,11 +27,9 @@ STDLIB_PRIVATE = {"_exit", "_replace", "_asdict", "_fields", "_make"}
 # Private uses in files whose owners have not yet routed them through hsdp/torch_compat.py:
 # path → what to call instead. Delete an entry when its file is done (a stale entry is reported).
 PENDING: dict[str, str] = {
-    "hsdp/engines/clock.py": "torch_compat.compiled_graph_count()",
     "hsdp/engines/hsdp.py": "torch_compat.swap_parameter(owner, attr, tensor), queue_backward_callback(fn)",
     "hsdp/run/launch.py": "torch_compat.register_fake_backend()",
     "hsdp/sync/elastic.py": "torch_compat.http_transport_port(self)",
-    "kernels/reduce.py": "torch_compat.chunk_cat(...)",
 }
 
 
