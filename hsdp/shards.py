@@ -153,12 +153,3 @@ class ShardWriter:
             self.commit()
         else:
             self.abort()
-
-
-def write_shard(path: Path, tokens: np.ndarray) -> None:
-    """One llm.c shard holding `tokens` (uint16), written atomically."""
-    ids = np.asarray(tokens)
-    if ids.size and (ids.min() < 0 or ids.max() >= MAX_VOCAB):
-        raise ShardError(f"{path}: token ids must lie in [0, {MAX_VOCAB}) to be stored as uint16")
-    with ShardWriter(path) as w:
-        w.write(ids.astype(np.uint16))

@@ -170,10 +170,10 @@ def test_wrong_type_message_says_what_was_expected():
 
 def test_periodic_sync_with_hsdp_or_full_warmup_with_fsdp2_is_fine():
     # the engine restriction is only for periodic sync (warmup_steps < steps)
-    load_checked_config(TINY, ["sync.warmup_steps=10", "mesh.engine=hsdp"])
-    load_checked_config(TINY, ["sync.warmup_steps=600", "mesh.engine=fsdp2"])
-    load_checked_config(TINY, ["mesh.engine=fsdp2"])  # warmup_steps null = exact HSDP
-    load_checked_config(TINY, ["sync.every=4", "sync.fragments=2"])
+    assert load_checked_config(TINY, ["sync.warmup_steps=10", "mesh.engine=hsdp"]).sync.warmup_steps == 10
+    assert load_checked_config(TINY, ["sync.warmup_steps=600", "mesh.engine=fsdp2"]).mesh.engine == "fsdp2"
+    assert load_checked_config(TINY, ["mesh.engine=fsdp2"]).sync.warmup_steps is None  # exact HSDP
+    assert load_checked_config(TINY, ["sync.every=4", "sync.fragments=2"]).sync.fragments == 2
 
 
 def test_missing_config_file(tmp_path):
