@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hsdp.comm.mesh import Mesh, build_mesh
+from hsdp.comm.mesh import Mesh
 from hsdp.config.loader import save_config
 from hsdp.config.schema import Config, ConfigError
 from hsdp.data import Data
@@ -30,38 +30,35 @@ from hsdp.engines.registry import build_engine
 from hsdp.model import loss_fn, throughput
 from hsdp.optim import build_optimizer, lr_at, set_lr
 from hsdp.run.checkpoint import Checkpoints, check_resume, finished, remove_failed_saves
-from hsdp.run.elastic import enter_torchrun_replica
 from hsdp.run.guard import check_finite
-from hsdp.run.launch import Interrupted, WorkerError, launch, under_torchrun
+from hsdp.run.launch import Interrupted, WorkerError, launch, torchrun_seat, under_torchrun
 from hsdp.run.lock import hold_run_lock
 from hsdp.run.metrics import MetricsLogger, StepMemoryProbe, peak_memory_mb
 from hsdp.run.preflight import load_checked_config
 from hsdp.run.rundir import owns_run_dir, prepare_run_dir
-from hsdp.sync.elastic import ElasticReplica
+from hsdp.sync.membership import ReplicaSeat, build_membership
 from hsdp.sync.schedule import steps_after_last_sync
 from kernels.backend import set_backend
 
 
-def train_worker(cfg: Config) -> None:
-    """One rank's whole run."""
+def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
+    """One rank's whole run (`seat`: which replica of a run on torchft this rank is, from its launcher)."""
     t_start = time.perf_counter()
-    elastic = ElasticReplica(cfg) if cfg.elastic.enabled else None  # this rank's replica on torchft
-    device = _device()
-    mesh = elastic.mesh(device) if elastic else build_mesh(cfg.mesh.sync, cfg.mesh.shard, device, cfg.mesh.timeout_s)
+    members = build_membership(cfg, seat)  # this rank's place among the replicas: its mesh, join, duties
+    mesh = members.build_mesh(_device())  # with its sync transport, which the engine's policy syncs through
     set_backend(cfg.kernels.backend)
     data = Data(cfg, mesh.rank, mesh.world)
     engine = build_engine(cfg, mesh)
     optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
-    checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start, replica=mesh.sync_rank if elastic else None)
+    checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start, seat)
     run = checkpoints.resume()  # the checkpoint run.resume names (state, RNG, counters restored), or a fresh start
-    if elastic:  # join the live replicas: a restarted replica heals from one and continues at its step
-        run.start_step = elastic.join(engine, optimizer, run.start_step)
+    run.start_step = members.join(engine, optimizer, run.start_step)  # a restarted replica heals: a later step
     logger = MetricsLogger(
         cfg,
         cfg.run_dir,
-        enabled=mesh.shard_rank == 0 if elastic else mesh.rank == 0,
-        continue_after=run.start_step - 1 if run.resumed_from or elastic else None,
-        suffix=f".replica{mesh.sync_rank}" if elastic else "",
+        enabled=members.logs(mesh),
+        continue_after=run.start_step - 1,  # a resumed (or healed) run's earlier records are kept
+        suffix=members.metrics_suffix,
     )
     tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
     memory = StepMemoryProbe(mesh.device, at=min(run.start_step + 2, cfg.run.steps - 1))  # past compile and warm-up
@@ -73,20 +70,18 @@ def train_worker(cfg: Config) -> None:
         engine.begin_step(step)  # the sync policy: are grads averaged across replicas this step?
         with memory.step(step):  # one step's forward+backward is profiled for its tensor memory
             step_loss = engine.forward_backward(micro_batches(data, step, cfg.optim.grad_accum, mesh.device))
-        update = engine.commit_grads()  # False: an elastic grad-sync round failed; the step is dropped whole
+        update = engine.commit_grads()  # False: the step's grad round across replicas failed; it is dropped whole
         grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
         check_finite(step, float(step_loss), float(grad_norm), mesh.rank, checkpoints.last_good)  # or Diverged
         if update:
             optimizer.step()
         engine.zero_grad()
-        if elastic:
-            elastic.heal.step = step  # what a peer healing at this step's sync gets
+        members.before_sync(step)  # what a peer healing at this step's sync gets
         synced = engine.end_step(step)  # the sync policy's param sync, if due after this step
         last = step == cfg.run.steps - 1
         if last:
             engine.finish()  # a param sync still in flight lands before the final eval
-        if elastic:
-            elastic.after_step(step)  # serve a peer that healed from this replica its state, once the round closed
+        members.after_sync(step)  # serve a peer that healed from this replica its state, once the round closed
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         run.step_times.append(time.perf_counter() - t0)
@@ -103,9 +98,9 @@ def train_worker(cfg: Config) -> None:
                 "sync_bytes": mesh.comm.group_bytes("sync"),
                 "peak_mem_mb": peak_memory_mb(mesh.device),
                 "synced": synced,
-                "elapsed_s": run.prior_wall_s + time.perf_counter() - t_start,
-                **(elastic.step_record() if elastic else {}),  # the replicas counted in the last sync
-            }  # wall-clock, for time-to-loss
+                "elapsed_s": run.prior_wall_s + time.perf_counter() - t_start,  # wall-clock, for time-to-loss
+                **members.step_record(),  # e.g. the replicas counted in the last sync
+            }
             if eval_now:
                 record["val_loss"] = run.val_loss = world_mean(
                     mesh, evaluate(engine, data, cfg.run.eval_batches, mesh.device)
@@ -142,12 +137,11 @@ def train_worker(cfg: Config) -> None:
             "world": mesh.world,
             **engine.stats(),
             **checkpoints.stats(),
-            **(elastic.stats() if elastic else {}),
+            **members.stats(),
         }
     )
     logger.close()
-    if elastic:
-        elastic.shutdown()
+    members.shutdown()
     for name, text in engine.artifacts().items():
         if mesh.rank == 0:
             (cfg.run_dir / name).parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +159,7 @@ def world_mean(mesh: Mesh, value: torch.Tensor) -> float:
     """Average a scalar over all ranks (for logging; counted under the "world" group)."""
     t = value.detach().float().reshape(1).clone()
     mesh.comm.all_reduce(t, "world")
-    return float(t) / mesh.comm.size("world")  # an elastic replica's world is its own group
+    return float(t) / mesh.comm.size("world")  # a replica on torchft: "world" is its own world
 
 
 @torch.no_grad()
@@ -212,7 +206,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = None) -> int:
+def main(argv: Optional[list[str]] = None, worker: Optional[Callable[..., None]] = None) -> int:
     """The command line: config → run folder → launch `worker` (train_worker; tests pass a wrapper)."""
     args = parse_args(argv)
     cfg = None
@@ -220,19 +214,19 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
         # the torchrun world is checked here, once, before anything in the run folder changes
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
         cfg = load_checked_config(args.config, args.set, world_size=world)
-        if cfg.elastic.enabled and under_torchrun():
-            enter_torchrun_replica(cfg)  # this agent's replica index, restart count and lighthouse
-        with hold_run_lock(cfg) if owns_run_dir() else contextlib.nullcontext():  # one launch per run folder
+        seat = torchrun_seat(cfg)  # under torchrun, a replica on torchft's: its index, restart count, lighthouse
+        owner = owns_run_dir(seat)
+        with hold_run_lock(cfg) if owner else contextlib.nullcontext():  # one launch per run folder
             # Every check that can refuse the run comes before anything in the run folder changes.
-            resume_from = check_resume(cfg)  # the checkpoint run.resume names is intact and fits this config
+            resume_from = check_resume(cfg, seat)  # the checkpoint run.resume names is intact and fits this config
             if finished(cfg, resume_from):
                 print(
                     f"{cfg.run_dir}: already trained to run.steps={cfg.run.steps} ({resume_from}); nothing to do",
                     file=sys.stderr,
                 )
                 return 0
-            prepare_run_dir(cfg)  # refuses to clobber a previous run unless run.overwrite=true
-            if owns_run_dir():  # under torchrun, rank 0 only: another rank's copy would look like an old run
+            prepare_run_dir(cfg, seat)  # refuses to clobber a previous run unless run.overwrite=true
+            if owner:  # under torchrun, rank 0 only: another rank's copy would look like an old run
                 save_config(cfg, cfg.run_dir / "config.yaml")
             warn_unsynced_end(cfg)
             if cfg.mesh.backend == "fake":
@@ -241,7 +235,7 @@ def main(argv: Optional[list[str]] = None, worker: Callable[[Config], None] = No
                     "are compute only and the losses are not a training result",
                     file=sys.stderr,
                 )
-            launch(cfg, worker or train_worker)
+            launch(cfg, worker or train_worker, seat)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

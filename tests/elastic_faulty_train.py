@@ -18,21 +18,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # noqa: E402
 from hsdp.config.schema import Config  # noqa: E402
-from hsdp.sync.elastic import FTTransport  # noqa: E402
+from hsdp.sync.elastic.transport import FTTransport  # noqa: E402
+from hsdp.sync.membership import ReplicaSeat  # noqa: E402
 
 
-def faulty_worker(replica: int, round_: int, cfg: Config) -> None:
-    """train.train_worker, except that `replica` dies inside its round `round_` (first start only)."""
-    real_begin = FTTransport.begin_round
+def faulty_worker(replica: int, round_: int, cfg: Config, seat: ReplicaSeat) -> None:
+    """train.train_worker, except that `replica` dies inside its round `round_` (first start only: its seat
+    says which replica this worker is and which start of it)."""
+    if seat.replica == replica and seat.restart == 0:
+        real_begin = FTTransport.begin_round
 
-    def begin_round(self: FTTransport) -> None:
-        real_begin(self)
-        mine = os.environ.get("HSDP_REPLICA") == str(replica) and os.environ.get("HSDP_RESTART") == "0"
-        if mine and self.rounds == round_:
-            os._exit(1)
+        def begin_round(self: FTTransport) -> None:
+            real_begin(self)
+            if self.rounds == round_:
+                os._exit(1)
 
-    FTTransport.begin_round = begin_round
-    train.train_worker(cfg)
+        FTTransport.begin_round = begin_round
+    train.train_worker(cfg, seat)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from hsdp.comm.groups import Comm
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.checkpoint import complete_checkpoints, step_of
-from hsdp.sync.elastic import FTTransport, _Done
+from hsdp.sync.elastic.transport import Done, FTTransport
 from tests.helpers import QUIET_ENV, REPO, SMALL, run_train
 
 # The tiny CPU job, as the issue's must-show asks (2x2, DiLoCo every 8, no warmup); 0.2 s a step here.
@@ -42,14 +43,18 @@ ELASTIC = [
 ]
 
 
-# Long enough that the restarted replica (back 4 s + its start-up after the kill at step 40: 30 to 60 steps
-# on this box, the fastest mesh at 0.08 s a step) heals two rounds before the end and still trains: a
-# replica healed at a param sync spectates that round and the next before it trains again.
-KILL_RUN_STEPS = 144
+# The kill cases (tests/elastic_kill_train.py orders them by events, not by time): replica 1 stops after
+# step KILL_STEP and is killed; the survivors sync alone (after step 7); its restart joins once they did,
+# and they wait for it before step HOLD_STEP's sync. With a sync every 4 steps it heals at the round after
+# step 15 at the latest, spectates that round and the next (a replica healed at a param sync spectates two)
+# and trains from step 20 at the latest to the end, syncing with everyone after step 23.
+KILL_STEP, HOLD_STEP, KILL_RUN_STEPS = 5, 12, 24
+KILL = ["sync.every=4", "elastic.restart_delay_s=0.5"]
 
 
-def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny.yaml")]
+def _start(run_dir: Path, overrides: list[str], script: Optional[list[str]] = None) -> subprocess.Popen:
+    cmd = [sys.executable, str(REPO / "train.py")] if script is None else [sys.executable, *script]
+    cmd += ["--config", str(REPO / "configs/tiny.yaml")]
     for o in [*overrides, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]:
         cmd += ["--set", o]
     return subprocess.Popen(
@@ -111,12 +116,17 @@ def _params(run_dir: Path, replica: int) -> dict[str, torch.Tensor]:
     ],
 )
 def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, mesh: list[str], extra: list[str]):
-    """kill -9 of every process of replica 1 at step >= 40: the others train on without restarting, replica 1
-    is restarted, heals from a live replica and trains to the end; every step once in each metrics file;
-    the quorum size goes down and back up; after the final sync every replica's params are bitwise equal."""
+    """kill -9 of every process of replica 1 after step KILL_STEP: the others train on without restarting,
+    replica 1 is restarted, heals from a live replica and trains to the end; every step once in each metrics
+    file; the quorum size goes down and back up; after the final sync every replica's params are bitwise
+    equal; the survivors dropped no round, and the failure touched at most three of their rounds (the one
+    that found replica 1 gone, the one it rejoined in, and the one it spectated after a param-sync heal)."""
     run_dir = tmp_path / case
-    proc = _start(run_dir, ELASTIC + mesh + extra + [f"run.steps={KILL_RUN_STEPS}"])
-    killed = _kill_replica_at(proc, run_dir, 1, 40)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    script = [str(REPO / "tests/elastic_kill_train.py"), "1", str(KILL_STEP), str(HOLD_STEP), str(markers)]
+    proc = _start(run_dir, ELASTIC + KILL + mesh + extra + [f"run.steps={KILL_RUN_STEPS}"], script)
+    killed = _kill_replica_at(proc, run_dir, 1, KILL_STEP)
     code, err = _finish(proc)
     assert code == 0, err[-3000:]
     replicas = _replicas(run_dir)
@@ -143,11 +153,12 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
     assert summary["replica_failures"] == 1 and summary["heals"] >= 1
     restarted = json.loads((run_dir / "summary.replica1.json").read_text())
     if "warmup" in " ".join(extra):  # healed inside a grad-sync round
-        assert restarted["spectated_rounds"] == 0 and restarted["heal_fetch_s"] == 0, restarted
+        assert restarted["spectated_rounds"] == 0 and restarted["heal_fetches"] == 0, restarted
     else:  # healed at a param sync: out of band, spectating two rounds
-        assert restarted["spectated_rounds"] == 2 and restarted["heal_fetch_s"] > 0, restarted
-    # the survivors lost at most the failure timeout plus one sync
-    assert summary["survivor_lost_s"] <= 2 + 8 * summary["median_step_time_s"] + 2
+        assert restarted["spectated_rounds"] == 2 and restarted["heal_fetches"] == 1, restarted
+    # what the survivors lost, counted: no dropped round, and at most three rounds the failure touched
+    assert all(summary["dropped_syncs"][str(m)] == 0 for m in range(n) if m != 1), summary["dropped_syncs"]
+    assert 1 <= summary["survivor_touched_rounds"] <= 3, summary["survivor_touched_rounds"]
 
 
 def _assert_data_is_indexed_by_step(overrides: list[str], replica: int) -> None:
@@ -220,9 +231,11 @@ def test_elastic_without_failures_computes_the_plain_run(tmp_path: Path):
     ],
 )
 def test_elastic_config_refusals(overrides: list[str], message: str) -> None:
+    from hsdp.engines.registry import check_engine_config  # the engine's part: the preflight asks it
+
     base = ["elastic.enabled=true", "mesh.sync=2", "sync.warmup_steps=0", "sync.every=8"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(str(REPO / "configs/tiny.yaml"), base + overrides)
+        check_engine_config(load_config(str(REPO / "configs/tiny.yaml"), base + overrides))
 
 
 def test_two_torchrun_agents_as_two_machines(tmp_path: Path) -> None:
@@ -293,9 +306,15 @@ def test_a_replica_dying_inside_a_round_drops_the_round_whole(tmp_path: Path) ->
 def test_elastic_compiled_engine_computes_the_eager_one(tmp_path: Path) -> None:
     """compile.enabled with elastic: the compiled graphs run the replica's shard collectives (the local
     variant on grad-sync steps, whose replica mean is then the torchft round) and the losses and final
-    params of both replicas equal the eager elastic run's within 1e-5."""
+    params of both replicas equal the eager elastic run's within 1e-5.
+
+    Both runs use SGD with momentum, not AdamW: AdamW normalizes each element's update to about lr, so a
+    tiny, cancellation-dominated grad (a rarely hit embedding row) turns fp32 reordering noise between the
+    compiled and eager kernels into lr-sized param differences, which depend on the CPU's vector width
+    (2.01e-5 of the tensor max after 12 steps on some x86 CPUs). SGD's update is linear in the grad, so the
+    params differ by lr·Σδg: fp32 reordering only, well inside 1e-5."""
     base = SMALL + ["mesh.sync=2", "mesh.shard=1", "run.steps=12", "sync.warmup_steps=4", "sync.every=4"]
-    base += ["sync.method=diloco", "elastic.enabled=true"]
+    base += ["sync.method=diloco", "elastic.enabled=true", "optim.name=sgd", "optim.momentum=0.9"]
     eager = run_train(tmp_path, "eager", base, timeout=300)
     compiled = run_train(tmp_path, "compiled", base + ["compile.enabled=true"], timeout=600)
     for m in (0, 1):
@@ -333,16 +352,28 @@ def test_elastic_checkpoints_resume_auto_from_the_newest_step_every_replica_save
         assert all(torch.equal(g[k], w[k]) for k in w)
 
 
-class _ScriptedManager:
-    """torchft's Manager as FTTransport sees it: each start_quorum takes the next scripted (wait, size)."""
+class _Clock:
+    """A clock only the scripted manager moves: the test's times are its script's, whatever the machine does."""
 
-    def __init__(self, rounds: list[tuple[float, int]], dropped: set[int]) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _ScriptedManager:
+    """torchft's Manager as FTTransport sees it: each start_quorum takes the next scripted (wait, size), each
+    round after its quorum takes `round_s` (a dropped one too), on `clock`."""
+
+    def __init__(self, rounds: list[tuple[float, int]], dropped: set[int], clock: _Clock, round_s: float) -> None:
         self.rounds, self.dropped, self.i, self.n = rounds, dropped, -1, 0
+        self.clock, self.round_s = clock, round_s
 
     def start_quorum(self) -> None:
         self.i += 1
         wait, self.n = self.rounds[self.i]
-        time.sleep(wait)
+        self.clock.now += wait
 
     def num_participants(self) -> int:
         return self.n
@@ -351,6 +382,7 @@ class _ScriptedManager:
         return None
 
     def should_commit(self) -> bool:
+        self.clock.now += self.round_s
         return self.i not in self.dropped
 
 
@@ -360,25 +392,31 @@ class _EveryoneContributes:
     def allgather(self, outs, inps, opts):
         for chunk in outs[0]:
             chunk.fill_(1.0)
-        return _Done()
+        return Done()
 
 
 def test_survivor_lost_time_counts_only_the_rounds_a_failure_touched() -> None:
     """lost_s sums the quorum waits beyond the median in rounds where the quorum changed size or that follow
     a dropped round, plus the dropped rounds' time; other rounds' excess waits (the peers' jitter) are not
-    counted: over a grad-sync run's round per step they added up to more than the failure cost."""
-    jitter, detect, rejoin = 0.03, 0.3, 0.2
+    counted: over a grad-sync run's round per step they added up to more than the failure cost. On a fake
+    clock the scripted manager moves (no sleeping: nothing here depends on the machine's speed)."""
+    jitter, detect, rejoin, round_s = 0.03, 0.3, 0.2, 0.01
     # usual, jitter, the kill (2 → 1), alone, jitter, the rejoin (1 → 2), usual, jitter, a kill inside a
     # round (its quorum still 2: dropped), the round after it (alone)
     rounds = [(0, 2), (jitter, 2), (detect, 1), (0, 1), (jitter, 1), (rejoin, 2), (0, 2), (jitter, 2), (0, 2), (0, 1)]
-    transport = FTTransport(_ScriptedManager(rounds, dropped={8}), _EveryoneContributes(), Comm({}))
+    clock = _Clock()
+    manager = _ScriptedManager(rounds, dropped={8}, clock=clock, round_s=round_s)
+    transport = FTTransport(manager, _EveryoneContributes(), Comm({}), clock=clock)
     committed = []
     for _ in rounds:
         transport.begin_round()
         committed.append(transport.commit_round())
     assert committed == [True] * 8 + [False, True]
     assert transport.touched == [False, False, True, False, False, True, False, False, False, True]
+    assert transport.touched_rounds() == 3
     waits = transport.quorum_waits
+    assert waits == pytest.approx([w for w, _ in rounds])
+    assert transport.dropped_s == pytest.approx(round_s)  # the dropped round's time after its quorum
     usual = statistics.median(waits)
     expected = sum(max(0.0, waits[i] - usual) for i in (2, 5, 9)) + transport.dropped_s
     assert transport.lost_s() == pytest.approx(expected)

@@ -379,8 +379,8 @@ def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def check_delayed_landed_at_once_equals_blocking(rank: int, comm) -> dict[str, bool]:
     """τ = 0 is the blocking sync: start_sync + land_sync with nothing in between gives the same bits."""
+    from hsdp.comm.transport import GroupTransport
     from hsdp.sync.policy import SyncPolicy
-    from hsdp.sync.transport import GroupTransport
 
     results = {}
     for name, cfg in {
@@ -408,8 +408,8 @@ def check_resume_from_state_dict(rank: int, comm) -> dict[str, bool]:
     """state_dict → torch.save/load → a fresh policy → continue == never stopping, bit for bit."""
     import io
 
+    from hsdp.comm.transport import GroupTransport
     from hsdp.sync.policy import SyncPolicy
-    from hsdp.sync.transport import GroupTransport
 
     steps, warmup = 14, 2
     # fragment 0 starts after 3, 7, 11 and lands 3 later; fragment 1 starts after 5, 9, 13

@@ -29,7 +29,6 @@ STDLIB_PRIVATE = {"_exit", "_replace", "_asdict", "_fields", "_make"}
 PENDING: dict[str, str] = {
     "hsdp/engines/hsdp.py": "torch_compat.swap_parameter(owner, attr, tensor), queue_backward_callback(fn)",
     "hsdp/run/launch.py": "torch_compat.register_fake_backend()",
-    "hsdp/sync/elastic.py": "torch_compat.http_transport_port(self)",
 }
 
 

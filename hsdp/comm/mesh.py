@@ -8,6 +8,7 @@ group joins the ranks with the same shard_rank across replicas.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hsdp.comm.groups import Comm
+from hsdp.comm.transport import GroupTransport, Transport
 
 
 @dataclass
@@ -29,8 +31,9 @@ class Mesh:
     shard_size: int
     sync_size: int
     comm: Comm
-    # Elastic runs: the replicas' transport (torchft, hsdp/sync/elastic.py) in place of a c10d sync group.
-    sync_transport: Optional[object] = None
+    # The replicas' collectives, built with the mesh: the c10d sync group, or an elastic replica's torchft
+    # group (hsdp/sync/elastic/transport.py).
+    sync_transport: Transport
 
 
 def build_mesh(sync: int, shard: int, device: torch.device, timeout_s: Optional[float] = None) -> Mesh:
@@ -49,13 +52,21 @@ def build_mesh(sync: int, shard: int, device: torch.device, timeout_s: Optional[
         shard_size=shard,
         sync_size=sync,
         comm=comm,
+        sync_transport=GroupTransport(comm),
     )
 
 
-def build_elastic_mesh(replica: int, replicas: int, shard: int, device: torch.device, timeout_s: float) -> Mesh:
+def build_elastic_mesh(
+    replica: int,
+    replicas: int,
+    shard: int,
+    device: torch.device,
+    timeout_s: float,
+    transport: Callable[[Comm, int], Transport],
+) -> Mesh:
     """An elastic replica's mesh: its own world of `shard` ranks is the shard group (and "world"); the sync
-    group is torchft's (set as `sync_transport`), so the c10d "sync" group is this rank alone. Ranks and
-    sizes are those of the whole run (rank = replica · shard + shard_rank), so data streams match."""
+    group is `transport(comm, shard_rank)` (torchft's), so the c10d "sync" group is this rank alone. Ranks
+    and sizes are those of the whole run (rank = replica · shard + shard_rank), so data streams match."""
     dm = _device_mesh(1, shard, device, timeout_s)
     shard_rank = dist.get_rank()
     comm = Comm({"shard": dm.get_group("shard"), "sync": dm.get_group("sync"), "world": dist.group.WORLD}, timeout_s)
@@ -69,6 +80,7 @@ def build_elastic_mesh(replica: int, replicas: int, shard: int, device: torch.de
         shard_size=shard,
         sync_size=replicas,
         comm=comm,
+        sync_transport=transport(comm, shard_rank),
     )
 
 

@@ -1,10 +1,12 @@
-"""Over what Δ travels: the sync group's collectives, behind one small protocol.
+"""Over what Δ travels: the sync group's collectives, behind one small protocol (docs/design.md §2, §11).
 
 A transport moves tensors among the M replicas of one shard position. The
-policy and the codecs only call `all_reduce_sum` and `all_gather` and wait on
-what they return, so another implementation (e.g. a fault-tolerant group whose
-membership changes between syncs) plugs in without touching them. Every
-collective is counted (bytes, calls, wait time) under the "sync" label.
+policy and the codecs only call `all_reduce_sum` and `all_gather`, wait on
+what they return, and ask it whose parts count in a mean, so another
+implementation (the elastic replicas' torchft group, hsdp/sync/elastic/)
+plugs in without touching them. Every collective is counted (bytes, calls,
+wait time) under the "sync" label. The mesh is built with its transport
+(`Mesh.sync_transport`): `GroupTransport` here, the c10d sync group.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class Transport(Protocol):
     `begin_round` and a round a replica failed in does not commit.
     """
 
-    may_fail: bool  # rounds can fail to commit (the policy then keeps θ_m apart from what it reduces)
+    may_fail: bool  # rounds can fail to commit: the one place that says so (the policy asks it)
 
     @property
     def size(self) -> int:
@@ -40,8 +42,11 @@ class Transport(Protocol):
 
     @property
     def contributors(self) -> list[int]:
-        """The group ranks whose parts count in this round's mean (M = its length); all but a spectating
-        elastic replica's, which takes part in the collectives with a part that is dropped."""
+        """The group ranks whose parts count in this round's mean (M = its length): all of them, or on the
+        elastic transport all but a replica that spectates (its all-reduce part is zero)."""
+
+    def contributed_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """A gather's output as one row per replica whose part counts (the rows of `contributors`)."""
 
     def begin_round(self) -> None:
         """Agree on who takes part, before a round's first collective (nothing if a round is open)."""
@@ -71,6 +76,9 @@ class GroupTransport:
     @property
     def contributors(self) -> list[int]:
         return list(range(self.size))
+
+    def contributed_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        return gathered.view(self.size, -1)
 
     def begin_round(self) -> None:
         """Nothing to agree on: the c10d group's membership is fixed for the run."""

@@ -2,13 +2,15 @@
 
 `train.py` drives any engine the same way (docs/design.md §5):
 
-    engine = build_engine(cfg, mesh)              # model built, sharded/wrapped
+    engine = build_engine(cfg, mesh)              # model built, sharded/wrapped; syncs through mesh.sync_transport
     optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
     for step ...:
         engine.begin_step(step)                   # the sync policy decides: grads across replicas?
         loss = engine.forward_backward(batches)   # micro-batches; grads reduced once, on the last
+        update = engine.commit_grads()            # False: the step's grad round did not commit (elastic)
         engine.clip_grad_norm_(max_norm)
-        optimizer.step(); engine.zero_grad()
+        if update: optimizer.step()
+        engine.zero_grad()
         synced = engine.end_step(step)            # the sync policy's param sync, if due
     engine.finish()                               # land a param sync still in flight
 
@@ -153,11 +155,11 @@ class Engine(ABC):
         return total
 
     def begin_step(self, step: int) -> None:
-        self.set_grad_sync(self.policy.grad_sync(step))
+        self.set_grad_sync(self.policy.backward_grad_sync(step))
 
     def commit_grads(self) -> bool:
-        """After the backward: False if this step must not update (an elastic grad round that failed;
-        only the hsdp engines run elastic, see HSDPEngine.commit_grads)."""
+        """After the backward: False if this step must not update (a grad round of a transport that may
+        fail, which did not commit; only the hsdp engines have one, see HSDPEngine.commit_grads)."""
         return True
 
     def end_step(self, step: int) -> bool:

@@ -45,7 +45,6 @@ from hsdp.engines.dtensor import init_optimizer_state, shard_dtensor
 from hsdp.engines.layout import DTYPES, ParamSpec, plan_layout
 from hsdp.model import build_model, unit_initializer
 from hsdp.sync.policy import Buffers, NoSync, Sync, SyncPolicy, build_sync
-from hsdp.sync.transport import GroupTransport
 
 BackwardCallback = Callable[["ShardedUnit", list[Optional[torch.Tensor]]], None]
 
@@ -201,14 +200,12 @@ class HSDPEngine(Engine):
                 materialize(i, m)
             self.units.append(ShardedUnit(i, f"units.{i}.", m, mesh, self.param_dtype, self._on_unit_backward))
         self.reduce_grads = True  # False on non-final micro-steps of gradient accumulation
-        self.grad_round_due = False  # this step's grads cross replicas in the policy's round (elastic)
+        self.step = 0  # the step begun last (commit_grads asks the policy about it)
         self._pending: list[PendingReduce] = []
         self._callback_queued = False
         # Without a sync config (tests driving the engine directly) grads are always averaged.
         self.policy: Sync = (
-            NoSync()
-            if sync_cfg is None
-            else build_sync(sync_cfg, self.held_buffers(), mesh.sync_transport or GroupTransport(mesh.comm))
+            NoSync() if sync_cfg is None else build_sync(sync_cfg, self.held_buffers(), mesh.sync_transport)
         )
         self.set_grad_sync(True)
 
@@ -240,16 +237,13 @@ class HSDPEngine(Engine):
         self.reduce_grads = reduce
 
     def begin_step(self, step: int) -> None:
-        sync = self.policy.grad_sync(step)
-        # Elastic: a grad-sync step's backward averages over the shard group only; commit_grads then
-        # takes the replicas' mean in a round that may fail.
-        self.grad_round_due = sync and self.policy.grads_in_rounds
-        self.set_grad_sync(sync and not self.grad_round_due)
+        # On a transport that may fail, a grad-sync step's backward averages over the shard group only and
+        # commit_grads then takes the replicas' mean in a round of its own (the policy decides both).
+        self.step = step
+        self.set_grad_sync(self.policy.backward_grad_sync(step))
 
     def commit_grads(self) -> bool:
-        if not self.grad_round_due:
-            return True
-        return self.policy.commit_grads([u.grad_flat for u in self.units])
+        return self.policy.commit_grads(self.step, [u.grad_flat for u in self.units])
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The held (sharded, fp32) params under the model's own names: what the optimizer updates."""

@@ -62,6 +62,7 @@ from hsdp.run.integrity import (
 )
 from hsdp.run.rundir import owns_run_dir
 from hsdp.shards import fsync_dir  # the shard writer's: rename durability is the same problem
+from hsdp.sync.membership import ReplicaSeat
 
 FORMAT = 1  # bump when the layout of meta.json or the DCP keys changes
 CHECKPOINTS = "checkpoints"
@@ -105,7 +106,7 @@ def replica_newest(cfg: Config) -> list[Optional[Path]]:
 
     The replicas need not agree: one that was down while the others saved is behind. Each resumes from
     its own newest state, and one behind the newest heals from a replica ahead at their first quorum
-    (hsdp/sync/elastic.py, `ElasticReplica.join`), as a replica restarted within the run does. Nothing a
+    (hsdp/sync/elastic/join.py, `Join.join`), as a replica restarted within the run does. Nothing a
     replica saved is given up for a step that all of them share (docs/design.md §11)."""
     return [latest_checkpoint(replica_home(cfg.run_dir, m)) for m in range(cfg.mesh.sync)]
 
@@ -158,11 +159,12 @@ def resolve_resume(cfg: Config, replica: Optional[int] = None) -> Optional[Path]
 
 
 # ---------------------------------------------------------------- validation (before any worker starts)
-def check_resume(cfg: Config) -> Optional[Path]:
+def check_resume(cfg: Config, seat: Optional[ReplicaSeat] = None) -> Optional[Path]:
     """Resolve `run.resume` and check that the checkpoint is complete, readable and fits `cfg`.
 
     Raises ConfigError (one line naming the key or file that differs); returns the
-    checkpoint folder to resume from, or None to start fresh.
+    checkpoint folder to resume from, or None to start fresh. `seat`: an elastic replica's
+    under torchrun (which process reads every file, `owns_run_dir`).
     """
     path = resolve_resume(cfg)
     if path is None:
@@ -175,7 +177,7 @@ def check_resume(cfg: Config) -> Optional[Path]:
     # An elastic run: every replica's own newest checkpoint is checked (each resumes from its own).
     chosen = [p for p in replica_newest(cfg) if p is not None] if cfg.elastic.enabled else [path]
     for checkpoint in chosen:
-        done = validate_checkpoint(checkpoint, cfg)["step"] + 1
+        done = validate_checkpoint(checkpoint, cfg, seat)["step"] + 1
         if cfg.run.steps < done:
             raise ConfigError(
                 f"run.steps: {cfg.run.steps} is below the {done} steps checkpoint {checkpoint} has already "
@@ -278,7 +280,7 @@ def marker_records_checksums(path: Path) -> bool:
     return not isinstance(marker, dict) or "checksums" in marker
 
 
-def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
+def validate_checkpoint(path: Path, cfg: Config, seat: Optional[ReplicaSeat] = None) -> dict[str, Any]:
     """ConfigError unless `path` is a complete, intact checkpoint `cfg` can continue; returns its meta."""
     meta = read_meta(path)
     saved = read_saved_config(path)
@@ -315,7 +317,7 @@ def validate_checkpoint(path: Path, cfg: Config) -> dict[str, Any]:
     if extra:
         raise ConfigError(f"model: checkpoint {path} has tensor {extra[0]}, which the config's model lacks")
     # Last: the checks above name what differs; this one finds bytes that changed without changing sizes.
-    if owns_run_dir():  # under torchrun, rank 0 reads every file once for all ranks (a mismatch ends them all)
+    if owns_run_dir(seat):  # under torchrun, rank 0 reads every file once for all ranks (a mismatch ends them all)
         verify_files(path)
     return meta
 
@@ -343,12 +345,13 @@ class Checkpoints:
         engine: Engine,
         optimizer: torch.optim.Optimizer,
         t_start: float,
-        replica: Optional[int] = None,
+        seat: Optional[ReplicaSeat] = None,
     ) -> None:
         self.cfg, self.mesh, self.engine, self.optimizer = cfg, mesh, engine, optimizer
-        # An elastic replica (`replica`) saves and loads its own checkpoints in its own world; its
+        # An elastic replica (`seat`) saves and loads its own checkpoints in its own world; its
         # first rank is then the world's rank 0, not the run's.
-        self.replica = replica
+        self.seat = seat
+        replica = self.replica = None if seat is None else seat.replica
         self.home = cfg.run_dir if replica is None else replica_home(cfg.run_dir, replica)
         self.root = checkpoints_dir(self.home)
         self.first = dist.get_rank() == 0
@@ -362,7 +365,7 @@ class Checkpoints:
         """Restore the checkpoint `run.resume` names (decided by rank 0 for every rank); else a fresh start."""
         if self.cfg.mesh.backend == "fake":  # nothing moves between ranks, so nothing could be restored right
             return Progress()
-        if self.replica is not None and os.environ.get("HSDP_RESTART", "0") != "0":
+        if self.seat is not None and self.seat.restart > 0:
             return Progress()  # a replica restarted within the run heals from a live one instead (newer)
         # An elastic replica resumes from its own newest checkpoint; one behind the others heals at the join.
         choice = [str(resolve_resume(self.cfg, self.replica) or "") if self.first else None]

@@ -4,8 +4,9 @@
 `elastic.lighthouse` names one), then `mesh.sync` replica groups of `mesh.shard` local workers, each
 group with its own rendezvous port. When any worker of a replica ends badly, the launcher kills the
 rest of that replica and starts it again (up to `elastic.max_restarts` times); the new workers heal
-from a live replica at its next sync (hsdp/sync/elastic.py) while the others train on. The run
-folder's `replicas.json` lists each replica's live pids and restarts, rewritten on every change.
+from a live replica at its next sync (hsdp/sync/elastic/) while the others train on. Each worker is
+handed its `ReplicaSeat` (replica index, restart count, lighthouse) as an argument. The run folder's
+`replicas.json` lists each replica's live pids and restarts, rewritten on every change.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from urllib.parse import urlsplit
 from hsdp.config.schema import Config, ConfigError
 from hsdp.run.zygote import Exit, Workers
 from hsdp.shards import write_json
+from hsdp.sync.membership import ReplicaSeat
 
 
 @dataclass
@@ -47,15 +49,15 @@ class Replica:
         return not self.given_up and self.restart_at is None and 0 < len(self.workers) and not self.done
 
 
-def replica_env(replica: int, restarts: int, lighthouse: str) -> dict[str, str]:
-    """What an elastic worker learns from the launcher besides the usual rank variables."""
-    env = {"HSDP_REPLICA": str(replica), "HSDP_RESTART": str(restarts), "TORCHFT_LIGHTHOUSE": lighthouse}
-    return {**env, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+def worker_env() -> dict[str, str]:
+    """What an elastic worker's environment adds: torchft's Rust side logs every quorum at info otherwise."""
+    return {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}
 
 
-def enter_torchrun_replica(cfg: Config) -> None:
+def enter_torchrun_replica(cfg: Config) -> ReplicaSeat:
     """Under torchrun an agent (a machine) runs one replica: its world is that replica's mesh.shard ranks,
-    torchrun restarts it (--max-restarts), and the replicas meet at a lighthouse started on its own."""
+    torchrun restarts it (--max-restarts), and the replicas meet at a lighthouse started on its own.
+    Returns this agent's seat (elastic.replica, torchrun's restart count, the lighthouse)."""
     e = cfg.elastic
     if not e.lighthouse:
         raise ConfigError(
@@ -67,8 +69,9 @@ def enter_torchrun_replica(cfg: Config) -> None:
             f"elastic.replica: under torchrun, this machine's replica index in 0..{cfg.mesh.sync - 1}, got {e.replica}"
         )
     check_lighthouse_reachable(cfg)
+    os.environ.update(worker_env())
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    os.environ.update(replica_env(e.replica, int(restarts or 0), e.lighthouse))
+    return ReplicaSeat(e.replica, int(restarts or 0), e.lighthouse)
 
 
 def check_lighthouse_reachable(cfg: Config) -> None:
@@ -244,6 +247,11 @@ def merge_replica_summaries(run_dir: Path, failures: dict[int, int], restarts: d
         # the wall-clock a replica that never failed lost to its peers' failures (max over such replicas)
         "survivor_lost_s": max(
             (s.get("elastic_lost_s", 0.0) for m, s in summaries.items() if not failures[m]),
+            default=None,
+        ),
+        # how many of its rounds a failure touched (a count: what survivor_lost_s is spent in)
+        "survivor_touched_rounds": max(
+            (s.get("elastic_touched_rounds", 0) for m, s in summaries.items() if not failures[m]),
             default=None,
         ),
     }

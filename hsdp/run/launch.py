@@ -40,14 +40,17 @@ from hsdp.run.checkpoint import elastic_resume_note
 from hsdp.run.elastic import (
     ElasticLaunch,
     check_lighthouse_reachable,
-    replica_env,
+    enter_torchrun_replica,
     start_lighthouse,
+    worker_env,
     write_summary,
 )
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.zygote import Exit, Workers, Zygote
+from hsdp.sync.membership import ReplicaSeat
 
-Worker = Callable[[Config], None]
+# worker(cfg); an elastic replica's worker(cfg, seat), its ReplicaSeat (which replica, which start of it)
+Worker = Callable[..., None]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_GRACE_S = 3.0  # seconds a worker gets to exit after SIGTERM before it is killed
 KILL_WAIT_S = 10.0  # seconds to wait for the zygote to report SIGKILLed workers gone
@@ -168,8 +171,10 @@ def _init_and_run(
     local_rank: int,
     local_world: int,
     store: Optional[dist.Store] = None,
+    seat: Optional[ReplicaSeat] = None,
 ) -> None:
-    """Join the world (through `store` if given, else the environment's rendezvous), run the worker, leave."""
+    """Join the world (through `store` if given, else the environment's rendezvous), run the worker (an
+    elastic replica's is handed its `seat`), leave."""
     torch.set_num_threads(threads_per_rank(local_world))
     device = pick_device(local_rank)
     timeout = datetime.timedelta(seconds=cfg.mesh.timeout_s)
@@ -184,7 +189,10 @@ def _init_and_run(
         store=store,
     )
     try:
-        worker(cfg)
+        if seat is None:
+            worker(cfg)
+        else:
+            worker(cfg, seat)
     finally:
         shutdown_process_group()
 
@@ -214,13 +222,13 @@ def _local_worker(
     world: int,
     local_rank: Optional[int] = None,
     local_world: Optional[int] = None,
-    env: Optional[dict[str, str]] = None,
+    seat: Optional[ReplicaSeat] = None,
 ) -> None:
     """A local worker, forked by the zygote (which already gave it the launcher's environment and stdio).
 
     An elastic replica's worker is rank `rank` of its replica's own world of `world` ranks; `local_rank`
-    and `local_world` then number it among all the launcher's workers, and `env` is what the elastic
-    launcher tells it (hsdp/run/elastic.py)."""
+    and `local_world` then number it among all the launcher's workers, and `seat` says which replica
+    and which start of it (hsdp/run/elastic.py)."""
     local_rank = rank if local_rank is None else local_rank
     local_world = world if local_world is None else local_world
     os.environ.update(
@@ -231,9 +239,9 @@ def _local_worker(
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(local_rank),
         LOCAL_WORLD_SIZE=str(local_world),
-        **(env or {}),
+        **(worker_env() if seat is not None else {}),
     )
-    _init_and_run(cfg, worker, rank, world, local_rank, local_world)
+    _init_and_run(cfg, worker, rank, world, local_rank, local_world, seat=seat)
 
 
 def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
@@ -254,9 +262,9 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
 
             def start_group(m: int, restarts: int) -> list[int]:
                 stores[m] = host_rendezvous_store(cfg.mesh.timeout_s)
-                port, env = stores[m].port, replica_env(m, restarts, address)
+                port, seat = stores[m].port, ReplicaSeat(m, restarts, address)
                 targets = [
-                    (_local_worker, (r, cfg, worker, port, shard, m * shard + r, local_world, env))
+                    (_local_worker, (r, cfg, worker, port, shard, m * shard + r, local_world, seat))
                     for r in range(shard)
                 ]
                 return workers.start(targets)
@@ -396,8 +404,16 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(cfg: Config, worker: Worker) -> None:
-    """Run `worker(cfg)` on every rank of the mesh.
+def torchrun_seat(cfg: Config) -> Optional[ReplicaSeat]:
+    """Under torchrun, an elastic run's agent is one replica: its seat (which replica, which start of it,
+    the lighthouse; ConfigError if elastic.replica or elastic.lighthouse is wrong). None otherwise: the
+    local elastic launcher gives each replica's workers theirs."""
+    return enter_torchrun_replica(cfg) if cfg.elastic.enabled and under_torchrun() else None
+
+
+def launch(cfg: Config, worker: Worker, seat: Optional[ReplicaSeat] = None) -> None:
+    """Run `worker(cfg)` on every rank of the mesh (`worker(cfg, seat)` for an elastic replica's ranks: the
+    local elastic launcher's seats, or under torchrun the agent's `seat`).
 
     Raises WorkerError if any rank fails, Interrupted (after stopping the workers)
     on SIGINT/SIGTERM. The mesh is assumed checked (`load_checked_config`, the torchrun world included).
@@ -414,6 +430,7 @@ def launch(cfg: Config, worker: Worker) -> None:
             world,
             int(os.environ.get("LOCAL_RANK", 0)),
             int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+            seat=seat,
         )
         return
     world = cfg.world_size

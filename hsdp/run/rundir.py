@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 from hsdp.config.schema import Config, ConfigError
+from hsdp.sync.membership import ReplicaSeat
 
 # What a run writes into its folder (train.py, hsdp/run/metrics.py, wandb with dir=run folder).
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "replicas.json")
@@ -48,7 +50,7 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def prepare_run_dir(cfg: Config) -> None:
+def prepare_run_dir(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     """Create the run folder; refuse to reuse one that holds a previous run unless asked to.
 
     - no previous outputs: create the folder (and its parents);
@@ -66,7 +68,7 @@ def prepare_run_dir(cfg: Config) -> None:
     model.replica{m}.pt need.
     """
     run_dir = cfg.run_dir
-    if not owns_run_dir():
+    if not owns_run_dir(seat):
         _mkdir(run_dir)
         return
     found = previous_outputs(run_dir)
@@ -84,13 +86,14 @@ def prepare_run_dir(cfg: Config) -> None:
     _mkdir(run_dir)
 
 
-def owns_run_dir() -> bool:
+def owns_run_dir(seat: Optional[ReplicaSeat] = None) -> bool:
     """Whether this process checks and writes the run folder's own files (config.yaml): the launcher,
-    or global rank 0 under torchrun, where every rank runs train.py's main()."""
+    or global rank 0 under torchrun, where every rank runs train.py's main(); for an elastic replica
+    under torchrun (`seat`, hsdp/run/launch.py's torchrun_seat) rank 0 of replica 0's first start."""
     if "WORLD_SIZE" not in os.environ:
         return True
-    if "HSDP_REPLICA" in os.environ:  # an elastic replica under torchrun: replica 0's first start owns it
-        return os.environ.get("RANK") == "0" and os.environ["HSDP_REPLICA"] == "0" and os.environ["HSDP_RESTART"] == "0"
+    if seat is not None:
+        return os.environ.get("RANK") == "0" and seat.replica == 0 and seat.restart == 0
     return os.environ.get("RANK", "0") == "0"
 
 

@@ -3,6 +3,9 @@
 schedule.py   when (warmup grad sync, every H, fragments, delay τ)
 outer.py      what θ_g does with the mean Δ (average / DiLoCo outer step)
 codec.py      how Δ travels (fp32 all-reduce / int8 all-gather)
-transport.py  over what (a protocol; the c10d sync group implements it)
 policy.py     the policy combining them, its checkpoint state, resume rules and NoSync
+membership.py this rank's place among the replicas (mesh, join, per-step duties; local or elastic)
+elastic/      the replicas on torchft (docs/design.md §11)
+
+Over what Δ travels is the mesh's transport (hsdp/comm/transport.py: the protocol, the c10d sync group).
 """

@@ -28,8 +28,8 @@ from typing import Optional, Protocol
 
 import torch
 
+from hsdp.comm.transport import Transport, Work
 from hsdp.config.schema import ConfigError, SyncConfig
-from hsdp.sync.transport import Transport, Work
 from kernels.quant import MAX_BLOCK, dequantize_mean, quantize_int8
 from kernels.quant4 import dequantize_int4_mean, quantize_int4
 from kernels.topk import (
@@ -83,7 +83,7 @@ class Fp32Codec:
         if red.done:
             return
         _wait(red)
-        red.delta.div_(len(transport.contributors))  # a spectator's part was zero (FTTransport)
+        red.delta.div_(len(transport.contributors))  # the parts that count (the transport says which)
         red.done = True
 
 
@@ -114,7 +114,7 @@ class Int8Codec:
             return
         _wait(red)
         _, _, q_all, s_all = red.buffers
-        q, scales = contributed_rows(q_all, transport), contributed_rows(s_all, transport)
+        q, scales = transport.contributed_rows(q_all), transport.contributed_rows(s_all)
         dequantize_mean(q, scales, self.block, red.delta)
         red.buffers, red.done = (), True
 
@@ -156,18 +156,10 @@ def _start_gather(delta: torch.Tensor, parts: list[torch.Tensor], transport: Tra
     return Reduction(delta, [transport.all_gather(gathered, payload, async_op)], (payload, gathered))
 
 
-def contributed_rows(gathered: torch.Tensor, transport: Transport) -> torch.Tensor:
-    """A gather's output as one row per replica, keeping the rows of the replicas whose part counts
-    (all of them, except a spectating elastic replica's: hsdp/sync/elastic.py)."""
-    rows = gathered.view(transport.size, -1)
-    keep = transport.contributors
-    return rows if len(keep) == rows.shape[0] else rows[keep]
-
-
 def _finish_gather(red: Reduction, transport: Transport) -> tuple[int, int, torch.Tensor]:
     """Wait for a packed all-gather: (M, the unit's n, the M contributing replicas' bytes as [M, payload] rows)."""
     _wait(red)
-    rows = contributed_rows(red.buffers[1], transport)
+    rows = transport.contributed_rows(red.buffers[1])
     return rows.shape[0], red.delta.numel(), rows
 
 

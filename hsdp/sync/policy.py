@@ -5,7 +5,7 @@ It combines the pieces of this package (docs/design.md §2):
     schedule.py    when: warmup grad sync, every H steps, fragments, delay τ
     outer.py       what θ_g does with the mean Δ (average / DiLoCo)
     codec.py       how Δ travels (fp32 / int8)
-    transport.py   over what (the c10d sync group today)
+    transport      over what: the mesh's (hsdp/comm/transport.py; the c10d sync group, or torchft's)
 
 Param sync of a fragment, per unit's held shard θ_m (fp32):
     average (no θ_g):  θ_m ← mean_m θ_m                       (one all-reduce)
@@ -35,11 +35,11 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from hsdp.comm.transport import Transport
 from hsdp.config.schema import ConfigError, SyncConfig
 from hsdp.sync.codec import Codec, Reduction, build_codec
 from hsdp.sync.outer import OuterOptimizer
 from hsdp.sync.schedule import fragment_units, fragments_due, grad_sync_due, uses_global_copy
-from hsdp.sync.transport import Transport
 from kernels.outer import compute_delta
 
 STATE_FORMAT = 1  # bump when state_dict's layout changes
@@ -50,7 +50,8 @@ class Sync(Protocol):
     """What an engine and the training loop ask of a sync policy."""
 
     def grad_sync(self, step: int) -> bool: ...
-    def commit_grads(self, grads: list[torch.Tensor]) -> bool: ...
+    def backward_grad_sync(self, step: int) -> bool: ...
+    def commit_grads(self, step: int, grads: list[torch.Tensor]) -> bool: ...
     def after_step(self, step: int) -> bool: ...
     def finish(self) -> list[int]: ...
     def replicas_identical(self, step: int) -> bool: ...
@@ -60,19 +61,20 @@ class Sync(Protocol):
     def load_checkpoint(self, meta: dict[str, Any], buffers: Buffers) -> None: ...
 
     replica_buffers: frozenset[str]  # buffer names that differ between replicas
-    grads_in_rounds: bool  # grad-sync steps reduce across replicas in a round of their own (commit_grads)
 
 
 class NoSync:
     """The policy of engines whose grads are always averaged over every rank (and exact HSDP on one replica)."""
 
     replica_buffers: frozenset[str] = frozenset()
-    grads_in_rounds = False
 
     def grad_sync(self, step: int) -> bool:
         return True
 
-    def commit_grads(self, grads: list[torch.Tensor]) -> bool:
+    def backward_grad_sync(self, step: int) -> bool:
+        return True
+
+    def commit_grads(self, step: int, grads: list[torch.Tensor]) -> bool:
         return True
 
     def after_step(self, step: int) -> bool:
@@ -147,20 +149,27 @@ class SyncPolicy:
         self.in_flight: list[_DelayedSync] = []  # in start order, so every rank waits in the same order
         self.landed: list[int] = []  # fragments whose sync landed in the last after_step / finish
         self.dropped = 0  # rounds that did not commit (an elastic replica failed during them): not applied
-        # On a transport that may fail, a grad-sync step's grads cross replicas in their own round after
-        # the backward (commit_grads), so a failure drops the step whole instead of ending the run.
-        self.grads_in_rounds = transport.may_fail
         if cfg.warmup_steps == 0:
             self.start_global_copy()
 
     def grad_sync(self, step: int) -> bool:
+        """Whether `step` averages its grads across the replicas (the warmup, exact HSDP)."""
         return grad_sync_due(step, self.cfg)
 
+    def backward_grad_sync(self, step: int) -> bool:
+        """Whether `step`'s backward averages its grads over the c10d sync group too. On a transport that may
+        fail, a grad-sync step's grads cross the replicas after the backward instead, in a round of their
+        own (`commit_grads`), so a failure drops the step whole instead of ending the run."""
+        return self.grad_sync(step) and not self.transport.may_fail
+
     @torch.no_grad()
-    def commit_grads(self, grads: list[torch.Tensor]) -> bool:
-        """A grad-sync step on a transport that may fail (warmup / exact HSDP, elastic): each unit's grad
-        shard (the shard group's mean) summed over the replicas in this step's round and divided by their
-        number. False if the round did not commit: the grads are zeroed and the step must not update."""
+    def commit_grads(self, step: int, grads: list[torch.Tensor]) -> bool:
+        """After `step`'s backward; False if the step must not update. A grad-sync step on a transport that
+        may fail (warmup / exact HSDP, elastic): each unit's grad shard (the shard group's mean) summed over
+        the replicas in this step's round and divided by their number; if the round did not commit, the
+        grads are zeroed and False. Any other step: nothing to do."""
+        if self.backward_grad_sync(step) or not self.grad_sync(step):
+            return True
         self.transport.begin_round()  # nothing if open: a replica that healed into this round
         works = [self.transport.all_reduce_sum(g, async_op=True) for g in grads]
         for w in works:
@@ -196,7 +205,7 @@ class SyncPolicy:
         """The param syncs due after `step`, as one round of the transport: run them (τ = 0) or start them.
 
         `joined`: the round has already begun (an elastic replica that just healed into its peers' round
-        at `step`, hsdp/sync/elastic.py)."""
+        at `step`, hsdp/sync/elastic/join.py)."""
         due = fragments_due(step, self.cfg)
         if not due:
             return False

@@ -1,0 +1,122 @@
+"""HealState: what a rejoining replica copies from a live peer, and this rank's server of it.
+
+The state a replica needs to continue exactly where a live peer is: its held shards, the inner
+optimizer's state, the sync policy's state (θ_g, outer momentum; nothing is in flight at the start of a
+round) and the training step. The LR and the data stream are functions of the step and of the replica's
+own rank, so both are right once the step is.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+
+class HealState:
+    """What a rejoining replica copies from a live peer (torchft's state_dict / load_state_dict pair).
+
+    In a grad-sync round (one per step; the warmup) the state crosses inside the round, as torchft does.
+    In a param-sync round it crosses outside it, so the live replicas never wait for it behind a slow
+    link: torchft's heal carries only where to fetch it (`offer`); the peer serves its state once that
+    round has closed (`serve`, from its own snapshot server, while it trains on) and the rejoining
+    replica fetches it (`fetch`) and spectates the peers' next round to catch up (join.py).
+    """
+
+    def __init__(self) -> None:
+        self.engine: Any = None  # attached at the join (the transport, and so the manager, come first)
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.snapshots: Any = None  # this rank's server of its state for a peer healing out of band (manager.py)
+        self.step = -1  # the last finished step (set by the training loop, through the membership)
+        self.training = False  # past the join: a peer healing now catches up out of band
+        self.healed_to: Optional[int] = None  # set when a peer's state (or its offer) was loaded
+        self.peer_joining = False  # the state came from a peer in its own join round (a resume: it was ahead)
+        self.offer: Optional[tuple[str, int]] = None  # (a peer's snapshot address, the step its round began after)
+        # Healed out of band and not caught up yet: this replica spectates its rounds (FTTransport asks). Set
+        # with the offer, inside the quorum, so the round the offer came in already counts it out.
+        self.spectating = False
+        self.asked_at: Optional[int] = None  # a peer healed from this rank in the round begun after this step
+        self.served_round: Optional[int] = None  # the round after which the served state was published
+        self.heals = 0
+        self.fetches = 0  # peers' states fetched out of band
+        self.fetch_s = 0.0  # wall time fetching them
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state for a peer healing in the round begun after `step` (torchft's quorum thread
+        calls it while the training thread waits in begin_round)."""
+        if not self.training or self.engine.policy.grad_sync(self.step + 1) or self.snapshots is None:
+            # Before training (a fresh run's replicas meeting: the initial state) or in a grad round (every
+            # step is one): the state crosses inside the round.
+            return self.full_state()
+        self.asked_at = self.step
+        return {"step": self.step, "snapshot": self.snapshots.address()}
+
+    def full_state(self) -> dict[str, Any]:
+        # Copies: they are sent from another thread while this replica trains on.
+        policy = copy.deepcopy(self.engine.policy.state_dict())
+        thetas = self._global_params(policy)
+        return {
+            # A unit whose params are θ_g (just after its sync) is not sent twice: a fifth less behind a slow link.
+            "held": [
+                None if g is not None and torch.equal(u.held_flat, g) else u.held_flat.detach().clone()
+                for u, g in zip(self.engine.units, thetas, strict=True)
+            ],
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "policy": policy,
+            "step": self.step,
+            "joining": not self.training,  # the round the state crosses in is this rank's join round
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A peer's state, or its offer to serve it (torchft calls this on the training thread, in begin_round)."""
+        if "snapshot" in state:
+            self.offer = (state["snapshot"], int(state["step"]))
+            self.healed_to = int(state["step"])
+            self.spectating = True
+            return
+        self.load_full(state)
+
+    def _global_params(self, policy_state: dict[str, Any]) -> list[Optional[torch.Tensor]]:
+        """θ_g per unit from a policy state dict (None for each unit where the policy keeps none)."""
+        return policy_state.get("global_params") or [None] * len(self.engine.units)
+
+    @torch.no_grad()
+    def load_full(self, state: dict[str, Any]) -> None:
+        for u, held, g in zip(self.engine.units, state["held"], self._global_params(state["policy"]), strict=True):
+            u.held_flat.copy_(g if held is None else held)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.engine.policy.load_state_dict(state["policy"])
+        self.step = self.healed_to = int(state["step"])
+        self.peer_joining = bool(state.get("joining", False))
+        self.heals += 1
+
+    def serve(self, step: int, transport: Any, timeout: timedelta) -> None:
+        """After `step`'s sync, once `transport` has no round open: publish this rank's state to a peer that
+        healed from it in a round that has now closed, and drop that copy once a later round closed (the
+        peer caught up)."""
+        if transport.open:
+            return
+        rounds = transport.rounds
+        if self.asked_at is not None and step >= self.asked_at:
+            self.snapshots.send_checkpoint(dst_ranks=[], step=step, state_dict=self.full_state(), timeout=timeout)
+            self.asked_at, self.served_round = None, rounds
+        elif self.served_round is not None and rounds > self.served_round:
+            self.snapshots.send_checkpoint(dst_ranks=[], step=-1, state_dict={}, timeout=timeout)
+            self.served_round = None
+
+    def fetch(self, url: str, step: int, wait_s: float, timeout: timedelta) -> dict[str, Any]:
+        """A peer's state after `step`, once it serves it (it publishes when its round has closed)."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                state = self.snapshots.recv_checkpoint(src_rank=0, metadata=url, step=step, timeout=timeout)
+                self.fetch_s += time.perf_counter() - t0
+                self.fetches += 1
+                return state
+            except Exception as e:  # 400: still serving an older state; a refused or cut connection
+                if time.perf_counter() - t0 > wait_s:
+                    raise RuntimeError(f"no state of step {step} from {url} within {wait_s:g} s: {e}") from e
+                time.sleep(0.05)

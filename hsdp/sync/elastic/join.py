@@ -1,0 +1,119 @@
+"""A replica's first quorum (`Join.join`), and the out-of-band catch-up of one healed at a param sync."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from hsdp.config.schema import Config
+from hsdp.sync.elastic.heal import HealState
+from hsdp.sync.elastic.transport import FTTransport
+from hsdp.sync.schedule import fragments_due
+
+
+class Join:
+    """How replica `replica` (its `restart`-th start) meets the live replicas over `transport`."""
+
+    def __init__(self, cfg: Config, replica: int, restart: int, transport: FTTransport, heal: HealState) -> None:
+        self.cfg, self.replica, self.restart = cfg, replica, restart
+        self.transport, self.heal = transport, heal
+        self.timeout = timedelta(seconds=cfg.elastic.timeout_s)
+        self.spectated = 0  # rounds this replica took part in without counting (catching up after a heal)
+        self.joined_s = 0.0
+
+    def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
+        """The first quorum: the step to train from.
+
+        A replica behind the live ones (restarted) heals from one at their next sync round: inside a
+        grad-sync round it takes the state there and joins the round; at a param-sync round it catches up
+        out of band (`catch_up`). A fresh run starts once all mesh.sync replicas are in the quorum (replicas
+        that start later, e.g. on other machines, are waited for up to mesh.timeout_s): a replica must not
+        race ahead alone from the initial weights.
+        """
+        self.heal.engine, self.heal.optimizer, self.heal.step = engine, optimizer, start_step - 1
+        t0 = time.perf_counter()
+        fresh = self.restart == 0
+        transport, manager = self.transport, self.transport.manager
+        while True:
+            if fresh:  # torchft's step is the training step resumed at: one resumed behind heals from one ahead
+                manager.load_state_dict({**manager.state_dict(), "step": start_step})
+            transport.begin_round()
+            if self.heal.offer is not None:  # a peer serves its state once this round closes
+                step = self.catch_up(engine.policy)
+                break
+            if self.heal.healed_to is not None:  # healed inside the peers' round
+                t = self.heal.healed_to
+                if self.heal.peer_joining:
+                    transport.commit_round()  # the peer's join round, which it commits too
+                elif engine.policy.grad_sync(t + 1):
+                    pass  # the peers' round is step t+1's grads: left open, this replica's step t+1 joins it
+                elif not engine.policy.start_due(t, joined=True):
+                    transport.commit_round()  # the peers' round had nothing to sync at t
+                step = t + 1
+                break
+            if not fresh:
+                raise RuntimeError(
+                    f"replica {self.replica} was restarted but found no live replica to heal from "
+                    "(the others finished or died); it would train alone from the initial weights"
+                )
+            transport.commit_round()
+            if transport.participants >= self.cfg.mesh.sync:
+                step = start_step
+                break
+            if time.perf_counter() - t0 > self.cfg.mesh.timeout_s:
+                raise RuntimeError(
+                    f"only {transport.participants} of mesh.sync={self.cfg.mesh.sync} replicas joined within "
+                    f"mesh.timeout_s={self.cfg.mesh.timeout_s:g}; a fresh elastic run starts with all of them"
+                )
+            time.sleep(0.2)
+        self.joined_s = time.perf_counter() - t0
+        self.heal.training = True
+        return step
+
+    def catch_up(self, policy: Any) -> int:
+        """Heal out of band, from the peers' param-sync round this replica was just healed into (begun after
+        their step t); returns the step to train from.
+
+        1. Spectate that round: take part in its collectives with a part that does not count (the peers
+           need every quorum member in them), keep nothing.
+        2. Fetch the peer's state after that round while the peers train on (the slow part behind a slow
+           link: nobody waits for it) and load it: params, inner optimizer, θ_g, outer momentum, step.
+        3. Spectate the peers' next round: its mean Δ takes this replica's θ_g and momentum exactly where
+           the peers' are, and its params to θ_g (τ = 0, or α = 0), then train on with everyone.
+        If the peers reached that next round first, they healed this replica again there: start over.
+        """
+        cfg, heal = self.cfg, self.heal
+        last = cfg.run.steps - 1
+        policy.start_global_copy()  # a θ_g for the first round's Δ (not counted, and replaced in step 2)
+        while True:
+            url, t = heal.offer
+            heal.offer = None
+            self._spectate(policy, t)
+            at = min(t + cfg.sync.delay, last)  # the round lands τ steps after it began (or at the end)
+            heal.load_full(heal.fetch(url, at, cfg.mesh.timeout_s, self.timeout))
+            following = next((s for s in range(at + 1, cfg.run.steps) if fragments_due(s, cfg.sync)), None)
+            if following is None:  # the peers sync no more: train on alone to the end, as they do
+                break
+            # From here this replica can be a heal source itself (another replica restarted meanwhile): it
+            # offers the round it is in and, once that round has closed, serves its state after it.
+            heal.training, heal.step = True, following
+            self.transport.begin_round()
+            if heal.offer is not None:
+                continue
+            self._spectate(policy, following)
+            heal.step = min(following + cfg.sync.delay, last)
+            heal.serve(heal.step, self.transport, self.timeout)
+            break
+        heal.spectating = False
+        return heal.step + 1
+
+    def _spectate(self, policy: Any, step: int) -> None:
+        """The peers' round begun after `step` (already begun here), run through to its land."""
+        if policy.start_due(step, joined=True):
+            policy.finish()  # τ > 0: land it now; the peers land it τ steps later, with the same mean
+        else:
+            self.transport.commit_round()
+        self.spectated += 1

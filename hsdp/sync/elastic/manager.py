@@ -1,0 +1,78 @@
+"""The torchft Manager of one rank of an elastic replica, and the address its peers reach it at."""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+from typing import Any
+
+from hsdp import torch_compat
+from hsdp.config.schema import Config
+from hsdp.sync.elastic.heal import HealState
+
+
+def build_manager(
+    cfg: Config, replica: int, shard_rank: int, shard: int, lighthouse: str, heal: HealState
+) -> tuple[Any, Any]:
+    """(torchft Manager, its gloo group) of shard rank `shard_rank` of replica `replica`, meeting the other
+    replicas at `lighthouse`; `heal` is what it sends a peer that heals from it and loads when it heals."""
+    from torchft.manager import Manager  # lazy: only elastic runs need torchft
+    from torchft.process_group import ProcessGroupGloo
+
+    # torchft's checkpoint transport deserialises a peer's state from a read-only buffer, which torch warns
+    # about on each heal; the tensors are copied into this replica's own buffers at once.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+    timeout = timedelta(seconds=cfg.elastic.timeout_s)
+    pg = ProcessGroupGloo(timeout=timeout)
+    # Where the peers reach this replica (its manager, and its state for a peer that heals from it).
+    host = "127.0.0.1" if not cfg.elastic.lighthouse else address_towards(cfg.elastic.lighthouse)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=heal.load_state_dict,
+        state_dict=heal.state_dict,
+        min_replica_size=cfg.elastic.min_replicas,
+        use_async_quorum=False,  # heal before the round's collectives, on the training thread
+        init_sync=False,  # replicas start from the same seeded init: no copy at step 0
+        timeout=timeout,
+        # A quorum waits for the peers' next sync (up to sync.every steps away), not only for failures.
+        quorum_timeout=timedelta(seconds=max(cfg.mesh.timeout_s, 6 * cfg.elastic.timeout_s)),
+        connect_timeout=timeout,
+        rank=shard_rank,
+        world_size=shard,
+        replica_id=f"replica_{replica}",
+        lighthouse_addr=lighthouse,
+        hostname=host,
+        checkpoint_transport=_http_transport(timeout, host),
+        heartbeat_interval=timedelta(milliseconds=100),
+    )
+    heal.snapshots = _http_transport(timeout, host)  # this rank's state, for a peer healing out of band
+    return manager, pg
+
+
+def _http_transport(timeout: timedelta, host: str):
+    """torchft's HTTP checkpoint transport (heals), advertising `host` instead of this machine's hostname."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class _Transport(HTTPTransport):
+        def address(self) -> str:
+            port = torch_compat.http_transport_port(self)  # torchft's own server (as its address() reads it)
+            return f"http://{f'[{host}]' if ':' in host else host}:{port}/checkpoint/"
+
+    return _Transport(timeout=timeout, num_chunks=0)
+
+
+def address_towards(url: str) -> str:
+    """This machine's address on the route to `url`'s host: what the other replicas can reach it at.
+
+    torchft advertises it for this replica's manager; the hostname (its default) may resolve to a
+    loopback address (127.0.1.1 on Debian) or to an interface the peers cannot reach.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # a UDP connect sends nothing: it only picks the route and source address
+        return s.getsockname()[0]

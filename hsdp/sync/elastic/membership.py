@@ -1,0 +1,74 @@
+"""ElasticMembership: this rank's replica on torchft, as the training loop's `Membership`."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from hsdp.comm.groups import Comm
+from hsdp.comm.mesh import Mesh, build_elastic_mesh
+from hsdp.config.schema import Config
+from hsdp.sync.elastic.heal import HealState
+from hsdp.sync.elastic.join import Join
+from hsdp.sync.elastic.manager import build_manager
+from hsdp.sync.elastic.transport import FTTransport
+
+
+class ElasticMembership:
+    """Replica `replica` (its `restart`-th start) of an elastic run, meeting the others at `lighthouse`: its own
+    mesh with the torchft transport as its sync group, the join and heal, its own metrics files."""
+
+    def __init__(self, cfg: Config, replica: int, restart: int, lighthouse: str) -> None:
+        self.cfg, self.replica, self.restart, self.lighthouse = cfg, replica, restart, lighthouse
+        self.heal = HealState()
+        self.transport: FTTransport = None  # built with the mesh (its manager needs the replica's world)
+        self.joining: Join = None
+        self.metrics_suffix = f".replica{replica}"  # each replica writes its own metrics and summary
+
+    def build_mesh(self, device: torch.device) -> Mesh:
+        """The replica's own world as its mesh, with the torchft transport as its sync group."""
+        c = self.cfg
+        return build_elastic_mesh(self.replica, c.mesh.sync, c.mesh.shard, device, c.mesh.timeout_s, self._transport)
+
+    def _transport(self, comm: Comm, shard_rank: int) -> FTTransport:
+        manager, pg = build_manager(self.cfg, self.replica, shard_rank, self.cfg.mesh.shard, self.lighthouse, self.heal)
+        self.transport = FTTransport(manager, pg, comm, spectating=lambda: self.heal.spectating)
+        self.joining = Join(self.cfg, self.replica, self.restart, self.transport, self.heal)
+        return self.transport
+
+    def logs(self, mesh: Mesh) -> bool:
+        return mesh.shard_rank == 0  # each replica's first rank
+
+    def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
+        """Meet the live replicas: a restarted replica heals from one and continues at its step."""
+        return self.joining.join(engine, optimizer, start_step)
+
+    def before_sync(self, step: int) -> None:
+        self.heal.step = step  # what a peer healing at this step's sync gets
+
+    def after_sync(self, step: int) -> None:
+        self.heal.serve(step, self.transport, self.joining.timeout)
+
+    def step_record(self) -> dict[str, Any]:
+        return {"replicas": self.transport.participants}  # the replicas counted in the last sync
+
+    def stats(self) -> dict[str, Any]:
+        t = self.transport
+        return {
+            "heals": self.heal.heals,
+            "heal_fetches": self.heal.fetches,  # peers' states fetched out of band
+            "heal_fetch_s": round(self.heal.fetch_s, 3),
+            "spectated_rounds": self.joining.spectated,
+            "sync_rounds": t.rounds,
+            "dropped_syncs": self.heal.engine.policy.dropped,
+            "elastic_touched_rounds": t.touched_rounds(),
+            "elastic_lost_s": round(t.lost_s(), 3),
+            # what agreeing on a quorum costs per round (each grad-sync step is one round)
+            "quorum_median_s": round(statistics.median(t.quorum_waits), 4) if t.quorum_waits else None,
+            "join_s": round(self.joining.joined_s, 3),
+        }
+
+    def shutdown(self) -> None:
+        self.transport.manager.shutdown(wait=False)

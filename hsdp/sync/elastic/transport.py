@@ -1,0 +1,174 @@
+"""FTTransport: the sync collectives among the live replicas' ranks of one shard position, through torchft.
+
+    begin_round   manager.start_quorum()   who takes part; a replica behind the others heals here
+    all_reduce    manager.allreduce(SUM)   (all-gather: the group's allgather)
+    commit_round  manager.should_commit()  False if any participant failed: the policy drops the round
+
+A replica catching up after a heal spectates rounds (`spectating()` is True): it takes part in every
+collective (its peers need each quorum member in them) with a part that does not count, agreed at
+each round's start (`contributors`), so the peers' mean is over the peers alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from hsdp.comm.groups import Comm, ring_bytes_of
+
+
+class Done:
+    """A finished collective (torchft already waited, or an errored manager made it a no-op)."""
+
+    def wait(self) -> None:
+        pass
+
+
+class _Guarded:
+    """An allgather on torchft's group whose failure is reported to the manager instead of raised."""
+
+    def __init__(self, work: Any, manager: Any) -> None:
+        self.work, self.manager = work, manager
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            self.work.wait()
+        except Exception as e:  # a peer died mid-collective: the round will not commit
+            self.manager.report_error(e)
+        self.work = None
+
+
+class FTTransport:
+    """The sync collectives among the live replicas' ranks of one shard position, through torchft.
+
+    `spectating()`: whether this replica spectates (asked at each round's start and collective: its heal
+    state knows). `clock` (seconds, monotonic) times the quorum waits and dropped rounds; tests pass a fake.
+    """
+
+    may_fail = True
+
+    def __init__(
+        self,
+        manager: Any,
+        pg: Any,
+        comm: Comm,
+        spectating: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.manager, self.pg, self.comm, self.clock = manager, pg, comm, clock
+        self.spectating = spectating
+        self.rounds = 0
+        self.participants: Optional[int] = None  # the last round's contributors (quorum less spectators)
+        self._contributors: list[int] = [0]
+        self.quorum_waits: list[float] = []  # seconds each begin_round waited for its quorum
+        # per round: did a failure touch it (the quorum changed size, a replica spectated, or the round
+        # before was dropped)? Only those rounds' waits count as lost (lost_s), not the peers' usual jitter.
+        self.touched: list[bool] = []
+        self._last_size: Optional[int] = None
+        self._last_dropped = False
+        self.dropped_s = 0.0  # wall time of rounds that did not commit, after their quorum
+        self._round_start = 0.0
+        self.open = False  # a round has begun and not been committed (e.g. one a healed replica joined)
+
+    @property
+    def size(self) -> int:
+        return self.manager.num_participants()
+
+    @property
+    def contributors(self) -> list[int]:
+        return self._contributors
+
+    def contributed_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """A gather's rows less a spectating replica's (its part was sent, and is dropped here)."""
+        rows = gathered.view(self.size, -1)
+        keep = self._contributors
+        return rows if len(keep) == rows.shape[0] else rows[keep]
+
+    def begin_round(self) -> None:
+        if self.open:
+            return
+        self.open = True
+        t0 = self.clock()
+        self.manager.start_quorum()
+        self._round_start = self.clock()  # the quorum's wait is counted in quorum_waits, not twice
+        self.quorum_waits.append(self._round_start - t0)
+        self._contributors = self._agree_contributors()
+        self.participants = len(self._contributors)
+        size = self.size
+        changed = self._last_size is not None and size != self._last_size
+        self.touched.append(changed or self.participants < size or self._last_dropped)
+        self._last_size, self._last_dropped = size, False
+        self.rounds += 1
+
+    def _agree_contributors(self) -> list[int]:
+        """Which of the round's replicas count in its means: each says whether it spectates (one float each,
+        all-gathered). Only this replica knows it is spectating (hsdp/sync/elastic/join.py)."""
+        n = self.size
+        mine = torch.tensor([0.0 if self.spectating() else 1.0])
+        if n == 1:
+            return [0]  # alone (a spectator's peer died: its zero part stands, the round changes nothing)
+        flags = torch.zeros(n)
+        # Not counted in the sync bytes: control traffic, like the quorum's own messages.
+        self._guarded_all_gather(flags, mine).wait()
+        if self.manager.errored():  # the round is lost already: count everyone, its result is never applied
+            return list(range(n))
+        return [i for i in range(n) if flags[i] > 0]
+
+    def commit_round(self) -> bool:
+        self.open = False
+        error = self.manager.errored()
+        ok = bool(self.manager.should_commit())
+        if not ok:
+            self.dropped_s += self.clock() - self._round_start
+            self._last_dropped = True
+            why = f"{type(error.original_exception).__name__}: {error.original_exception}" if error else "a peer failed"
+            print(f"elastic: sync round {self.rounds} dropped ({why})", file=sys.stderr)
+        return ok
+
+    def touched_rounds(self) -> int:
+        """How many rounds a failure touched (a count, unlike lost_s: what a test can bound on a busy box)."""
+        return sum(self.touched)
+
+    def lost_s(self) -> float:
+        """Wall time lost to peers' failures: the quorum waits beyond the usual (median) one in the rounds a
+        failure touched (detection, a rejoin, a spectating replica), and dropped rounds. Untouched rounds'
+        excess waits are the replicas' ordinary jitter, not counted: over 144 grad-sync rounds (one per
+        step) they summed to several seconds on a loaded box, more than the failure itself cost."""
+        usual = statistics.median(self.quorum_waits) if self.quorum_waits else 0.0
+        touched = [w for w, t in zip(self.quorum_waits, self.touched, strict=True) if t]
+        return sum(max(0.0, w - usual) for w in touched) + self.dropped_s
+
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool) -> Any:
+        if self.spectating():  # a spectator's part is zero (what torchft's allreduce does while healing)
+            t.zero_()
+        self.comm.count("sync", "all_reduce", ring_bytes_of("all_reduce", self.size, t.numel() * t.element_size()))
+        work = self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM)
+        if not async_op:
+            work.wait()
+            return Done()
+        return work
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Any:
+        self.comm.count("sync", "all_gather", ring_bytes_of("all_gather", self.size, inp.numel() * inp.element_size()))
+        work = self._guarded_all_gather(out, inp)
+        if not async_op:
+            work.wait()
+        return work
+
+    def _guarded_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        if self.manager.errored():
+            return Done()  # the round is lost already; its result is never applied
+        try:
+            return _Guarded(self.pg.allgather([list(out.chunk(self.size))], [inp], AllgatherOptions()), self.manager)
+        except Exception as e:
+            self.manager.report_error(e)
+            return Done()

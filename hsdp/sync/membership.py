@@ -1,0 +1,104 @@
+"""This rank's membership of the replicas: its mesh and sync transport, its join, its duties around a sync.
+
+The training loop calls a `Membership` unconditionally; `build_membership` picks the implementation once,
+from the config:
+
+    LocalMembership     the c10d sync group of one torch.distributed world: membership fixed for the run
+    ElasticMembership   a replica of an elastic run on torchft (hsdp/sync/elastic/, docs/design.md §11)
+
+Which replica a worker is and which start of it travel explicitly, as a `ReplicaSeat` the launcher hands
+the worker (hsdp/run/elastic.py; under torchrun `enter_torchrun_replica`'s result).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import torch
+
+from hsdp.comm.mesh import Mesh, build_mesh
+from hsdp.config.schema import Config
+
+
+@dataclass(frozen=True)
+class ReplicaSeat:
+    """An elastic worker's replica: its index, how many times it was restarted, where the replicas meet."""
+
+    replica: int
+    restart: int
+    lighthouse: str
+
+
+class Membership(Protocol):
+    """What the training loop asks of this rank's place among the replicas."""
+
+    metrics_suffix: str  # this process's metrics<suffix>.jsonl and summary<suffix>.json
+
+    def build_mesh(self, device: torch.device) -> Mesh:
+        """The mesh, built with its sync transport (the engine's policy syncs through it)."""
+
+    def logs(self, mesh: Mesh) -> bool:
+        """Whether this rank writes the metrics and summary files."""
+
+    def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
+        """Meet the other replicas before the first step; returns the step to train from."""
+
+    def before_sync(self, step: int) -> None:
+        """After `step`'s update, before its param sync."""
+
+    def after_sync(self, step: int) -> None:
+        """After `step`'s param sync (and the final land)."""
+
+    def step_record(self) -> dict[str, Any]:
+        """Fields for a metrics record."""
+
+    def stats(self) -> dict[str, Any]:
+        """Fields for the summary."""
+
+    def shutdown(self) -> None:
+        """Leave the replicas (after the summary)."""
+
+
+class LocalMembership:
+    """One torch.distributed world of every rank: the c10d sync group, nothing to join or serve."""
+
+    metrics_suffix = ""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def build_mesh(self, device: torch.device) -> Mesh:
+        return build_mesh(self.cfg.mesh.sync, self.cfg.mesh.shard, device, self.cfg.mesh.timeout_s)
+
+    def logs(self, mesh: Mesh) -> bool:
+        return mesh.rank == 0
+
+    def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
+        return start_step
+
+    def before_sync(self, step: int) -> None:
+        pass
+
+    def after_sync(self, step: int) -> None:
+        pass
+
+    def step_record(self) -> dict[str, Any]:
+        return {}
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def build_membership(cfg: Config, seat: Optional[ReplicaSeat]) -> Membership:
+    """The membership `cfg` asks for; an elastic run's needs the worker's `seat` (from its launcher)."""
+    if not cfg.elastic.enabled:
+        return LocalMembership(cfg)
+    if seat is None:
+        raise RuntimeError("elastic.enabled: this worker was started without its replica seat (hsdp/run/launch.py)")
+    from hsdp.sync.elastic.membership import ElasticMembership
+
+    return ElasticMembership(cfg, seat.replica, seat.restart, seat.lighthouse)
