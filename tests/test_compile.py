@@ -19,6 +19,13 @@ from tests.helpers import SMALL, RunResult, max_param_rel_err, run_train
 pytestmark = pytest.mark.timeout(1800)
 
 STEPS = 10
+# Every run here trains with SGD (momentum 0.9): its update is linear in the gradient, so two runs' params
+# differ by lr·Σ δgrad, what fp32 reordering puts into the grads. AdamW instead scales each coordinate's
+# update to about lr whatever the gradient's size, so on rarely hit coordinates (embedding rows) whose tiny,
+# cancellation-dominated grads differ in sign between two summation orders it turns reordering noise into
+# lr-sized param differences that depend on the CPU's vector width (2e-5 of a tensor's max on one AMD CPU,
+# under 1e-5 on another). The compiled graph computes the grads; the optimizer is the same torch code in both.
+SGD = ["optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.3", "optim.min_lr=0.03"]
 COMPILED = ["compile.enabled=true", "compile.passes=none"]
 DILOCO = ["sync.warmup_steps=3", "sync.every=4", "sync.method=diloco", "run.steps=15", "mesh.sync=2", "mesh.shard=2"]
 UNITS_NEEDING_WEIGHTS = 2 + 1  # SMALL's blocks and the head; the embedding's backward needs only the ids
@@ -30,8 +37,9 @@ def _pair(tmp: Path, name: str, overrides: list[str], compiled: list[str] = COMP
     return eager, compiled
 
 
-BASE = SMALL + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=2"]
+BASE = SMALL + SGD + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=2"]
 BF16 = ["precision.param_dtype=bf16", "precision.reduce_dtype=bf16"]
+ACCUM = "optim.grad_accum=2"
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +48,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult,
     tmp = tmp_path_factory.mktemp("compile")
     return {
         "1x2": _pair(tmp, "1x2", BASE),
-        "1x4": _pair(tmp, "1x4", SMALL + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=4"]),
-        "2x2-diloco": _pair(tmp, "diloco", SMALL + DILOCO),
-        # Gradient accumulation: non-final micro-steps reduce nothing (the interface's set_reduce_grads).
-        "1x2-accum": _pair(tmp, "accum", SMALL + ["run.steps=4", "mesh.sync=1", "mesh.shard=2", "optim.grad_accum=2"]),
+        # A shard group of 4 with gradient accumulation (one compile for both): non-final micro-steps
+        # reduce nothing (the interface's set_reduce_grads).
+        "1x4-accum": _pair(
+            tmp, "1x4-accum", SMALL + SGD + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=4", ACCUM]
+        ),
+        "2x2-diloco": _pair(tmp, "diloco", SMALL + SGD + DILOCO),
         # bf16 runs with our passes (prefetch 1): the passes do not change numerics (checked below in fp32).
         "1x2-bf16": _pair(
             tmp, "bf16", BASE + BF16, compiled=["compile.enabled=true", "compile.passes=ours", "compile.prefetch=1"]
@@ -85,14 +95,14 @@ def _rel(a: list[float], b: list[float]) -> float:
     return float(np.max(np.abs(a - b) / np.abs(b)))
 
 
-@pytest.mark.parametrize("case", ["1x2", "1x4", "2x2-diloco", "1x2-accum"])
+@pytest.mark.parametrize("case", ["1x2", "1x4-accum", "2x2-diloco"])
 def test_compiled_equals_eager_fp32(runs, case: str) -> None:
     """Per-step losses and every replica's final params agree to 1e-5 relative."""
     eager, compiled = runs[case]
     assert _rel(compiled.losses, eager.losses) < 1e-5
     for m in range(2 if case == "2x2-diloco" else 1):
         assert max_param_rel_err(compiled.params(m), eager.params(m)) < 1e-5
-    assert eager.losses[-1] < eager.losses[0] - (0.02 if case == "1x2-accum" else 0.05)  # it trained
+    assert eager.losses[-1] < eager.losses[0] - 0.05  # it trained
 
 
 def test_compiled_bf16_like_eager_bf16(runs) -> None:
@@ -102,7 +112,7 @@ def test_compiled_bf16_like_eager_bf16(runs) -> None:
     assert compiled.losses[-1] < compiled.losses[0] - 0.05
 
 
-@pytest.mark.parametrize("case", ["1x2", "1x4", "2x2-diloco", "1x2-accum"])
+@pytest.mark.parametrize("case", ["1x2", "1x4-accum", "2x2-diloco"])
 def test_bytes_equal_eager(runs, case: str) -> None:
     """shard_bytes / sync_bytes of every logged step equal the eager engine's (counted from the graphs)."""
     eager, compiled = runs[case]
@@ -127,7 +137,7 @@ def test_graphs_and_recompiles(runs) -> None:
 def test_grad_accumulation_reduces_once_per_step(runs) -> None:
     """With optim.grad_accum=2 the first micro-step's backward reduce-scatters nothing (it accumulates),
     the second reduces every unit once: two graph pairs, like the eager engine's one reduction per step."""
-    graphs = runs["1x2-accum"][1].summary["compiled"]
+    graphs = runs["1x4-accum"][1].summary["compiled"]
     backwards = [g for g in graphs if g["graph"] == "backward"]
     assert len(graphs) == 4 and len(backwards) == 2
     assert sorted(g["reduce_scatters"] for g in backwards) == [0, UNITS_NEEDING_WEIGHTS + 1]
