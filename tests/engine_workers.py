@@ -1,8 +1,10 @@
-"""Multi-process checks of the engine's internals, run as `python -m tests.engine_workers NAME WORLD OUT`.
+"""Multi-process checks of the engine's internals, run as `python tests/engine_workers.py NAME WORLD OUT`.
 
-Each check spawns WORLD gloo ranks (shard group = all of them), compares the
+Each check forks WORLD gloo ranks (shard group = all of them), compares the
 engine against plain torch computed on every rank, and writes `OUT/rank{r}.json`;
-the pytest side runs this with a timeout and reads the files.
+the pytest side runs this on the suite's warm train server (tests/helpers.py, so
+neither this process nor its forked ranks import torch again) with a timeout and
+reads the files. Arguments after the first three (the server's `--set ...`) are ignored.
 """
 
 from __future__ import annotations
@@ -124,10 +126,17 @@ def _worker(rank: int, name: str, world: int, port: int, out: str) -> None:
 
 def main() -> None:
     name, world, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hsdp, when run as a script
+    import hsdp.engines.hsdp  # noqa: F401  (once, before the fork, and not in each rank)
+    import hsdp.model  # noqa: F401
+    import hsdp.run.launch  # noqa: F401
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(name, world, port, out), nprocs=world, start_method="spawn")
+    # fork: the ranks start from this interpreter, torch and hsdp already imported, and have done no
+    # torch work yet (no thread pool to inherit); spawn would import them again in every rank.
+    mp.start_processes(_worker, args=(name, world, port, out), nprocs=world, start_method="fork")
 
 
 if __name__ == "__main__":
