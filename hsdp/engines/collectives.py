@@ -20,10 +20,7 @@ from typing import Optional
 import torch
 
 from hsdp.comm.groups import Comm
-
-# ReducePlan and reduce_plan live in hsdp.layout (the compiled graph shares them); hsdp/engines/hsdp.py
-# still imports them from here.
-from hsdp.layout import ReducePlan, UnitLayout, reduce_plan  # noqa: F401
+from hsdp.layout import ReducePlan, UnitLayout
 from kernels.pack import pack_shards, unpack_full
 from kernels.reduce import accumulate_grad_shards, pack_grads
 

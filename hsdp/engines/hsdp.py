@@ -2,7 +2,7 @@
 
 Per unit (docs/design.md §3):
 
-    held_flat  [N]       fp32, this rank's dim-0 shard of every param, padded (hsdp/engines/layout.py)
+    held_flat  [N]       fp32, this rank's dim-0 shard of every param, padded (hsdp/layout.py)
     gather:    pack → all-gather (shard group) → unpack into full_flat [S·N]   (hsdp/engines/collectives.py)
     release:   full_flat's storage is resized to 0 (views keep their identity)
     backward:  pack grads → reduce-scatter (shard group) → [warmup] all-reduce (sync group)
@@ -34,15 +34,13 @@ from hsdp.engines.base import Engine, SavedCheckpoint
 from hsdp.engines.collectives import (
     PendingGather,
     PendingReduce,
-    ReducePlan,
     gather_full,
     pack_grads_for_reduce,
-    reduce_plan,
     start_gather,
     start_reduce,
 )
 from hsdp.engines.dtensor import init_optimizer_state, shard_dtensor
-from hsdp.engines.layout import DTYPES, ParamSpec, plan_layout
+from hsdp.layout import DTYPES, ParamSpec, ReducePlan, plan_layout, reduce_plan
 from hsdp.model import build_model, unit_initializer
 from hsdp.sync.policy import Buffers, NoSync, Sync, SyncPolicy, build_sync
 
