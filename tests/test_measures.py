@@ -88,8 +88,10 @@ def test_bad_relative_or_nocomm_exit_2(tmp_path, capsys, extra, words):
     assert len(err) == 1 and all(w in err[0] for w in words), err
 
 
-def test_sweep_measures_exposed_communication_with_a_fake_twin(tmp_path):
-    """Real runs: each run and its no-comm twin; the twin sends the same bytes on paper but waits on none."""
+@pytest.fixture(scope="module")
+def fake_twin_sweep(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One real sweep, shared: a 1x2 run (gloo) and its no-comm twin (mesh.backend=fake); the process and out_dir."""
+    tmp_path = tmp_path_factory.mktemp("sweep")
     path = tmp_path / "sw.yaml"
     sets_ = ", ".join([*PAIR, f"run.out_dir={tmp_path / 'out'}"])
     path.write_text(
@@ -99,13 +101,19 @@ def test_sweep_measures_exposed_communication_with_a_fake_twin(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "hsdp.sweep", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300
     )
+    return proc, tmp_path / "out"
+
+
+def test_sweep_measures_exposed_communication_with_a_fake_twin(fake_twin_sweep):
+    """Real runs: each run and its no-comm twin; the twin sends the same bytes on paper but waits on none."""
+    proc, out = fake_twin_sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
-    real = json.loads((tmp_path / "out" / "sw-hsdp" / "summary.json").read_text())
-    bare = json.loads((tmp_path / "out" / "sw-hsdp-nocomm" / "summary.json").read_text())
+    real = json.loads((out / "sw-hsdp" / "summary.json").read_text())
+    bare = json.loads((out / "sw-hsdp-nocomm" / "summary.json").read_text())
     assert real["backend"] == "gloo" and bare["backend"] == "fake"
     assert bare["shard_bytes"] == real["shard_bytes"] > 0  # the same collectives were issued
     assert "compute only" in proc.stderr  # the fake run says what its numbers are
-    row = next(ln for ln in (tmp_path / "out" / "sw.md").read_text().splitlines() if ln.startswith("| hsdp |"))
+    row = next(ln for ln in (out / "sw.md").read_text().splitlines() if ln.startswith("| hsdp |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[4]) == pytest.approx(float(cells[1]) - float(cells[3]), abs=2e-4)  # exposed = step − bare
     assert cells[-1] == "1.00×"
@@ -127,21 +135,16 @@ def test_step_memory_probe_sees_the_peak_of_what_the_step_allocates():
     assert c.numel() == 2**19
 
 
-def test_step_memory_is_in_the_summary_of_a_run(tmp_path):
-    """A 1x2 run reports its probed step's peak, with either backend (gloo's own staging buffers count too)."""
-    out = tmp_path / "out"
+def test_step_memory_is_in_the_summary_of_a_run(fake_twin_sweep):
+    """A 1x2 run reports its probed step's peak, with either backend (gloo's own staging buffers count too):
+    the sweep's run (gloo) and its twin (fake), plain train.py runs of PAIR."""
+    proc, out = fake_twin_sweep
+    assert proc.returncode == 0, proc.stderr[-3000:]
     peaks = {}
-    for backend in ("gloo", "fake"):
-        proc = subprocess.run(
-            [sys.executable, "train.py", *[a for o in PAIR for a in ("--set", o)]]
-            + ["--set", f"run.out_dir={out}", "--set", f"run.name={backend}", "--set", f"mesh.backend={backend}"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        peaks[backend] = json.loads((out / backend / "summary.json").read_text())["step_alloc_peak_mb"]
+    for backend, run in (("gloo", "sw-hsdp"), ("fake", "sw-hsdp-nocomm")):
+        summary = json.loads((out / run / "summary.json").read_text())
+        assert summary["backend"] == backend and summary["world"] == 2
+        peaks[backend] = summary["step_alloc_peak_mb"]
     assert peaks["gloo"] > 0 and peaks["fake"] > 0
 
 
