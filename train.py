@@ -33,8 +33,8 @@ from hsdp.run.checkpoint import Checkpoints, check_resume, finished, remove_fail
 from hsdp.run.guard import check_finite
 from hsdp.run.launch import Interrupted, WorkerError, launch, torchrun_seat, under_torchrun
 from hsdp.run.lock import hold_run_lock
-from hsdp.run.metrics import MetricsLogger, StepMemoryProbe, peak_memory_mb
-from hsdp.run.preflight import load_checked_config
+from hsdp.run.metrics import MetricsLogger, StepMemoryProbe, carried_counters, peak_memory_mb
+from hsdp.run.preflight import config_notes, load_checked_config, resume_schedule_note
 from hsdp.run.rundir import owns_run_dir, prepare_run_dir
 from hsdp.sync.membership import ReplicaSeat, build_membership
 from hsdp.sync.schedule import steps_after_last_sync
@@ -61,6 +61,15 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         suffix=members.metrics_suffix,
     )
     tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
+    # A replica restarted within the run (healed, not resumed) continues its previous life's counters, so
+    # none goes backwards in its metrics; a resumed run's come from its checkpoint.
+    carried = carried_counters(logger.previous if run.resumed_from is None and run.start_step > 0 else None)
+    if run.resumed_from is not None and run.tokens is None:  # a checkpoint from before tokens were saved
+        run_share, own_share = members.step_tokens(tokens_per_step)
+        run.tokens, run.trained_tokens = len(run.step_times) * run_share, len(run.step_times) * own_share
+    run.tokens = run.tokens or int(carried["tokens"])  # the run's tokens trained, as this rank counts them
+    run.trained_tokens = run.trained_tokens or int(carried["trained_tokens"])  # this file's ranks' own
+    train_s = carried["train_time_s"] + sum(run.step_times)  # the steps counted in run.tokens
     memory = StepMemoryProbe(mesh.device, at=min(run.start_step + 2, cfg.run.steps - 1))  # past compile and warm-up
 
     for step in range(run.start_step, cfg.run.steps):  # batches and LR are functions of the step
@@ -85,6 +94,10 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         run.step_times.append(time.perf_counter() - t0)
+        train_s += run.step_times[-1]
+        step_tokens, own_tokens = members.step_tokens(tokens_per_step)  # a given-up replica's are not counted
+        run.tokens += step_tokens
+        run.trained_tokens += own_tokens
 
         eval_now = last or (cfg.run.eval_every > 0 and (step + 1) % cfg.run.eval_every == 0)
         if eval_now or step % cfg.run.log_every == 0:
@@ -92,13 +105,16 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
                 "step": step,
                 "loss": world_mean(mesh, step_loss),
                 "lr": lr,
-                "tokens": (step + 1) * tokens_per_step,
+                "tokens": run.tokens,
+                "trained_tokens": run.trained_tokens,
                 "step_time_s": run.step_times[-1],
-                "shard_bytes": mesh.comm.group_bytes("shard"),
-                "sync_bytes": mesh.comm.group_bytes("sync"),
+                "train_time_s": train_s,
+                "shard_bytes": carried["shard_bytes"] + mesh.comm.group_bytes("shard"),
+                "sync_bytes": carried["sync_bytes"] + mesh.comm.group_bytes("sync"),
                 "peak_mem_mb": peak_memory_mb(mesh.device),
                 "synced": synced,
-                "elapsed_s": run.prior_wall_s + time.perf_counter() - t_start,  # wall-clock, for time-to-loss
+                # wall-clock, for time-to-loss
+                "elapsed_s": carried["elapsed_s"] + run.prior_wall_s + time.perf_counter() - t_start,
                 **members.step_record(),  # e.g. the replicas counted in the last sync
             }
             if eval_now:
@@ -107,37 +123,37 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
                 )
             run.loss = record["loss"]
             logger.log(record)
-            logger.progress(step, run.loss, tokens_per_step / run.step_times[-1])
+            logger.progress(step, run.loss, step_tokens / run.step_times[-1])
         checkpoints.maybe_save(step, run)  # every run.checkpoint_every steps, after the update, sync and log
 
     peak = torch.tensor([peak_memory_mb(mesh.device), memory.peak_mb or 0.0], device=mesh.device)  # nccl: GPU
     mesh.comm.all_reduce(peak, "world", op=dist.ReduceOp.MAX)
-    train_time = sum(run.step_times)
-    # Over the steps this run timed: a resumed run's include the earlier ones; a replica that healed
-    # in late timed only its own, and one that joined at the last sync none (then no rate).
-    tokens_per_s = len(run.step_times) * tokens_per_step / train_time if train_time > 0 else None
+    # One definition for every run: the tokens trained (as this rank counts them) over the time of the steps
+    # that trained them (a resumed run's include the earlier ones, a restarted replica's its earlier lives').
+    tokens_per_s = run.tokens / train_s if train_s > 0 else None
     logger.summary(
         {
             "final_loss": run.loss,
             "final_val_loss": run.val_loss,
             "steps": cfg.run.steps,
-            "tokens": cfg.run.steps * tokens_per_step,
+            "tokens": run.tokens,
+            "trained_tokens": run.trained_tokens,  # of the ranks whose files these are (an elastic replica's)
             "tokens_per_s": tokens_per_s,
             **throughput(cfg, tokens_per_s, mesh.device),  # FLOPs/token, MFU
             "median_step_time_s": statistics.median(run.step_times) if run.step_times else None,
-            "train_time_s": train_time,
-            "wall_time_s": run.prior_wall_s + time.perf_counter() - t_start,
+            "train_time_s": train_s,
+            "wall_time_s": carried["elapsed_s"] + run.prior_wall_s + time.perf_counter() - t_start,
             "peak_mem_mb": float(peak[0]),
             "step_alloc_peak_mb": round(float(peak[1]), 2) if memory.peak_mb is not None else None,
-            "shard_bytes": mesh.comm.group_bytes("shard"),
-            "sync_bytes": mesh.comm.group_bytes("sync"),
-            "comm": mesh.comm.report(),
+            "shard_bytes": carried["shard_bytes"] + mesh.comm.group_bytes("shard"),
+            "sync_bytes": carried["sync_bytes"] + mesh.comm.group_bytes("sync"),
+            "comm": mesh.comm.report(),  # this process's calls (a restarted replica's: since its restart)
             "engine": cfg.mesh.engine,
             "backend": dist.get_backend(),
             "world": mesh.world,
             **engine.stats(),
             **checkpoints.stats(),
-            **members.stats(),
+            **members.stats(run.step_times),
         }
     )
     logger.close()
@@ -229,6 +245,9 @@ def main(argv: Optional[list[str]] = None, worker: Optional[Callable[..., None]]
             if owner:  # under torchrun, rank 0 only: another rank's copy would look like an old run
                 save_config(cfg, cfg.run_dir / "config.yaml")
             warn_unsynced_end(cfg)
+            for line in [*config_notes(cfg), resume_schedule_note(cfg, resume_from)]:
+                if line:
+                    print(line, file=sys.stderr)
             if cfg.mesh.backend == "fake":
                 print(
                     "note: mesh.backend=fake: collectives move no data (each rank keeps its own), so step times "

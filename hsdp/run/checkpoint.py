@@ -333,6 +333,8 @@ class Progress:
     val_loss: Optional[float] = None
     prior_wall_s: float = 0.0  # wall time of the run before this process (up to its checkpoint)
     resumed_from: Optional[Path] = None
+    tokens: Optional[int] = None  # the run's tokens trained so far, as this rank counts them (train.py)
+    trained_tokens: Optional[int] = None  # of those, the tokens of the ranks whose metrics this rank writes
 
 
 class Checkpoints:
@@ -406,6 +408,8 @@ class Checkpoints:
             val_loss=p["val_loss"],
             prior_wall_s=p["wall_s"],
             resumed_from=path,
+            tokens=p.get("tokens"),  # None: a checkpoint from before these were saved
+            trained_tokens=p.get("trained_tokens"),
         )
 
     def _restore_extras(self, extras: dict[str, Any]) -> None:
@@ -437,6 +441,8 @@ class Checkpoints:
                     "loss": progress.loss,
                     "val_loss": progress.val_loss,
                     "wall_s": progress.prior_wall_s + time.perf_counter() - self.t_start,
+                    "tokens": progress.tokens,
+                    "trained_tokens": progress.trained_tokens,
                 },
             }
         )

@@ -16,12 +16,14 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit
 
 from hsdp.config.schema import Config, ConfigError
+from hsdp.run.metrics import last_record
 from hsdp.run.zygote import Exit, Workers
 from hsdp.shards import write_json
 from hsdp.sync.membership import ReplicaSeat
@@ -224,27 +226,66 @@ class ElasticLaunch:
 def write_summary(cfg: Config, run: ElasticLaunch) -> None:
     """summary.json of an elastic run launched here (see `merge_replica_summaries`)."""
     failures = {r.index: len(r.failures) for r in run.replicas}
-    merge_replica_summaries(cfg.run_dir, failures, {r.index: r.restarts for r in run.replicas})
+    given_up = {r.index for r in run.replicas if r.given_up}
+    merge_replica_summaries(cfg.run_dir, failures, {r.index: r.restarts for r in run.replicas}, given_up)
 
 
-def merge_replica_summaries(run_dir: Path, failures: dict[int, int], restarts: dict[int, int]) -> None:
-    """summary.json of an elastic run: the first finished replica's summary, its peers' heals and lost
-    time, and the launcher's failure counts (each replica also keeps its own summary.replica<m>.json)."""
+def _mean(values: list[Optional[float]]) -> Optional[float]:
+    """The mean of the values that are not None (None if none is)."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def merge_replica_summaries(
+    run_dir: Path, failures: dict[int, int], restarts: dict[int, int], given_up: Collection[int] = ()
+) -> None:
+    """summary.json of an elastic run from its replicas' own summary.replica<m>.json (each kept), with one
+    definition per field as a plain run's summary:
+
+    final_loss, final_val_loss   the mean over the replicas that finished (as a plain run's world mean:
+                                 the replicas are of equal size); `finished_replicas` lists them
+    tokens                       Σ over replicas of the tokens each trained (a given-up replica's up to its
+                                 last metrics record; a restarted one's every life once)
+    train_time_s, wall_time_s    the longest replica's (they train side by side)
+    tokens_per_s                 tokens / train_time_s (mfu scaled with it)
+    survivor_lost_s              the most a replica that never failed lost to its peers' failures (its
+                                 failure-touched steps' excess over its usual sync step, `elastic_lost_s`)
+
+    The other fields are the first finished replica's, plus the launcher's failure and restart counts.
+    """
     summaries = {}
     for m in failures:
         path = run_dir / f"summary.replica{m}.json"
-        if path.is_file():
+        if path.is_file() and m not in given_up:
             summaries[m] = json.loads(path.read_text())
     if not summaries:
         return
     first = summaries[min(summaries)]
+    trained = 0
+    for m in failures:  # a replica without a summary (given up) trained what its last record says
+        own = summaries[m] if m in summaries else (last_record(run_dir / f"metrics.replica{m}.jsonl") or {})
+        trained += own.get("trained_tokens") or 0
+    train_time = max((s.get("train_time_s") or 0.0) for s in summaries.values())
+    rate = trained / train_time if train_time > 0 else None
+    mfu = first.get("mfu")
+    if mfu and first.get("tokens_per_s") and rate:  # MFU is linear in the rate (same model, same devices)
+        mfu = round(mfu * rate / first["tokens_per_s"], 4)
     merged = {
         **first,
+        "final_loss": _mean([s.get("final_loss") for s in summaries.values()]),
+        "final_val_loss": _mean([s.get("final_val_loss") for s in summaries.values()]),
+        "finished_replicas": sorted(summaries),
+        "tokens": trained,
+        "trained_tokens": trained,
+        "tokens_per_s": rate,
+        "mfu": mfu,
+        "train_time_s": train_time,
+        "wall_time_s": max((s.get("wall_time_s") or 0.0) for s in summaries.values()),
         "replica_failures": sum(failures.values()),
         "replica_restarts": {str(m): n for m, n in restarts.items()},
         "heals": sum(s.get("heals", 0) for s in summaries.values()),
         "dropped_syncs": {str(m): s.get("dropped_syncs", 0) for m, s in summaries.items()},
-        # the wall-clock a replica that never failed lost to its peers' failures (max over such replicas)
+        # the time a replica that never failed lost to its peers' failures (max over such replicas)
         "survivor_lost_s": max(
             (s.get("elastic_lost_s", 0.0) for m, s in summaries.items() if not failures[m]),
             default=None,

@@ -130,6 +130,30 @@ def _step_of(line: str) -> float:
         return float("inf")
 
 
+# The cumulative counters of a metrics record that a replica restarted within the run (healed, not resumed
+# from a checkpoint) continues from its previous life's last record, so that none goes backwards.
+CARRIED = ("elapsed_s", "sync_bytes", "shard_bytes", "train_time_s", "tokens", "trained_tokens")
+
+
+def carried_counters(previous: Optional[dict[str, Any]]) -> dict[str, float]:
+    """The CARRIED counters of `previous` (a metrics record; missing or null fields 0), or all 0."""
+    return {k: (previous or {}).get(k) or 0 for k in CARRIED}
+
+
+def last_record(path: Path) -> Optional[dict[str, Any]]:
+    """The last whole record of a metrics file, or None."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                return record
+    return None
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step; mirrors it to wandb and the progress bar."""
 
@@ -144,9 +168,13 @@ class MetricsLogger:
         self.suffix = suffix
         self._wandb = None
         self._bar: Optional[tqdm] = None
+        self.previous: Optional[dict[str, Any]] = None  # the last record kept from before this process
         if not enabled:
             return
-        self._file = open_metrics(run_dir / f"metrics{suffix}.jsonl", continue_after)
+        path = run_dir / f"metrics{suffix}.jsonl"
+        self._file = open_metrics(path, continue_after)
+        if continue_after is not None:
+            self.previous = last_record(path)
         if cfg.wandb.mode != "disabled" and suffix in ("", ".replica0"):
             self._wandb = self._init_wandb(cfg, run_dir)
         # tqdm's default lock is a multiprocessing semaphore, registered with the launcher's resource

@@ -14,6 +14,7 @@ import glob
 import importlib.util
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -22,6 +23,7 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
 from hsdp.data import check_data, resolve_vocab_size, token_files
 from hsdp.engines.registry import check_engine_config
+from hsdp.optim import lr_at
 from hsdp.run.rundir import check_output_dir
 from hsdp.sync.codec import check_codec
 
@@ -113,3 +115,46 @@ def check_mesh_fits(cfg: Config) -> None:
             f"{mesh}, but this machine runs at most {cap} (4 per CPU core); "
             "use a smaller mesh or torchrun across machines"
         )
+
+
+def config_notes(cfg: Config) -> list[str]:
+    """One warning line per knob `cfg` sets that the run will not use (printed before the run starts).
+
+    The sync codec (`sync.quantize`, `sync.topk`, `sync.error_feedback`) compresses the periodic param
+    sync's Δ only; grad-sync steps average full-precision grads. With every step a grad-sync step
+    (`sync.warmup_steps` null, or at least `run.steps`: exact HSDP, and always on fsdp2/ddp, which have
+    no periodic sync) the codec never runs, whatever the engine.
+    """
+    s = cfg.sync
+    every_step_syncs_grads = s.warmup_steps is None or s.warmup_steps >= cfg.run.steps
+    if not every_step_syncs_grads:
+        return []
+    knobs = [f"sync.quantize={s.quantize}"] if s.quantize != "none" else []
+    knobs += [f"sync.topk={s.topk:g}"] if s.topk else []
+    knobs += ["sync.error_feedback=true"] if s.error_feedback else []
+    if not knobs:
+        return []
+    why = "null" if s.warmup_steps is None else f"{s.warmup_steps} >= run.steps={cfg.run.steps}"
+    return [
+        f"warning: {', '.join(knobs)} ignored: every step syncs full-precision grads (sync.warmup_steps={why}, "
+        f"mesh.engine={cfg.mesh.engine}); the sync codec compresses only the periodic param sync"
+    ]
+
+
+def resume_schedule_note(cfg: Config, resume_from: Optional[Path]) -> Optional[str]:
+    """One note line when a resumed run's `run.steps` differs from its checkpoint's: the cosine LR schedule
+    stretches to the new length, so the LR at the resume step jumps (old schedule's LR vs the new one's)."""
+    if resume_from is None:
+        return None
+    from hsdp.run.checkpoint import read_meta, read_saved_config  # lazy: the checkpoint stack is heavy
+
+    saved = read_saved_config(resume_from)
+    old, new = saved.run.steps, cfg.run.steps
+    if old == new:
+        return None
+    step = read_meta(resume_from)["step"] + 1
+    was, now = lr_at(step, saved.optim, old), lr_at(step, cfg.optim, new)
+    return (
+        f"note: run.steps {old} -> {new} on resume: the LR schedule now spans {new} steps, so the LR at the "
+        f"resume step {step} is {now:.3g} (it was {was:.3g} under run.steps={old})"
+    )

@@ -53,8 +53,12 @@ class Membership(Protocol):
     def step_record(self) -> dict[str, Any]:
         """Fields for a metrics record."""
 
-    def stats(self) -> dict[str, Any]:
-        """Fields for the summary."""
+    def step_tokens(self, tokens_per_step: int) -> tuple[int, int]:
+        """(tokens the run trained this step as this rank counts them, tokens of the ranks whose metrics
+        file this process writes), given the whole mesh's `tokens_per_step`."""
+
+    def stats(self, step_times: list[float]) -> dict[str, Any]:
+        """Fields for the summary (`step_times`: the run's step times, this process's steps last)."""
 
     def shutdown(self) -> None:
         """Leave the replicas (after the summary)."""
@@ -86,7 +90,10 @@ class LocalMembership:
     def step_record(self) -> dict[str, Any]:
         return {}
 
-    def stats(self) -> dict[str, Any]:
+    def step_tokens(self, tokens_per_step: int) -> tuple[int, int]:
+        return tokens_per_step, tokens_per_step  # every rank trains every step; rank 0's files cover them all
+
+    def stats(self, step_times: list[float]) -> dict[str, Any]:
         return {}
 
     def shutdown(self) -> None:

@@ -13,7 +13,7 @@ from hsdp.config.schema import Config
 from hsdp.sync.elastic.heal import HealState
 from hsdp.sync.elastic.join import Join
 from hsdp.sync.elastic.manager import build_manager
-from hsdp.sync.elastic.transport import FTTransport
+from hsdp.sync.elastic.transport import FTTransport, lost_in_touched_steps
 
 
 class ElasticMembership:
@@ -26,6 +26,9 @@ class ElasticMembership:
         self.transport: FTTransport = None  # built with the mesh (its manager needs the replica's world)
         self.joining: Join = None
         self.metrics_suffix = f".replica{replica}"  # each replica writes its own metrics and summary
+        self._rounds_seen = 0  # the transport's rounds before the current step's
+        self.step_held: list[bool] = []  # per step this process ran: it held a sync round
+        self.step_touched: list[bool] = []  # per step: a failure touched or dropped one of its rounds
 
     def build_mesh(self, device: torch.device) -> Mesh:
         """The replica's own world as its mesh, with the torchft transport as its sync group."""
@@ -50,12 +53,26 @@ class ElasticMembership:
 
     def after_sync(self, step: int) -> None:
         self.heal.serve(step, self.transport, self.joining.timeout)
+        t, first = self.transport, self._rounds_seen
+        self.step_held.append(len(t.touched) > first)
+        self.step_touched.append(t.failure_in_rounds_since(first))
+        self._rounds_seen = len(t.touched)
+
+    def step_tokens(self, tokens_per_step: int) -> tuple[int, int]:
+        """(the run's tokens this step, as this replica counts them: one replica's share per replica counted
+        in its last sync; this replica's own share). Before its first sync: every replica."""
+        share = tokens_per_step // self.cfg.mesh.sync
+        counted = self.transport.participants or self.cfg.mesh.sync
+        return counted * share, share
 
     def step_record(self) -> dict[str, Any]:
         return {"replicas": self.transport.participants}  # the replicas counted in the last sync
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, step_times: list[float]) -> dict[str, Any]:
+        """`step_times`: this process's steps' times (the last ones of the run's, aligned with its steps)."""
         t = self.transport
+        n = len(self.step_held)
+        times = list(step_times[len(step_times) - n :]) if n else []
         return {
             "heals": self.heal.heals,
             "heal_fetches": self.heal.fetches,  # peers' states fetched out of band
@@ -64,7 +81,9 @@ class ElasticMembership:
             "sync_rounds": t.rounds,
             "dropped_syncs": self.heal.engine.policy.dropped,
             "elastic_touched_rounds": t.touched_rounds(),
-            "elastic_lost_s": round(t.lost_s(), 3),
+            # what its peers' failures cost this replica: its failure-touched steps beyond its usual sync step
+            "elastic_lost_s": round(lost_in_touched_steps(times, self.step_held, self.step_touched), 3),
+            "elastic_quorum_lost_s": round(t.lost_s(), 3),  # the part spent waiting for quorums
             # what agreeing on a quorum costs per round (each grad-sync step is one round)
             "quorum_median_s": round(statistics.median(t.quorum_waits), 4) if t.quorum_waits else None,
             "join_s": round(self.joining.joined_s, 3),

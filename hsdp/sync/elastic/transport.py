@@ -76,6 +76,7 @@ class FTTransport:
         self._last_size: Optional[int] = None
         self._last_dropped = False
         self.dropped_s = 0.0  # wall time of rounds that did not commit, after their quorum
+        self.dropped: list[bool] = []  # per round: it did not commit
         self._round_start = 0.0
         self.open = False  # a round has begun and not been committed (e.g. one a healed replica joined)
 
@@ -127,6 +128,7 @@ class FTTransport:
         self.open = False
         error = self.manager.errored()
         ok = bool(self.manager.should_commit())
+        self.dropped.append(not ok)
         if not ok:
             self.dropped_s += self.clock() - self._round_start
             self._last_dropped = True
@@ -146,6 +148,10 @@ class FTTransport:
         usual = statistics.median(self.quorum_waits) if self.quorum_waits else 0.0
         touched = [w for w, t in zip(self.quorum_waits, self.touched, strict=True) if t]
         return sum(max(0.0, w - usual) for w in touched) + self.dropped_s
+
+    def failure_in_rounds_since(self, first: int) -> bool:
+        """Whether a failure touched or dropped any round from index `first` on (a step's rounds)."""
+        return any(self.touched[first:]) or any(self.dropped[first:])
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool) -> Any:
         if self.spectating():  # a spectator's part is zero (what torchft's allreduce does while healing)
@@ -172,3 +178,18 @@ class FTTransport:
         except Exception as e:
             self.manager.report_error(e)
             return Done()
+
+
+def lost_in_touched_steps(step_times: list[float], synced: list[bool], touched: list[bool]) -> float:
+    """A survivor's time lost to its peers' failures, from its own step times: Σ over the steps whose sync
+    round a failure touched (or dropped) of (step time − the median time of its steps that held a round).
+
+    The median is over round-holding steps only: a param-sync step costs more than a local one by design,
+    and that is not a loss. From step times, not quorum waits: a failure's cost can sit anywhere in the
+    step (a collective timing out, a heal served after the round), and a 9 s step must not read 0.0.
+    """
+    held = [t for t, s in zip(step_times, synced, strict=True) if s]
+    if not held:
+        return 0.0
+    usual = statistics.median(held)
+    return sum(max(0.0, t - usual) for t, hit in zip(step_times, touched, strict=True) if hit)
