@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from hsdp import slowlink, sweep
 from hsdp.bench import analysis, netns, plot, probe
 from hsdp.bench.plan import LinkPlan
 from hsdp.bench.records import LinkRun, LoggedStep, Measured
@@ -82,20 +83,13 @@ def test_time_to_target_uses_cumulative_step_times():
     assert analysis.time_to_target(records[::2], 2.5).time_to_target_s is None  # not every step logged
 
 
-def test_exit_2_without_ip_or_tc(tmp_path):
-    """No `ip`/`tc` on PATH (or no root): one line on stderr, exit 2, nothing started."""
-    env = {**os.environ, "PATH": str(tmp_path)}  # an empty folder: neither ip nor tc
-    proc = subprocess.run(
-        [sys.executable, "-m", "hsdp.slowlink", "--rate", "20mbit", "--runs", "a="],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "iproute2" in proc.stderr
-    assert proc.stdout == ""
+def test_exit_2_without_ip_or_tc(tmp_path, monkeypatch, capsys):
+    """No `ip`/`tc` on PATH (or no root): one line on stderr, exit 2, nothing started (the command's main)."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: neither ip nor tc
+    assert slowlink.main(["--rate", "20mbit", "--runs", "a="]) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and "iproute2" in err
+    assert out == ""
 
 
 @needs_netns
@@ -212,8 +206,9 @@ def _fake_run(run_dir: Path, steps: int, sync_per_step: int, loss0: float, log_e
     )
 
 
-def test_sweep_plot_from_existing_run_folders(tmp_path):
-    """`python -m hsdp.sweep SPEC --plot --no-run` draws the three PNGs from run folders already there."""
+def test_sweep_plot_from_existing_run_folders(tmp_path, monkeypatch, capsys):
+    """`python -m hsdp.sweep SPEC --plot --no-run` (its main, run from the folder) draws the four PNGs from run
+    folders already there."""
     pytest.importorskip("matplotlib")
     runs = tmp_path / "runs"
     _fake_run(runs / "s-hsdp", 8, 1000, 5.0)
@@ -224,20 +219,16 @@ def test_sweep_plot_from_existing_run_folders(tmp_path):
         f"base: {REPO / 'configs' / 'tiny.yaml'}\nset: [run.out_dir={runs}]\n"
         "columns: [final_val_loss, sync_bytes]\nruns:\n  hsdp: []\n  periodic: []\n  sparse: []\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "hsdp.sweep", str(spec), "--plot", "--no-run"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    monkeypatch.chdir(tmp_path)
+    code = sweep.main([str(spec), "--plot", "--no-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
     pngs = sorted(p.name for p in runs.glob("*.png"))
-    assert pngs == ["s-pareto.png", "s-sync_bytes.png", "s-tokens.png", "s-wall.png"], (pngs, proc.stdout)
+    assert pngs == ["s-pareto.png", "s-sync_bytes.png", "s-tokens.png", "s-wall.png"], (pngs, out)
     for name in pngs:
         assert (runs / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "sparse" in proc.stdout  # named as left out of the wall-clock plot
-    assert "| hsdp |" in proc.stdout  # the table is still printed
+    assert "sparse" in out  # named as left out of the wall-clock plot
+    assert "| hsdp |" in out  # the table is still printed
 
 
 def test_slowlink_plots_from_results(tmp_path):
@@ -277,8 +268,9 @@ def test_slowlink_plots_from_results(tmp_path):
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
 
 
-def test_slowlink_no_run_tables_and_plots_from_outputs(tmp_path):
-    """`--no-run --plot` (no root needed): slowlink.json/.md and the PNGs from run folders already there."""
+def test_slowlink_no_run_tables_and_plots_from_outputs(tmp_path, monkeypatch, capsys):
+    """`--no-run --plot` (no root needed; the command's main): slowlink.json/.md and the PNGs from run folders
+    already there."""
     pytest.importorskip("matplotlib")
     runs = tmp_path / "runs"
     _fake_run(runs / "sl-hsdp-20mbit", 8, 1000, 5.0)
@@ -288,16 +280,10 @@ def test_slowlink_no_run_tables_and_plots_from_outputs(tmp_path):
         f"base: {REPO / 'configs' / 'tiny.yaml'}\nset: [run.out_dir={runs}]\nrates: [20mbit]\n"
         "runs:\n  hsdp: []\n  periodic: [sync.warmup_steps=0, sync.every=4]\n"
     )
-    env = {**os.environ, "PATH": str(tmp_path)}  # no ip/tc: --no-run does not need them
-    proc = subprocess.run(
-        [sys.executable, "-m", "hsdp.slowlink", str(spec), "--no-run", "--plot"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ip/tc: --no-run does not need them
+    code = slowlink.main([str(spec), "--no-run", "--plot"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
     report = json.loads((runs / "sl" / "slowlink.json").read_text())
     periodic = report["runs"][1]
     assert periodic["run"] == "periodic" and periodic["step_to_target"] == 11
@@ -308,7 +294,7 @@ def test_slowlink_no_run_tables_and_plots_from_outputs(tmp_path):
         "sl-20mbit-tokens.png",
         "sl-20mbit-wall.png",
     ]
-    assert "| periodic | 20 Mbit/s | 16 |" in proc.stdout
+    assert "| periodic | 20 Mbit/s | 16 |" in out
 
 
 @pytest.mark.skipif(shutil.which("ip") is None, reason="needs iproute2")
@@ -359,28 +345,26 @@ def test_kill_flag_is_checked_before_anything_runs(tmp_path):
 
 
 @needs_netns
-def test_elastic_run_through_the_link_survives_a_killed_node(tmp_path, removes_leftovers):
+def test_elastic_run_through_the_link_survives_a_killed_node(tmp_path, removes_leftovers, capsys):
     """An elastic run (tiny model, 2 replicas x 1 shard) across the shaped link with replica 1's node
     SIGKILLed at its step 8: the lighthouse runs in node 0's namespace, a replacement node heals from
     replica 0, the run exits 0, and the report reads replica 0's metrics (every step once) and the
-    merged summary's failure and heal. (The run is long enough for the replacement to start and join.)"""
-    cmd = [sys.executable, "-m", "hsdp.slowlink", "--rate", "100mbit", "--no-probe", "--timeout-s", "400"]
-    cmd += ["--config", str(REPO / "configs" / "tiny.yaml"), "--out", str(tmp_path / "out"), "--name", "kill"]
-    cmd += ["--kill", "1@8"]
+    merged summary's failure and heal. (The run is long enough for the replacement to start and join.)
+    The command's main runs in this process (the CLI itself: test_smoke_run_through_shaped_link); its
+    nodes are bounded by --timeout-s, and it removes its namespaces (the fixture makes sure)."""
+    argv = ["--rate", "100mbit", "--no-probe", "--timeout-s", "400"]
+    argv += ["--config", str(REPO / "configs" / "tiny.yaml"), "--out", str(tmp_path / "out"), "--name", "kill"]
+    argv += ["--kill", "1@8"]
     settings = ["mesh.sync=2", "mesh.shard=1", "run.steps=120", "run.log_every=1", "run.eval_every=40"]
     settings += ["run.eval_batches=1", "wandb.mode=disabled", f"run.out_dir={tmp_path / 'runs'}", "elastic.timeout_s=3"]
     for o in settings:
-        cmd += ["--set", o]
-    cmd += ["--runs", "el=sync.warmup_steps=0,sync.every=8,sync.method=diloco,elastic.enabled=true"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    removes_leftovers.append(f"{netns.PREFIX}{proc.pid}")
-    try:
-        out, _ = proc.communicate(timeout=450)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.communicate(timeout=60)
-    assert proc.returncode == 0, out[-3000:]
+        argv += ["--set", o]
+    argv += ["--runs", "el=sync.warmup_steps=0,sync.every=8,sync.method=diloco,elastic.enabled=true"]
+    before = set(netns.names_of_pid(os.getpid()))
+    removes_leftovers.append(f"{netns.PREFIX}{os.getpid()}")  # (only names of this process's pid match)
+    code = slowlink.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, (out + err)[-3000:]
     assert "killed replica 1's node at its step" in out
     run_dir = tmp_path / "runs" / "kill-el-100mbit"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -391,4 +375,4 @@ def test_elastic_run_through_the_link_survives_a_killed_node(tmp_path, removes_l
     assert steps1 == sorted(set(steps1)) and steps1[-1] == 119  # each step once, and it trained to the end
     report = {r["run"]: r for r in json.loads((tmp_path / "out" / "slowlink.json").read_text())["runs"]}
     assert report["el"]["steps"] == 120 and report["el"]["train_time_s"] > 0
-    assert netns.names_of_pid(proc.pid) == []
+    assert set(netns.names_of_pid(os.getpid())) <= before
