@@ -26,10 +26,7 @@ ROOTS = ("torch", "torchft")
 STDLIB_PRIVATE = {"_exit", "_replace", "_asdict", "_fields", "_make"}
 # Private uses in files whose owners have not yet routed them through hsdp/torch_compat.py:
 # path → what to call instead. Delete an entry when its file is done (a stale entry is reported).
-PENDING: dict[str, str] = {
-    "hsdp/engines/hsdp.py": "torch_compat.swap_parameter(owner, attr, tensor), queue_backward_callback(fn)",
-    "hsdp/run/launch.py": "torch_compat.register_fake_backend()",
-}
+PENDING: dict[str, str] = {}
 
 
 def _private(name: str) -> bool:

@@ -43,6 +43,7 @@ from hsdp.engines.dtensor import init_optimizer_state, shard_dtensor
 from hsdp.layout import DTYPES, ParamSpec, ReducePlan, plan_layout, reduce_plan
 from hsdp.model import build_model, unit_initializer
 from hsdp.sync.policy import Buffers, NoSync, Sync, SyncPolicy, build_sync
+from hsdp.torch_compat import queue_backward_callback, swap_parameter
 
 BackwardCallback = Callable[["ShardedUnit", list[Optional[torch.Tensor]]], None]
 
@@ -123,7 +124,7 @@ class ShardedUnit:
         self.full_flat.untyped_storage().resize_(0)
         self.gathered = False
         for s in self.specs:
-            s.owner._parameters[s.attr] = self._placeholder
+            swap_parameter(s.owner, s.attr, self._placeholder)
 
     def full_views(self) -> list[torch.Tensor]:
         """Each param's full tensor: a view into full_flat (dropping the padding)."""
@@ -264,7 +265,7 @@ class HSDPEngine(Engine):
     def _run_unit(self, unit: ShardedUnit, x: torch.Tensor) -> torch.Tensor:
         fulls = _GatherFn.apply(unit, unit.anchor)
         for s, full in zip(unit.specs, fulls):
-            s.owner._parameters[s.attr] = full  # plain tensor swap, as FSDP2 does
+            swap_parameter(s.owner, s.attr, full)  # plain tensor swap, as FSDP2 does
         if not torch.is_grad_enabled():
             return unit.module(x)
         unit.saved_full = False  # set by _pack_saved if backward will need the full params again
@@ -313,7 +314,7 @@ class HSDPEngine(Engine):
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            queue_backward_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
         """End of loss.backward(): land every pending reduction, drop stray gathers."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import importlib
 import os
 import signal
 import sys
@@ -48,6 +47,7 @@ from hsdp.run.elastic import (
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.zygote import Exit, Workers, Zygote
 from hsdp.sync.membership import ReplicaSeat
+from hsdp.torch_compat import register_fake_backend
 
 # worker(cfg); an elastic replica's worker(cfg, seat), its ReplicaSeat (which replica, which start of it)
 Worker = Callable[..., None]
@@ -179,7 +179,7 @@ def _init_and_run(
     device = pick_device(local_rank)
     timeout = datetime.timedelta(seconds=cfg.mesh.timeout_s)
     if cfg.mesh.backend == "fake":  # older torch registers the fake backend only when this module is imported
-        importlib.import_module("torch.testing._internal.distributed.fake_pg")
+        register_fake_backend()
     dist.init_process_group(
         backend_for(cfg, device),
         rank=rank,
