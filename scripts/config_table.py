@@ -52,7 +52,7 @@ MEANINGS: dict[str, str] = {
     "model.n_layer": "transformer blocks",
     "model.n_head": "attention heads (must divide d_model)",
     "model.d_model": "model width",
-    "model.bias": "biases in linear layers and LayerNorms",
+    "model.bias": "biases in linear layers and LayerNorms (with model.arch=llama the default is false)",
     "data.source": (
         "`stdlib` (the interpreter's own .py files, byte-level), `text` (file or glob, byte-level), "
         "`tokens` (llm.c shards or headerless uint16 `.bin`, memmapped), `synthetic`"

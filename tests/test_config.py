@@ -323,3 +323,12 @@ def test_str_override_keeps_the_text(name):
 def test_bool_override_accepts_1_and_0():
     assert load_checked_config(TINY, ["run.save_model=1"]).run.save_model is True
     assert load_checked_config(TINY, ["model.bias=0"]).model.bias is False
+
+
+def test_llama_takes_its_own_bias_default_and_refuses_an_explicit_bias():
+    """model.arch=llama alone loads with model.bias false (the llama block has none); gpt keeps true; asking
+    llama for biases is refused naming the key, not ignored."""
+    assert load_config(None, ["model.arch=llama"]).model.bias is False
+    assert load_config(None, []).model.bias is True
+    with pytest.raises(ConfigError, match="model.bias"):
+        load_config(None, ["model.arch=llama", "model.bias=true"])

@@ -88,7 +88,7 @@ def test_flops_per_token_by_hand() -> None:
 def test_config_refuses_biases_and_odd_head_dims() -> None:
     base = ["data.source=synthetic", "model.arch=llama"]
     with pytest.raises(ConfigError, match="model.bias"):
-        load_config(None, base)
+        load_config(None, [*base, "model.bias=true"])  # asked for explicitly; unset, llama takes false
     with pytest.raises(ConfigError, match="even"):
         load_config(None, [*base, "model.bias=false", "model.d_model=36", "model.n_head=4"])
     assert load_config(None, [*base, "model.bias=false"]).model.arch == "llama"

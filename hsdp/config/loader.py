@@ -191,11 +191,14 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
     """Defaults ← YAML file ← `--set` overrides, then `validate` (the values; not the machine: see
     `hsdp.run.preflight.load_checked_config`)."""
     cfg = Config()
+    cfg.model.bias = None  # unset: the arch's default below (llama has none), unless the file or --set says
     if path is not None:
         _apply_mapping(cfg, read_yaml(path), str(path))
     for text in overrides:
         key, value = parse_override(text)
         _set_value(cfg, key, value)
+    if cfg.model.bias is None:
+        cfg.model.bias = cfg.model.arch != "llama"
     validate(cfg)
     return cfg
 

@@ -41,7 +41,7 @@ class ModelConfig:
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 128
-    bias: bool = True
+    bias: bool = True  # llama: false unless set (hsdp.config.loader)
     arch: str = "gpt"  # gpt (LayerNorm, learned positions, GELU) | llama (RMSNorm, rotary, SwiGLU, no biases)
 
 
