@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hsdp.comm.mesh import Mesh
 from hsdp.config.loader import save_config
-from hsdp.config.schema import Config, ConfigError
+from hsdp.config.schema import Config, ConfigError, to_dict
 from hsdp.data import Data
 from hsdp.engines.base import Batch, Engine
 from hsdp.engines.registry import build_engine
@@ -213,8 +213,18 @@ def warn_unsynced_end(cfg: Config) -> None:
         )
 
 
+def config_keys() -> str:
+    """Every SECTION.KEY --set takes, with its default, one section per line (README: the config reference)."""
+    lines = ["config keys (default), README.md has what each means:"]
+    for section, values in to_dict(Config()).items():
+        lines.append(f"  {section}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    return "\n".join(lines)
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[1], formatter_class=argparse.RawTextHelpFormatter, epilog=config_keys()
+    )
     p.add_argument("--config", help="YAML config (default: built-in defaults)")
     p.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config value (repeatable)"

@@ -1,4 +1,4 @@
-"""The three data/model commands' usage: run as `python -m hsdp.<name>`, and every argument explained."""
+"""The commands' usage: `python -m hsdp.<name>`, every argument explained, train.py's config keys listed."""
 
 from __future__ import annotations
 
@@ -30,3 +30,19 @@ def test_prepare_help_states_the_split_rule(capsys) -> None:
     out = " ".join(capsys.readouterr().out.split())
     assert "val is the last F of the last document's text" in out
     assert f"pre-tokens are cut to {prepare.MAX_PRETOKEN_BYTES} bytes" in out
+
+
+def test_train_help_lists_every_config_key(capsys) -> None:
+    """`python train.py --help` names every SECTION.KEY that --set takes, with its default."""
+    import dataclasses
+
+    import train
+    from hsdp.config.schema import Config
+
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = capsys.readouterr().out
+    for section in dataclasses.fields(Config):
+        line = next(x for x in out.splitlines() if x.strip().startswith(f"{section.name}:"))
+        for key in dataclasses.fields(getattr(Config(), section.name)):
+            assert f"{key.name}=" in line, (section.name, key.name)
