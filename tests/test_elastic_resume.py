@@ -204,3 +204,14 @@ def test_every_replica_down_ends_the_run_instead_of_restarting(tmp_path: Path) -
     line = run.outcome()
     assert line.startswith("replicas 0, 1 given up; replica 0 failed 1 times (no live replica left to heal from)")
     assert json.loads((tmp_path / "both" / "replicas.json").read_text())["1"]["given_up"] is True
+
+
+def test_an_elastic_divergence_ends_the_run_with_its_line_not_restarts(out: Path) -> None:
+    """A NaN loss is not a lost process: a restarted replica would heal and diverge again. Each diverged
+    replica is given up at once (no restart), and the run ends with exit 1 and one line that says NaN."""
+    res = run_train(out, "nan", [*BASE, "optim.lr=1e30", "optim.lr_warmup=0", "run.steps=8"], check=False)
+    assert res.returncode == 1, res.stderr[-2000:]
+    line = last_line(res.stderr)
+    assert "not restarted: a restart would fail the same way" in line and " is nan on rank " in line, line
+    assert "Traceback" not in res.stderr and "flight recorder" not in res.stderr
+    assert all(r["restarts"] == 0 and r["given_up"] for r in _replicas(res.run_dir).values())

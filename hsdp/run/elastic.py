@@ -23,6 +23,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from hsdp.config.schema import Config, ConfigError
+from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.metrics import last_record
 from hsdp.run.zygote import Exit, Workers
 from hsdp.shards import write_json
@@ -39,6 +40,7 @@ class Replica:
     finished: int = 0  # workers of the current generation that exited 0
     failures: list[str] = field(default_factory=list)  # each failure's last line
     given_up: bool = False
+    fatal: bool = False  # its last failure was one a restart repeats (a NaN, a full disk): not restarted
     restart_at: Optional[float] = None  # monotonic time of a pending restart
 
     @property
@@ -154,7 +156,12 @@ class ElasticLaunch:
             self.owner.pop(i)
         self.workers.send_signal(signal.SIGKILL, rest)  # the replica's survivors would wait on it
         r.workers = []
-        if r.restarts >= self.cfg.elastic.max_restarts:
+        # A divergence (NaN/inf) or a failed save is not a lost process: the restarted replica would heal and
+        # reach the same state again, so it is given up at once, naming the error, instead of restarted.
+        r.fatal = last.split(":", 1)[0] in ONE_LINE_ERRORS
+        if r.fatal:
+            r.failures[-1] = last.split(": ", 1)[-1]  # its message is the whole story (as the plain launcher's)
+        if r.fatal or r.restarts >= self.cfg.elastic.max_restarts:
             r.given_up = True
         elif not any(x.training for x in self.replicas):
             # Nobody to heal from (every other replica finished, failed or waits for its own restart): a restart
@@ -214,11 +221,12 @@ class ElasticLaunch:
         others = f"; replica{'s' if len(ok) > 1 else ''} {', '.join(ok)} finished" if ok else ""
         if not r.failures:  # given up while waiting for its restart: the replica that failed last left it alone
             r = next(x for x in reversed(lost) if x.failures)
-        why = (
-            f"elastic.max_restarts={self.cfg.elastic.max_restarts}"
-            if r.restarts >= self.cfg.elastic.max_restarts
-            else "no live replica left to heal from"
-        )
+        if r.fatal:
+            why = "not restarted: a restart would fail the same way"
+        elif r.restarts >= self.cfg.elastic.max_restarts:
+            why = f"elastic.max_restarts={self.cfg.elastic.max_restarts}"
+        else:
+            why = "no live replica left to heal from"
         given_up = f"replicas {', '.join(str(x.index) for x in lost)} given up; " if len(lost) > 1 else ""
         return f"{given_up}replica {r.index} failed {len(r.failures)} times ({why}), last: {r.failures[-1]}{others}"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -22,6 +23,9 @@ def build_manager(
     # torchft's checkpoint transport deserialises a peer's state from a read-only buffer, which torch warns
     # about on each heal; the tensors are copied into this replica's own buffers at once.
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    # torchft warns on every quorum change that it cannot reset NCCL's flight recorder, also on gloo, where
+    # there is none: a line that says nothing about this run.
+    logging.getLogger("torchft.manager").addFilter(_drop_flight_recorder_notes)
 
     timeout = timedelta(seconds=cfg.elastic.timeout_s)
     pg = ProcessGroupGloo(timeout=timeout)
@@ -76,3 +80,7 @@ def address_towards(url: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))  # a UDP connect sends nothing: it only picks the route and source address
         return s.getsockname()[0]
+
+
+def _drop_flight_recorder_notes(record: logging.LogRecord) -> bool:
+    return "NCCL flight recorder" not in record.getMessage()
