@@ -26,7 +26,8 @@ Engines (hsdp/engines/registry.py maps `mesh.engine` to a class): `hsdp` (this
 project, eager: hsdp/engines/hsdp.py; compiled: hsdp/engines/compiled.py), `fsdp2`
 and `ddp` (PyTorch baselines: hsdp/engines/baselines.py). An engine class also
 answers, before any engine exists, what the config and a checkpoint need to know:
-`check_config`, `model_key_prefix`, `check_checkpoint`, `export_source`.
+`supports_compile` / `supports_periodic_sync` (read by registry.check_engine_config), `model_key_prefix`,
+`check_checkpoint`, `export_source`.
 Baselines always average grads across every rank, so their policy is `NoSync`.
 """
 

@@ -54,10 +54,6 @@ _BLOCKED = {signal.SIGINT, signal.SIGTERM}  # held while a received message is p
 _BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[2]); from hsdp.run.zygote import serve; serve()"
 
 
-class ZygoteGone(RuntimeError):
-    """The zygote exited (its socket reached EOF)."""
-
-
 class _Channel:
     """Framed pickled messages, with descriptors, over a Unix socket (SOCK_SEQPACKET or SOCK_STREAM)."""
 

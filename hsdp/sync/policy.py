@@ -4,7 +4,7 @@ It combines the pieces of this package (docs/design.md §2):
 
     schedule.py    when: warmup grad sync, every H steps, fragments, delay τ
     outer.py       what θ_g does with the mean Δ (average / DiLoCo)
-    codec.py       how Δ travels (fp32 / int8)
+    codec.py       how Δ travels (fp32, int8, int4, top-k ± error feedback)
     transport      over what: the mesh's (hsdp/comm/transport.py; the c10d sync group, or torchft's)
 
 Param sync of a fragment, per unit's held shard θ_m (fp32):
