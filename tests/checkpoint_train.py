@@ -1,13 +1,16 @@
 """train.py with test-only behaviour around checkpoints, by wrapping the worker (the loop has no test hooks).
 
     python tests/checkpoint_train.py pids DIR [train.py arguments ...]
-        each rank writes DIR/rank{r}.pid when it starts, and every step from step 10 on takes
-        0.3 s longer, so a test can kill -9 a worker in the middle of the run
+        each rank writes DIR/rank{r}.pid when it starts; while the file DIR/hold exists, every
+        rank waits before its batch of each step from the step that file names on (it holds the
+        number), so a test can act on a run that is held in the middle (kill -9 or SIGSTOP a
+        worker, launch the run a second time) however slow the machine; deleting the file
+        releases the run
     python tests/checkpoint_train.py die-in-save STEP [train.py arguments ...]
         rank 1 kills itself (SIGKILL) while writing the checkpoint of step STEP: its DCP data
         file is half on disk and the save never completes
 
-Numerics are untouched: the pause is a sleep, and the kill happens inside the save.
+Numerics are untouched: the hold is a wait before a batch is read, and the kill happens inside the save.
 """
 
 from __future__ import annotations
@@ -28,17 +31,26 @@ import train  # noqa: E402
 from hsdp.config.schema import Config  # noqa: E402
 from hsdp.data import Data  # noqa: E402
 
-SLOW_FROM_STEP, SLOW_S = 10, 0.3
+HOLD_POLL_S = 0.05
+
+
+def held_from(hold: Path) -> int | None:
+    """The step the hold file names, or None once it is gone (released)."""
+    try:
+        return int(hold.read_text())
+    except (FileNotFoundError, ValueError):  # released, or being written
+        return None if not hold.exists() else 0
 
 
 def pids_worker(pid_dir: str, cfg: Config) -> None:
-    """train.train_worker, recording this rank's pid; steps from SLOW_FROM_STEP on are slowed down."""
+    """train.train_worker, recording this rank's pid; waits before a step's batch while DIR/hold holds it."""
     (Path(pid_dir) / f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    hold = Path(pid_dir) / "hold"
     real_batch = Data.train_batch
 
     def train_batch(self: Data, step: int, micro: int):
-        if step >= SLOW_FROM_STEP:
-            time.sleep(SLOW_S)
+        while (start := held_from(hold)) is not None and step >= start:
+            time.sleep(HOLD_POLL_S)
         return real_batch(self, step, micro)
 
     Data.train_batch = train_batch

@@ -1,8 +1,9 @@
 """Checkpoints (hsdp/run/checkpoint.py): bitwise resume, resharding, crashes, validation, export, torchrun.
 
-Real processes and real files; every subprocess has a timeout. A launch costs ~15 s on
-2 cores (mostly process start-up), so runs are shared through module-scoped fixtures:
-a resumed run is compared with one uninterrupted run of the same config.
+Real processes and real files; every subprocess has a timeout. A fresh launch costs ~10 s on
+2 cores (mostly imports; run_train's warm server cuts that to a few seconds), so runs are kept
+short and shared through module-scoped fixtures: a resumed run is compared with one
+uninterrupted run of the same config.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,10 +27,10 @@ from hsdp.config.schema import ConfigError
 from hsdp.export import main as export_main
 from hsdp.model import GPT
 from hsdp.run.checkpoint import check_resume, latest_checkpoint, prune, read_meta
-from tests.helpers import QUIET_ENV, REPO, SMALL, RunResult, max_param_rel_err, rel_err, run_train
+from tests.helpers import _SERVER, QUIET_ENV, REPO, SMALL, RunResult, max_param_rel_err, rel_err, run_train
 
 MESH = ["mesh.sync=2", "mesh.shard=2"]
-EXACT = SMALL + MESH + ["run.steps=30"]  # exact HSDP (grads averaged every step)
+EXACT = SMALL + MESH + ["run.steps=20"]  # exact HSDP (grads averaged every step)
 # DiLoCo after 4 warmup steps, a param sync every 4 steps: after steps 7, 11, 15, 19.
 DILOCO = SMALL + MESH + ["sync.warmup_steps=4", "sync.every=4", "sync.method=diloco", "run.steps=20"]
 EVERY_5 = ["run.checkpoint_every=5", "run.keep_checkpoints=10"]  # saves after steps 4, 9, 14, ...
@@ -65,6 +67,16 @@ def train_cmd(script: list[str], out: Path, name: str, overrides: list[str]) -> 
 
 
 ENV = {**os.environ, **QUIET_ENV}
+
+
+def start_served(cmd: list[str], timeout: float = 240) -> Future:
+    """Run `cmd` (train_cmd's) on the suite's warm train server (tests/helpers.py) in a thread; the future gives
+    (exit code, stdout+stderr). For a test that acts on a run's workers while it runs: its launcher is a fork of
+    the server, so a test that signals the launcher itself needs a fresh process instead."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(_SERVER.run, cmd[1], cmd[2:], ENV, timeout)
+    pool.shutdown(wait=False)
+    return future
 
 
 def torchrun(out: Path, name: str, overrides: list[str], timeout: float = 240) -> RunResult:
@@ -147,7 +159,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def exact_ref(out: Path) -> RunResult:
-    """30 steps of exact HSDP on 2x2 straight through, without checkpoints: the reference of every exact
+    """20 steps of exact HSDP on 2x2 straight through, without checkpoints: the reference of every exact
     resume below. Launched by two torchrun agents (two "nodes"), so every comparison with it also shows
     that a multi-node launch trains bit for bit like local workers."""
     return torchrun(out, "exact-ref", EXACT)
@@ -186,37 +198,39 @@ def test_kill_during_save_resumes_from_previous_checkpoint(killed_in_save: dict,
     for key in ("final_loss", "shard_bytes", "sync_bytes"):  # Comm counters continue from the checkpoint
         assert resumed.summary[key] == exact_ref.summary[key], key
     # Only the newest keep_checkpoints=3 remain, and no leftovers of the crashed save.
-    assert sorted(p.name for p in (resumed.run_dir / "checkpoints").iterdir()) == ["step_19", "step_24", "step_29"]
+    assert {p.name for p in (resumed.run_dir / "checkpoints").iterdir()} == {"step_9", "step_14", "step_19"}
 
 
 def test_kill9_of_a_worker_then_resume_auto(out: Path, exact_ref: RunResult) -> None:
-    """kill -9 of one worker mid-run: the launcher fails fast and leaves no process; resume=auto ends bitwise."""
+    """kill -9 of one worker mid-run: the launcher fails fast and leaves no process; resume=auto ends bitwise.
+
+    The ranks are held before step 10 (after step 9's checkpoint; tests/checkpoint_train.py) until rank 1 is
+    killed; released, the others go on into step 10's collectives with a dead peer."""
     pid_dir = out / "pids"
     pid_dir.mkdir()
-    name, overrides = "exact-kill9", EXACT + EVERY_5
-    metrics = out / name / "metrics.jsonl"
-    with open(out / "kill9.stderr", "w") as err:
-        proc = subprocess.Popen(
-            train_cmd(["tests/checkpoint_train.py", "pids", str(pid_dir)], out, name, overrides),
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            env=ENV,
-        )
-        try:
-            deadline = time.monotonic() + 180
-            while last_logged_step(metrics) < 10:
-                assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 10"
-                time.sleep(0.05)
-            pids = [int((pid_dir / f"rank{r}.pid").read_text()) for r in range(4)]
-            os.kill(pids[1], signal.SIGKILL)
-            t0 = time.monotonic()
-            returncode = proc.wait(timeout=90)
-            exit_s = time.monotonic() - t0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    hold = pid_dir / "hold"
+    hold.write_text("10")
+    name, overrides = "exact-kill9", EXACT + ["run.checkpoint_every=10"]
+    run = start_served(train_cmd(["tests/checkpoint_train.py", "pids", str(pid_dir)], out, name, overrides))
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / name / "checkpoints" / "step_9" / ".complete").is_file():
+            assert not run.done() and time.monotonic() < deadline, "the run did not save step 9"
+            time.sleep(0.05)
+        pids = [int((pid_dir / f"rank{r}.pid").read_text()) for r in range(4)]
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        hold.unlink()
+        returncode, stderr = run.result(timeout=90)
+        exit_s = time.monotonic() - t0
+    finally:
+        hold.unlink(missing_ok=True)
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        run.exception(timeout=300)  # the run has ended (the server's own timeout bounds it)
+    (out / "kill9.stderr").write_text(stderr)
     assert returncode != 0
     deadline = time.monotonic() + 10
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
@@ -243,7 +257,7 @@ def test_diloco_resume_between_syncs_is_bitwise(out: Path, diloco_ref: RunResult
 def test_fragments_resume_with_a_sync_in_flight_is_bitwise(out: Path) -> None:
     """P=2 fragments (synced after steps 5, 9, … and 7, 11, …), τ=1: step 7's checkpoint holds fragment 1's
     sync in flight and momentum for fragment 0's units only; resuming there continues bit for bit."""
-    overrides = DILOCO[:-1] + ["sync.fragments=2", "sync.delay=1", "run.steps=16", "run.checkpoint_every=8"]
+    overrides = DILOCO[:-1] + ["sync.fragments=2", "sync.delay=1", "run.steps=12", "run.checkpoint_every=8"]
     ref = run_train(out, "fragments-ref", overrides)
     step_7 = ref.run_dir / "checkpoints" / "step_7"
     sync = read_meta(step_7)["engine_meta"]["sync"]
@@ -255,11 +269,11 @@ def test_fragments_resume_with_a_sync_in_flight_is_bitwise(out: Path) -> None:
 @pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
 def test_baseline_resume_is_bitwise(out: Path, engine: str) -> None:
     """FSDP2 and DDP checkpoints through torch's state-dict API continue bit for bit (and export)."""
-    overrides = SMALL + MESH + ["run.steps=10", f"mesh.engine={engine}"]
-    ref = run_train(out, f"{engine}-ref", overrides + EVERY_5)
-    resumed = run_train(out, f"{engine}-resumed", overrides + [f"run.resume={ref.run_dir}/checkpoints/step_4"])
-    assert_same_run(resumed, ref, from_step=5)
-    assert export_main([str(ref.run_dir / "checkpoints" / "step_9"), str(out / f"{engine}.pt")]) == 0
+    overrides = SMALL + MESH + ["run.steps=6", f"mesh.engine={engine}"]
+    ref = run_train(out, f"{engine}-ref", overrides + ["run.checkpoint_every=3"])  # saves after steps 2 and 5
+    resumed = run_train(out, f"{engine}-resumed", overrides + [f"run.resume={ref.run_dir}/checkpoints/step_2"])
+    assert_same_run(resumed, ref, from_step=3)
+    assert export_main([str(ref.run_dir / "checkpoints" / "step_5"), str(out / f"{engine}.pt")]) == 0
     exported, final = torch.load(out / f"{engine}.pt"), ref.params(0)
     assert all(torch.equal(exported[k], final[k]) for k in final)
 
@@ -267,9 +281,9 @@ def test_baseline_resume_is_bitwise(out: Path, engine: str) -> None:
 # ---------------------------------------------------------------- resharding
 def test_reshard_exact_2x2_to_2x1(out: Path, killed_in_save: dict, exact_ref: RunResult) -> None:
     """A 2x2 checkpoint continues on 2x1 (same global batch) within 1e-5 of the 2x2 continuation."""
-    step_19 = killed_in_save["resumed"].run_dir / "checkpoints" / "step_19"
-    run = run_train(out, "exact-2x1", EXACT + ["mesh.shard=1", "data.batch_size=4", f"run.resume={step_19}"])
-    assert_close_run(run, exact_ref, from_step=20)
+    step_14 = killed_in_save["resumed"].run_dir / "checkpoints" / "step_14"
+    run = run_train(out, "exact-2x1", EXACT + ["mesh.shard=1", "data.batch_size=4", f"run.resume={step_14}"])
+    assert_close_run(run, exact_ref, from_step=15)
 
 
 def test_reshard_diloco_2x2_to_2x1(out: Path, diloco_ref: RunResult) -> None:
@@ -390,6 +404,6 @@ def test_export_global_needs_a_global_copy(out: Path, killed_in_save: dict) -> N
 # ---------------------------------------------------------------- multi-node launch
 def test_torchrun_two_nodes_resumes(out: Path, killed_in_save: dict, exact_ref: RunResult) -> None:
     """Two torchrun agents resume a checkpoint saved by local workers (exact_ref itself ran under torchrun)."""
-    step_19 = killed_in_save["resumed"].run_dir / "checkpoints" / "step_19"
-    resumed = torchrun(out, "torchrun-resumed", EXACT + [f"run.resume={step_19}"])
-    assert_same_run(resumed, exact_ref, from_step=20)
+    step_14 = killed_in_save["resumed"].run_dir / "checkpoints" / "step_14"
+    resumed = torchrun(out, "torchrun-resumed", EXACT + [f"run.resume={step_14}"])
+    assert_same_run(resumed, exact_ref, from_step=15)
