@@ -23,7 +23,7 @@ import pytest
 
 from hsdp.export import main as export_main
 from tests.helpers import QUIET_ENV, REPO, SMALL, RunResult, run_train
-from tests.test_checkpoint import alive, free_port, last_logged_step, train_cmd
+from tests.test_checkpoint import alive, free_port, last_logged_step, start_served, train_cmd
 
 ENV = {**os.environ, **QUIET_ENV}
 MESH = ["mesh.sync=2", "mesh.shard=2"]
@@ -184,32 +184,37 @@ def test_nan_from_the_first_step_exits_non_zero(out: Path) -> None:
 # ---------------------------------------------------------------- 4. a stalled rank
 def test_a_stopped_rank_ends_the_job_within_the_timeout(out: Path) -> None:
     """SIGSTOP of one worker with mesh.timeout_s=10: every rank ends within the timeout plus a few seconds,
-    and the launcher's last line names the rank that stopped answering."""
+    and the launcher's last line names the rank that stopped answering.
+
+    The ranks are held before step 2 (tests/checkpoint_train.py) until rank 2 is stopped; released, the others
+    go on into step 2's collectives, which rank 2 never joins."""
     pid_dir = out / "stall-pids"
     pid_dir.mkdir()
+    hold = pid_dir / "hold"
+    hold.write_text("2")
     name, timeout_s = "stall", 10
-    cmd = train_cmd(["tests/checkpoint_train.py", "pids", str(pid_dir)], out, name, SMALL + MESH + ["run.steps=200"])
+    cmd = train_cmd(["tests/checkpoint_train.py", "pids", str(pid_dir)], out, name, SMALL + MESH + ["run.steps=4"])
     cmd += ["--set", f"mesh.timeout_s={timeout_s}"]  # the last override wins over train_cmd's 60
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    run = start_served(cmd)  # a worker is stopped, not the launcher: the warm server's launch will do
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while last_logged_step(out / name / "metrics.jsonl") < 11:
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 11"
+        while last_logged_step(out / name / "metrics.jsonl") < 1:  # every rank has written its pid by then
+            assert not run.done() and time.monotonic() < deadline, "the run did not reach step 1"
             time.sleep(0.05)
         pids = [int((pid_dir / f"rank{r}.pid").read_text()) for r in range(4)]
         os.kill(pids[2], signal.SIGSTOP)
         t0 = time.monotonic()
-        _, stderr = proc.communicate(timeout=timeout_s + 60)
+        hold.unlink()
+        returncode, stderr = run.result(timeout=timeout_s + 60)
         ended_s = time.monotonic() - t0
     finally:
+        hold.unlink(missing_ok=True)
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 1, stderr[-3000:]
+        run.exception(timeout=300)  # the run has ended (the server's own timeout bounds it)
+    assert returncode == 1, stderr[-3000:]
     line = last_line(stderr)
     assert "rank 2" in line and "stopped answering" in line, line
     assert ended_s < timeout_s + 20, ended_s
@@ -221,11 +226,14 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(out: Path) -> None:
 
 # ---------------------------------------------------------------- 5. the run lock
 def test_a_second_launch_of_a_running_run_is_refused(out: Path) -> None:
+    """While a run trains (held before step 2, after step 1's checkpoint), launching it again exits 2 naming the
+    first launcher; the first never notices, and once it is stopped the run resumes and finishes."""
     pid_dir = out / "lock-pids"
     pid_dir.mkdir()
+    (pid_dir / "hold").write_text("2")
     name = "locked"
-    overrides = SMALL + MESH + ["run.steps=60", "run.checkpoint_every=2", "run.save_model=false"]
-    first = subprocess.Popen(
+    overrides = SMALL + ["mesh.sync=1", "mesh.shard=2", "run.steps=4", "run.checkpoint_every=2", "run.save_model=false"]
+    first = subprocess.Popen(  # a fresh process: the test signals this launcher
         train_cmd(["tests/checkpoint_train.py", "pids", str(pid_dir)], out, name, overrides),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -303,15 +311,16 @@ def test_disk_full_during_a_save_names_itself_and_leaves_no_partial_save(tmp_pat
 
 
 # ---------------------------------------------------------------- 8. sweeps
-SWEEP_SET = [*SMALL, *MESH, "run.checkpoint_every=2", "run.save_model=false"]
+SWEEP_SET = [*SMALL, "mesh.sync=1", "mesh.shard=2", "run.save_model=false"]
 
 
 def write_sweep(path: Path, out: Path, steps: int) -> Path:
+    """Runs a, then b (which checkpoints every 2 steps: the first after step 1)."""
     spec = {
         "base": str(REPO / "configs" / "tiny.yaml"),
         "set": [*SWEEP_SET, f"run.out_dir={out}", f"run.steps={steps}", "mesh.timeout_s=60"],
         "columns": ["final_loss"],
-        "runs": {"a": [], "b": ["optim.lr=0.002"]},
+        "runs": {"a": [], "b": ["optim.lr=0.002", "run.checkpoint_every=2"]},
     }
     path.write_text(json.dumps(spec))  # JSON is YAML
     return path
@@ -321,27 +330,43 @@ def sweep_cmd(spec: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "hsdp.sweep", str(spec), *extra]
 
 
+def process_tree(pid: int) -> set[int]:
+    """Every descendant of `pid` alive now (children of each of its threads, recursively)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except OSError:  # gone meanwhile
+                continue
+            todo += children - found
+            found |= children
+    return found
+
+
 def test_kill9_of_a_sweep_leaves_no_run_alive(tmp_path: Path) -> None:
+    """kill -9 of a sweep while its run trains: the run's launcher, its zygote and every worker die with it."""
     spec = write_sweep(tmp_path / "s.yaml", tmp_path / "runs", steps=400)
+    metrics = tmp_path / "runs" / "s-a" / "metrics.jsonl"
     proc = subprocess.Popen(sweep_cmd(spec), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
     try:
         deadline = time.monotonic() + 120
-        while last_logged_step(tmp_path / "runs" / "s-a" / "metrics.jsonl") < 2:
+        while last_logged_step(metrics) < 2:
             assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+            time.sleep(0.05)
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         assert children, "the sweep has no run process"
         launcher = int(children[0])
+        run = process_tree(launcher) | {launcher}  # training: the launcher, its zygote, both workers
+        assert len(run) >= 4, run
         proc.kill()
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while alive(launcher) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        deadline = time.monotonic() + 60
+        while [p for p in run if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not alive(launcher), "the run's launcher outlived the sweep"
-        time.sleep(1.0)
-        step = last_logged_step(tmp_path / "runs" / "s-a" / "metrics.jsonl")
-        time.sleep(2.0)  # no worker trains on
-        assert last_logged_step(tmp_path / "runs" / "s-a" / "metrics.jsonl") == step
+        assert not [p for p in run if alive(p)], "a process of the run outlived the sweep"  # none trains on
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -350,20 +375,20 @@ def test_kill9_of_a_sweep_leaves_no_run_alive(tmp_path: Path) -> None:
 
 def test_an_interrupted_sweep_resumes(tmp_path: Path) -> None:
     """SIGTERM during run b (after its first checkpoint); --resume keeps a and continues b from its checkpoint."""
-    spec = write_sweep(tmp_path / "s.yaml", tmp_path / "runs", steps=30)
+    spec = write_sweep(tmp_path / "s.yaml", tmp_path / "runs", steps=16)  # b: 14 steps and 7 saves after the first
     proc = subprocess.Popen(sweep_cmd(spec), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
     try:
         deadline = time.monotonic() + 180
         while not list((tmp_path / "runs" / "s-b" / "checkpoints").glob("step_*/.complete")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
-            time.sleep(0.1)
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 143
+    assert proc.returncode == 143, proc.stdout.read().decode()[-3000:]
     a_summary = (tmp_path / "runs" / "s-a" / "summary.json").read_bytes()
     resumed = subprocess.run(
         sweep_cmd(spec, "--resume"), cwd=tmp_path, capture_output=True, text=True, timeout=240, env=ENV
@@ -371,7 +396,7 @@ def test_an_interrupted_sweep_resumes(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert (tmp_path / "runs" / "s-a" / "summary.json").read_bytes() == a_summary  # kept, not re-run
     b = json.loads((tmp_path / "runs" / "s-b" / "summary.json").read_text())
-    assert b["resumed_from"] is not None and b["steps"] == 30
+    assert b["resumed_from"] is not None and b["steps"] == 16
 
 
 # ---------------------------------------------------------------- 9. the smaller cases
