@@ -42,6 +42,7 @@ from typing import Any, Optional
 import numpy as np
 from tqdm import tqdm
 
+from hsdp.atomic import stale_temps, temp_name, write_json
 from hsdp.corpus import (
     CHUNK_BYTES,
     DEFAULT_SUFFIXES,
@@ -53,7 +54,7 @@ from hsdp.corpus import (
     documents,
     plan_split,
 )
-from hsdp.shards import MAX_VOCAB, ShardWriter, stale_temps, temp_name, write_json
+from hsdp.shards import MAX_VOCAB, ShardWriter
 
 BYTES = 256  # the byte-level alphabet
 BATCH_CHARS = 4 << 20  # text encoded per encode_batch call (the tokenizer parallelises within a batch)

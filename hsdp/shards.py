@@ -10,14 +10,15 @@ file's size), which is an llm.c shard with a bad magic and is refused.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
+
+from hsdp.atomic import fsync_dir, temp_name
 
 MAGIC = 20240520
 VERSION = 1
@@ -72,36 +73,6 @@ def open_tokens(info: ShardInfo) -> np.ndarray:
     if info.count == 0:  # numpy cannot map an empty range
         return np.zeros(0, dtype=np.uint16)
     return np.memmap(info.path, dtype=np.uint16, mode="r", offset=info.offset, shape=(info.count,))
-
-
-def temp_name(path: Path) -> Path:
-    """The name a file is written under until it is complete (same folder, so os.replace is atomic)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write `data` as JSON atomically (temp name, fsync, os.replace): readers see the old file or the new one."""
-    tmp = temp_name(path)
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def stale_temps(path: Path) -> list[Path]:
-    """Leftovers of writers of `path` that were killed before they could clean up."""
-    return sorted(path.parent.glob(f".{path.name}.tmp-*"))
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:

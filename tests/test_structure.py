@@ -23,7 +23,7 @@ MAX_LINES = 600
 # docs/design.md §0's layers, bottom first: a module may import its own layer and those below, never above.
 # An entry names a package (all its modules) or a module. Every module of the project must be in one.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hsdp.config", "hsdp.shards", "hsdp.corpus"),  # no torch: a config is read and validated anywhere
+    ("hsdp.config", "hsdp.atomic", "hsdp.shards", "hsdp.corpus"),  # no torch: a config is read and validated anywhere
     ("hsdp.torch_compat",),  # every process-global torch patch and private torch/torchft API
     ("kernels",),
     ("hsdp.comm",),

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from hsdp.shards import write_json
+from hsdp.atomic import write_json
 from hsdp.torch_compat import cpu_vec_isa_probe, inductor_cache_dir
 
 

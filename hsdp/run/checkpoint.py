@@ -44,6 +44,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from hsdp.atomic import fsync_dir
 from hsdp.comm.mesh import Mesh
 from hsdp.config.loader import from_dict, save_config
 from hsdp.config.schema import Config, ConfigError
@@ -61,7 +62,6 @@ from hsdp.run.integrity import (
     write_checksums,
 )
 from hsdp.run.rundir import owns_run_dir
-from hsdp.shards import fsync_dir  # the shard writer's: rename durability is the same problem
 from hsdp.sync.membership import ReplicaSeat
 
 FORMAT = 1  # bump when the layout of meta.json or the DCP keys changes

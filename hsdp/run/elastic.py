@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit
 
+from hsdp.atomic import write_json
 from hsdp.config.schema import Config, ConfigError
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.metrics import last_record
 from hsdp.run.zygote import Exit, Workers
-from hsdp.shards import write_json
 from hsdp.sync.membership import ReplicaSeat
 
 
