@@ -313,8 +313,25 @@ def write_sweep(folder: Path, base: str, text: str = SWEEP) -> Path:
     return path
 
 
-def test_sweep_runs_from_any_directory_and_replaces_its_old_runs(tmp_path):
-    """A relative base beside the sweep file; run.out_dir relative to where the sweep was started."""
+class TimedPopen(subprocess.Popen):
+    """subprocess.Popen whose wait() without a timeout is a hang guard: killed and TimeoutExpired after 120 s."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is not None:
+            return super().wait(timeout)
+        try:
+            return super().wait(120)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            super().wait()
+            raise
+
+
+def test_sweep_runs_from_any_directory_and_replaces_its_old_runs(tmp_path, monkeypatch, capsys):
+    """A relative base beside the sweep file; run.out_dir relative to where the sweep was started.
+
+    The sweep runs in this process, started from another directory (its run is a train.py process of its own,
+    with a hang guard); `python -m hsdp.sweep` itself is test_sweep_cli_missing_file_from_another_directory's."""
     spec_dir, cwd = tmp_path / "specs", tmp_path / "work"
     (spec_dir).mkdir()
     (spec_dir / "base.yaml").write_text("run:\n  steps: 5\n")
@@ -323,8 +340,11 @@ def test_sweep_runs_from_any_directory_and_replaces_its_old_runs(tmp_path):
     old = cwd / "out" / "sw-a"
     old.mkdir(parents=True)
     (old / "metrics.jsonl").write_text('{"old": true}\n')  # a previous sweep's run: replaced, not refused
-    proc = run_cli(["-m", "hsdp.sweep", str(path)], cwd=cwd, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.chdir(cwd)
+    for name, value in QUIET_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(subprocess, "Popen", TimedPopen)
+    assert sweep.main([str(path)]) == 0, capsys.readouterr().err[-3000:]
     summary = json.loads((old / "summary.json").read_text())
     assert summary["steps"] == 2  # the sweep's `set` overrode the base's 5
     assert "old" not in (old / "metrics.jsonl").read_text()
