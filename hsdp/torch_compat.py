@@ -106,7 +106,13 @@ def _custom_graph_pass() -> tuple[type, Callable[..., Any]]:
     return CustomGraphPass, get_hash_for_files
 
 
-CustomGraphPass, get_hash_for_files = _custom_graph_pass()
+def __getattr__(name: str) -> Any:
+    # These import inductor, FSDP2 or DTensor (seconds of CPU each): resolved when first asked for, so a process
+    # that imports hsdp without them (kernels, the launcher, the commands) does not pay for them.
+    for names, load in _LAZY:
+        if name in names:
+            return dict(zip(names, load()))[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def compiled_graph_count() -> int:
@@ -210,18 +216,12 @@ def _fsdp_comm_interfaces() -> tuple[Optional[type], Optional[type]]:
     return AllGather, ReduceScatter
 
 
-FSDPAllGather, FSDPReduceScatter = _fsdp_comm_interfaces()
-
-
 def _dtensor_classes() -> tuple[type, type]:
     try:
         from torch.distributed.tensor import DTensor, Shard
     except ImportError:  # pragma: no cover - torch < 2.5 has them under a private name
         from torch.distributed._tensor import DTensor, Shard
     return DTensor, Shard
-
-
-DTensor, Shard = _dtensor_classes()
 
 
 # ------------------------------------------------------------------ tensors and modules
@@ -244,3 +244,10 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 def http_transport_port(transport: Any) -> int:
     """The port of torchft's HTTP checkpoint transport's own server (private, as its address() reads it)."""
     return transport._server.socket.getsockname()[1]
+
+
+_LAZY: tuple[tuple[tuple[str, ...], Callable[[], tuple[Any, ...]]], ...] = (
+    (("CustomGraphPass", "get_hash_for_files"), _custom_graph_pass),
+    (("FSDPAllGather", "FSDPReduceScatter"), _fsdp_comm_interfaces),
+    (("DTensor", "Shard"), _dtensor_classes),
+)
