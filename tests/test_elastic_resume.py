@@ -215,3 +215,11 @@ def test_an_elastic_divergence_ends_the_run_with_its_line_not_restarts(out: Path
     assert "not restarted: a restart would fail the same way" in line and " is nan on rank " in line, line
     assert "Traceback" not in res.stderr and "flight recorder" not in res.stderr
     assert all(r["restarts"] == 0 and r["given_up"] for r in _replicas(res.run_dir).values())
+
+
+def test_an_unreachable_lighthouse_is_refused_before_the_run_folder_is_written(out: Path) -> None:
+    """elastic.lighthouse that accepts no connection: exit 2 with one line and no run folder, so the same
+    command works once the lighthouse is up (before: config.yaml was written first, and the re-run exited 2)."""
+    res = run_train(out, "nolighthouse", [*BASE, "elastic.lighthouse=http://127.0.0.1:9", "run.steps=4"], check=False)
+    assert res.returncode == 2 and "elastic.lighthouse: cannot reach" in last_line(res.stderr), res.stderr[-2000:]
+    assert not res.run_dir.exists()

@@ -24,6 +24,7 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.data import check_data, resolve_vocab_size, token_files
 from hsdp.engines.registry import check_engine_config
 from hsdp.optim import lr_at
+from hsdp.run.elastic import check_lighthouse_reachable
 from hsdp.run.rundir import check_output_dir
 from hsdp.sync.codec import check_codec
 
@@ -61,6 +62,8 @@ def preflight(cfg: Config, world_size: Optional[int] = None) -> None:
     if world_size is not None:
         check_world_size(cfg, world_size)
     check_mesh_fits(cfg)
+    if cfg.elastic.enabled:
+        check_lighthouse_reachable(cfg)  # before the run folder: an unreachable one must leave nothing behind
     check_output_dir(cfg)
     check_data(cfg)
 
