@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -127,6 +128,40 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def signal_held_rank(
+    run: Future, pid_dir: Path, rank: int, sig: int, reached: Callable[[], bool], timeout: float
+) -> tuple[int, str, float, list[int]]:
+    """A run of tests/checkpoint_train.py held by `pid_dir/hold`: once `reached()`, send `sig` to `rank`'s worker,
+    release the hold and wait (≤ `timeout` s) for the run's end. (exit code, output, seconds from the signal to
+    the end, every rank's pid); whatever worker is left is SIGKILLed."""
+    hold, pids = pid_dir / "hold", []
+    try:
+        deadline = time.monotonic() + 180
+        while not reached():
+            assert not run.done() and time.monotonic() < deadline, "the run did not reach the point to act at"
+            time.sleep(0.05)
+        pids = [int((pid_dir / f"rank{r}.pid").read_text()) for r in range(4)]
+        os.kill(pids[rank], sig)
+        t0 = time.monotonic()
+        hold.unlink()
+        returncode, output = run.result(timeout=timeout)
+        return returncode, output, time.monotonic() - t0, pids
+    finally:
+        hold.unlink(missing_ok=True)
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        run.exception(timeout=300)  # the run has ended (the server's own timeout bounds it)
+
+
+def left_behind(pids: list[int], grace_s: float = 10) -> list[int]:
+    """The pids still alive after up to `grace_s` seconds."""
+    deadline = time.monotonic() + grace_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
 def last_logged_step(metrics: Path) -> int:
     """The step of metrics.jsonl's last complete record (-1 if none yet)."""
     try:
@@ -212,30 +247,11 @@ def test_kill9_of_a_worker_then_resume_auto(out: Path, exact_ref: RunResult) -> 
     hold.write_text("10")
     name, overrides = "exact-kill9", EXACT + ["run.checkpoint_every=10"]
     run = start_served(train_cmd(["tests/checkpoint_train.py", "pids", str(pid_dir)], out, name, overrides))
-    pids: list[int] = []
-    try:
-        deadline = time.monotonic() + 180
-        while not (out / name / "checkpoints" / "step_9" / ".complete").is_file():
-            assert not run.done() and time.monotonic() < deadline, "the run did not save step 9"
-            time.sleep(0.05)
-        pids = [int((pid_dir / f"rank{r}.pid").read_text()) for r in range(4)]
-        os.kill(pids[1], signal.SIGKILL)
-        t0 = time.monotonic()
-        hold.unlink()
-        returncode, stderr = run.result(timeout=90)
-        exit_s = time.monotonic() - t0
-    finally:
-        hold.unlink(missing_ok=True)
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        run.exception(timeout=300)  # the run has ended (the server's own timeout bounds it)
+    step_9 = out / name / "checkpoints" / "step_9" / ".complete"
+    returncode, stderr, exit_s, pids = signal_held_rank(run, pid_dir, 1, signal.SIGKILL, step_9.is_file, timeout=90)
     (out / "kill9.stderr").write_text(stderr)
     assert returncode != 0
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if alive(p)], "workers left behind"
+    assert not left_behind(pids), "workers left behind"
     assert exit_s < 60
     resumed = run_train(out, name, overrides)  # run.resume=auto is the default
     assert resumed.summary["resumed_from"] is not None

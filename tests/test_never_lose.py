@@ -23,7 +23,15 @@ import pytest
 
 from hsdp.export import main as export_main
 from tests.helpers import QUIET_ENV, REPO, SMALL, RunResult, run_train
-from tests.test_checkpoint import alive, free_port, last_logged_step, start_served, train_cmd
+from tests.test_checkpoint import (
+    alive,
+    free_port,
+    last_logged_step,
+    left_behind,
+    signal_held_rank,
+    start_served,
+    train_cmd,
+)
 
 ENV = {**os.environ, **QUIET_ENV}
 MESH = ["mesh.sync=2", "mesh.shard=2"]
@@ -196,32 +204,16 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(out: Path) -> None:
     cmd = train_cmd(["tests/checkpoint_train.py", "pids", str(pid_dir)], out, name, SMALL + MESH + ["run.steps=4"])
     cmd += ["--set", f"mesh.timeout_s={timeout_s}"]  # the last override wins over train_cmd's 60
     run = start_served(cmd)  # a worker is stopped, not the launcher: the warm server's launch will do
-    pids: list[int] = []
-    try:
-        deadline = time.monotonic() + 120
-        while last_logged_step(out / name / "metrics.jsonl") < 1:  # every rank has written its pid by then
-            assert not run.done() and time.monotonic() < deadline, "the run did not reach step 1"
-            time.sleep(0.05)
-        pids = [int((pid_dir / f"rank{r}.pid").read_text()) for r in range(4)]
-        os.kill(pids[2], signal.SIGSTOP)
-        t0 = time.monotonic()
-        hold.unlink()
-        returncode, stderr = run.result(timeout=timeout_s + 60)
-        ended_s = time.monotonic() - t0
-    finally:
-        hold.unlink(missing_ok=True)
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        run.exception(timeout=300)  # the run has ended (the server's own timeout bounds it)
+
+    def reached() -> bool:  # every rank has written its pid by step 1
+        return last_logged_step(out / name / "metrics.jsonl") >= 1
+
+    returncode, stderr, ended_s, pids = signal_held_rank(run, pid_dir, 2, signal.SIGSTOP, reached, timeout_s + 60)
     assert returncode == 1, stderr[-3000:]
     line = last_line(stderr)
     assert "rank 2" in line and "stopped answering" in line, line
     assert ended_s < timeout_s + 60, ended_s  # a hang guard: the line above says the stall detector ended it
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if alive(p)], "workers left behind"
+    assert not left_behind(pids), "workers left behind"
 
 
 # ---------------------------------------------------------------- 5. the run lock
