@@ -199,10 +199,14 @@ class MetricsLogger:
         # tracker: a worker stopped by SIGTERM cannot unregister it and the tracker then warns of a
         # leak. One bar in one process needs only a thread lock.
         tqdm.set_lock(threading.RLock())
+        # An elastic run's replicas each draw a bar, one terminal line each (replica m on line m), named
+        # after the replica: two bars on one line overwrite each other.
+        replica = int(suffix.removeprefix(".replica")) if suffix.startswith(".replica") else 0
         self._bar = tqdm(
             total=cfg.run.steps,
             initial=0 if continue_after is None else continue_after + 1,
-            desc=cfg.run.name,
+            desc=cfg.run.name + (f" replica {replica}" if suffix else ""),
+            position=replica,
             dynamic_ncols=True,
             disable=os.environ.get("HSDP_NO_BAR") == "1",
         )
