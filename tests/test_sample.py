@@ -153,7 +153,7 @@ def test_sigint_mid_stream(byte_run: Path) -> None:
     try:
         first = proc.stdout.read(20)  # streamed: arrives long before a million tokens are done
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
