@@ -42,7 +42,8 @@ from hsdp.engines.collectives import (
 from hsdp.engines.dtensor import init_optimizer_state, shard_dtensor
 from hsdp.layout import DTYPES, ParamSpec, ReducePlan, plan_layout, reduce_plan
 from hsdp.model import build_model, unit_initializer
-from hsdp.sync.policy import Buffers, NoSync, Sync, SyncPolicy, build_sync
+from hsdp.sync.policy import NoSync, Sync, SyncPolicy, build_sync
+from hsdp.sync.state import Buffers
 from hsdp.torch_compat import queue_backward_callback, swap_parameter
 
 BackwardCallback = Callable[["ShardedUnit", list[Optional[torch.Tensor]]], None]
@@ -394,25 +395,26 @@ class HSDPEngine(Engine):
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state = self._model_and_optimizer_state(optimizer, self.mesh.sync_rank)
-        state.update(self._sync_pieces(self.policy.checkpoint_buffers(), self.mesh.sync_rank))
+        state.update(self._sync_pieces(self.policy.state_dict()["buffers"], self.mesh.sync_rank))
         return state
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """The sync state's structure: which buffers exist (the load allocates them before reading)."""
-        return {"sync": self.policy.checkpoint_meta()}
+        return {"sync": self.policy.state_dict()["meta"]}
 
     def load_checkpoint(self, optimizer: torch.optim.Optimizer, saved: SavedCheckpoint) -> None:
         self.zero_grad()  # init_optimizer_state's lr = 0 step needs zero grads
         init_optimizer_state(optimizer)
         state = self._model_and_optimizer_state(optimizer, saved.replica)  # views: loaded in place
         sync_meta = saved.meta["sync"]
-        buffers = self.policy.empty_checkpoint_buffers(sync_meta)
+        sync_state = self.policy.empty_state_dict(sync_meta)
+        buffers = sync_state["buffers"]
         # Another mesh.sync: a replica's own sync state (error-feedback residuals) belongs to no
         # replica of the new mesh, so it starts from zero.
         loadable = {k: v for k, v in buffers.items() if saved.same_replicas or k not in self.policy.replica_buffers}
         state.update(self._sync_pieces(loadable, saved.replica))  # views of the zeroed flat buffers
         saved.load(state)
-        self.policy.load_checkpoint(sync_meta, buffers)
+        self.policy.load_state_dict(sync_state)
 
     def _held_specs(self) -> list[tuple[str, ParamSpec, torch.nn.Parameter]]:
         return [(u.prefix + s.name, s, p) for u in self.units for s, p in zip(u.specs, u.held_params)]
