@@ -99,10 +99,6 @@ class NoSync:
     def check_resume(cls, meta: dict[str, Any], step: int, saved: SyncConfig, cfg: SyncConfig, path: Path) -> None:
         return None
 
-    @classmethod
-    def global_buffer(cls, meta: dict[str, Any]) -> Optional[str]:
-        return None
-
 
 class SyncPolicy:
     """Decides, each step, whether grads or params cross the sync group, and does the param sync."""
@@ -323,11 +319,6 @@ class SyncPolicy:
                 f"sync.method: checkpoint {path} (step {step}, past the warmup) has no global "
                 f"copy θ_g, which this config's sync needs"
             )
-
-    @classmethod
-    def global_buffer(cls, meta: dict[str, Any]) -> Optional[str]:
-        """The name of the checkpoint buffer holding θ_g, if the saved state has one."""
-        return "global" if meta.get("has_global") else None
 
 
 def build_sync(cfg: SyncConfig, held: list[torch.Tensor], transport: Transport) -> SyncPolicy:
