@@ -27,8 +27,8 @@ Its state (θ_g, b, e, the syncs in flight) is one object, `SyncState`
 the rules a resume must satisfy (`check_resume`) and the answer to "are the
 replicas identical after step s" (`replicas_identical`).
 
-θ_g and b are fp32 buffers the size of the held shard (4 bytes/element each);
-an in-flight unit also holds its Δ (4 bytes/element, plus the codec's payload).
+θ_g and b are fp32 buffers the size of the held shard (4 bytes/element each); a
+round holds each due unit's Δ until it lands (4 bytes/element, plus the codec's payload).
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ class SyncPolicy:
         if self.uses_global:
             self.state.start_global_copy()
 
-    # ------------------------------------------------------------ one param sync: start → finish → apply
+    # ------------------------------------------------------------ one param sync: start → land (finish, commit) → apply
     @torch.no_grad()
     def start(self, f: int, step: int) -> PendingSync:
         """Start fragment f's reductions (async when τ > 0); the sync lands after step + τ."""
