@@ -19,28 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from hsdp.config.schema import ConfigError
-from hsdp.engines.registry import saved_engine_class
-from hsdp.model import GPT
-from hsdp.run.checkpoint import (
-    CHECKPOINTS,
-    COMPLETE,
-    complete_checkpoints,
-    read_dcp_metadata,
-    read_meta,
-    read_saved_config,
-    step_of,
-    verify_files,
-)
-from hsdp.run.integrity import first_non_finite
+from hsdp.run.checkpoint import CHECKPOINTS, COMPLETE, complete_checkpoints, step_of
+from hsdp.run.checkpoint.export import read_model
 
 
 class CheckpointGone(ConfigError):
@@ -112,26 +98,8 @@ def export(checkpoint: Path, replica: Optional[int] = None, use_global: bool = F
 
 
 def read_checkpoint(checkpoint: Path, replica: Optional[int], use_global: bool) -> tuple[dict, str]:
-    """export's reading, after the path was found complete."""
-    meta = read_meta(checkpoint, key="checkpoint")
-    cfg = read_saved_config(checkpoint, key="checkpoint")
-    read_dcp_metadata(checkpoint, key="checkpoint")  # fails early (ConfigError) on missing or truncated files
-    verify_files(checkpoint, key="checkpoint")  # and on files whose bytes changed since the save
-    prefix, what = saved_engine_class(meta["engine"]).export_source(meta, replica, use_global)
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    # Checkpoint tensors have the held layout's shape (a 0-d param is stored as (1,)).
-    targets = {
-        prefix + n: torch.empty(tuple(p.shape) or (1,), dtype=torch.float32) for n, p in model.named_parameters()
-    }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(targets, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)
-    state = {n: targets[prefix + n].reshape(p.shape) for n, p in model.named_parameters()}
-    bad = first_non_finite(state)
-    if bad is not None:
-        raise ConfigError(f"checkpoint: {checkpoint} holds a non-finite value in {bad}; not exported")
-    return state, what
+    """export's reading, after the path was found complete (the checkpoint component's `read_model`)."""
+    return read_model(checkpoint, replica, use_global)
 
 
 def check_out_path(out: Path) -> None:

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hsdp.sync",),
     ("hsdp.compile",),  # the graph side: below the engines, which run its graphs
     ("hsdp.engines",),
-    ("hsdp.run",),  # preflight included: it asks the data, the engines, the codec and the run folder
+    ("hsdp.run",),  # preflight and checkpoint/ included: they ask the data, the engines, the codec, the run folder
     ("train", "hsdp.bench", "hsdp.export", "hsdp.sample", "hsdp.prepare", "hsdp.sweep", "hsdp.slowlink"),
 )
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from hsdp.atomic import write_text
 from hsdp.config.schema import Config, to_dict
-from hsdp.run.integrity import finite_or_none
+from hsdp.run.checkpoint.integrity import finite_or_none
 
 WANDB_TIMEOUT_ENV = "HSDP_WANDB_TIMEOUT_S"
 WANDB_TIMEOUT_S = 60.0  # default bound on wandb.init (login + run creation)

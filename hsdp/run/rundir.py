@@ -58,7 +58,7 @@ def prepare_run_dir(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
       writes: other files in the folder are left alone) and start fresh;
     - a complete checkpoint in `checkpoints/` and `run.resume != never`: return with
       the folder untouched: train.py then resumes from the checkpoint
-      (hsdp/run/checkpoint.py) and continues metrics.jsonl; this function only makes
+      (hsdp/run/checkpoint/) and continues metrics.jsonl; this function only makes
       sure that nothing is deleted or overwritten before that;
     - otherwise: ConfigError naming `run.overwrite=true`.
 

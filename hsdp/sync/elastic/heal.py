@@ -81,7 +81,7 @@ class HealState:
 
     def _global_params(self, policy_state: dict[str, Any]) -> list[Optional[torch.Tensor]]:
         """θ_g per unit from a policy state dict (None for each unit where the policy keeps none)."""
-        return policy_state.get("global_params") or [None] * len(self.engine.units)
+        return policy_state["buffers"].get("global") or [None] * len(self.engine.units)
 
     @torch.no_grad()
     def load_full(self, state: dict[str, Any]) -> None:
