@@ -43,6 +43,7 @@ class ModelConfig:
     d_model: int = 128
     bias: bool = True  # llama: false unless set (hsdp.config.loader)
     arch: str = "gpt"  # gpt (LayerNorm, learned positions, GELU) | llama (RMSNorm, rotary, SwiGLU, no biases)
+    init_from: str = ""  # start from these weights: an HF folder or a plain export (.pt, .safetensors); "" = seeded
 
 
 @dataclass
