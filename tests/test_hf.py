@@ -63,7 +63,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("hf")
     (tmp / "corpus.txt").write_text("<|endoftext|>".join(TEXT[i : i + 400] for i in range(0, len(TEXT), 400)))
     assert prepare_main([str(tmp / "corpus.txt"), "--out", str(tmp / "data"), "--vocab", "320"]) == 0
-    data = [f"data.path={tmp / 'data' / 'train.bin'}"]
+    data = [f"data.path={tmp / 'data'}"]
     steps = ["run.steps=4", "run.checkpoint_every=4"]
     run_train(tmp, "gpt", COMMON + data + steps + ["model.arch=gpt", "mesh.engine=ddp", "mesh.sync=2"])
     run_train(tmp, "llama", COMMON + data + steps + ["model.arch=llama"])
@@ -116,7 +116,7 @@ def test_hf_tokenizer_encodes_to_the_ids_prepare_wrote(work: Path) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(work / "llama-hf")
     first_document = TEXT[:400]  # document 0 goes to train (⌊1·0.1⌋ = ⌊0·0.1⌋), after one end-of-text id
     ids = tok.encode(first_document)
-    shard = open_tokens(read_header(work / "data" / "train.bin"))
+    shard = open_tokens(read_header(work / "data" / "train_000000.bin"))
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
     assert shard[0] == eot and shard[1 + len(ids)] == eot
     assert shard[1 : 1 + len(ids)].tolist() == ids
@@ -211,7 +211,7 @@ def test_initial_params_are_the_loaded_ones_unit_by_unit() -> None:
 def test_warm_start_round_trip(work: Path, arch: str, source: str, engine: list[str]) -> None:
     """export → model.init_from → the first loss is the exported model's on batch 0; the run holds the exported
     params bit for bit (a frozen step, then export hf again: every tensor equal); summary.json names the source."""
-    data = [f"data.path={work / 'data' / 'train.bin'}", f"model.arch={arch}"]
+    data = [f"data.path={work / 'data'}", f"model.arch={arch}"]
     warm = run_train(work, f"warm-{arch}", COMMON + data + FROZEN_STEP + engine + [f"model.init_from={work / source}"])
     assert warm.summary["init_from"] == str(work / source)
     cfg = read_saved_config(warm.run_dir)
@@ -234,7 +234,7 @@ def test_warm_start_round_trip(work: Path, arch: str, source: str, engine: list[
 
 def bad(work: Path, *overrides: str) -> str:
     """The one-line ConfigError preflight gives for a llama config with these overrides."""
-    data = [f"data.path={work / 'data' / 'train.bin'}", f"run.out_dir={work / 'bad'}"]
+    data = [f"data.path={work / 'data'}", f"run.out_dir={work / 'bad'}"]
     with pytest.raises(ConfigError) as info:
         load_checked_config(None, [*COMMON, *data, "model.arch=llama", *overrides])
     msg = str(info.value)
@@ -265,7 +265,7 @@ def test_bad_init_from_is_one_line_before_any_worker(work: Path, tmp_path: Path)
 
 
 def test_train_exits_2_with_one_line(work: Path) -> None:
-    data = [f"data.path={work / 'data' / 'train.bin'}", "model.arch=llama", "model.d_model=32"]
+    data = [f"data.path={work / 'data'}", "model.arch=llama", "model.d_model=32"]
     result = run_train(work, "bad-run", COMMON + data + [f"model.init_from={work / 'llama-hf'}"], check=False)
     assert result.returncode == 2
     assert "model.init_from:" in result.stderr and not result.run_dir.exists()
@@ -278,3 +278,17 @@ def test_hf_config_is_what_transformers_reads(work: Path) -> None:
     assert loaded.intermediate_size == hf_config(cfg, 0)["intermediate_size"]
     assert loaded.rope_parameters["rope_theta"] == 10000.0 and loaded.rms_norm_eps == 1e-5
     assert not loaded.tie_word_embeddings
+
+
+def test_theta_g_starts_from_init_from(work: Path) -> None:
+    """DiLoCo from step 0 (H = 4): after one real step and no sync yet, θ_g is still init_from's weights bit for
+    bit, while the replicas' own params have moved."""
+    data = [f"data.path={work / 'data'}", "model.arch=llama", f"model.init_from={work / 'llama-hf'}"]
+    sync = ["mesh.sync=2", "sync.method=diloco", "sync.warmup_steps=0", "sync.every=4"]
+    run = run_train(work, "warm-diloco", COMMON + data + sync + ["run.steps=1", "run.checkpoint_every=1"])
+    checkpoint = str(latest_checkpoint(run.run_dir))
+    assert export_main([checkpoint, str(work / "theta_g.pt"), "--global"]) == 0
+    assert export_main([checkpoint, str(work / "replica0.pt"), "--replica", "0"]) == 0
+    start, theta_g, replica = (torch.load(work / f) for f in ("llama.pt", "theta_g.pt", "replica0.pt"))
+    assert all(torch.equal(theta_g[n], start[n]) for n in start)
+    assert not all(torch.equal(replica[n], start[n]) for n in start)

@@ -54,7 +54,7 @@ def bpe_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     corpus = tmp / "corpus.txt"
     corpus.write_text("<|endoftext|>".join(TEXT[i : i + 500] for i in range(0, len(TEXT), 500)))
     assert prepare_main([str(corpus), "--out", str(tmp / "data"), "--vocab", "320"]) == 0
-    overrides = TINY + ["data.source=tokens", f"data.path={tmp / 'data' / 'train.bin'}", "model.vocab_size=null"]
+    overrides = TINY + ["data.source=tokens", f"data.path={tmp / 'data'}", "model.vocab_size=null"]
     run_train(tmp, "bpe", overrides)
     return tmp / "bpe"
 
