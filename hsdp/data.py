@@ -74,11 +74,15 @@ def token_files(pattern: str) -> tuple[list[Path], list[Path]]:
     is_glob = not path.is_file() and any(c in pattern for c in GLOB_CHARS)
     train = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file()) if is_glob else [path]
     if not train or not train[0].is_file():
-        shards = sorted(path.parent.glob(SHARDS.format(split="train")))
-        hint = f"; {path.parent} holds hsdp.prepare's shards ({shards[0].name}, ...): set data.path to the folder"
+        shards = sorted(path.parent.glob(SHARDS.format(split="train"))) if path.parent.is_dir() else []
+        hint = (
+            f"; {path.parent} holds hsdp.prepare's shards ({shards[0].name}, ...): set data.path to the folder"
+            if shards
+            else ""
+        )
         raise ConfigError(
             f"data.path: expected an existing .bin token file, a glob of shards or a prepared folder, got "
-            f"{pattern!r}{hint if shards else ''}"
+            f"{pattern!r}{hint}"
         )
     val: list[Path] = []
     if is_glob and "train" in path.name:

@@ -89,7 +89,7 @@ def test_greedy_is_the_argmax_of_the_exported_model(byte_run: Path, capsys) -> N
 def test_uses_the_runs_tokenizer(bpe_run: Path, capsys) -> None:
     out = sample(capsys, str(bpe_run), "--prompt", "def f1", "--tokens", "20", "--seed", "1")
     assert out.startswith("def f1") and len(out) > len("def f1") + 5
-    tok = Tokenizer.from_file(str(Path(read_saved_config(bpe_run).data.path).parent / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(Path(read_saved_config(bpe_run).data.path) / "tokenizer.json"))  # the prepared folder
     assert read_saved_config(bpe_run).model.vocab_size == tok.get_vocab_size()
 
 
