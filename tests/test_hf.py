@@ -292,3 +292,24 @@ def test_theta_g_starts_from_init_from(work: Path) -> None:
     start, theta_g, replica = (torch.load(work / f) for f in ("llama.pt", "theta_g.pt", "replica0.pt"))
     assert all(torch.equal(theta_g[n], start[n]) for n in start)
     assert not all(torch.equal(replica[n], start[n]) for n in start)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_init_from_a_folder_transformers_saved(tmp_path: Path, arch: str) -> None:
+    """A folder written by transformers' own save_pretrained (a tied GPT-2 head, as GPT-2's checkpoints have it;
+    GPT-2's exact-GELU variant) is read as the same function: our model on its tensors gives its logits."""
+    cfg = load_checked_config(None, ["data.source=synthetic", "model.vocab_size=300", *SHAPE, f"model.arch={arch}"])
+    hf_cfg = {k: v for k, v in hf_config(cfg.model, None).items() if k not in ("architectures", "model_type")}
+    hf_cfg["tie_word_embeddings"] = arch == "gpt"
+    config_class = transformers.GPT2Config if arch == "gpt" else transformers.LlamaConfig
+    torch.manual_seed(0)
+    hf = getattr(transformers, hf_config(cfg.model, None)["architectures"][0])(config_class(**hf_cfg)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path / "saved")
+    cfg.model.init_from = str(tmp_path / "saved")
+    ours = initial_model(cfg.model, seed=0).eval()
+    idx = torch.randint(0, 300, (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=0, atol=1e-4)
