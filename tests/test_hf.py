@@ -135,6 +135,9 @@ def test_every_format_reads_back_to_the_same_tensors(work: Path, arch: str) -> N
         assert got.keys() == plain.keys() and all(torch.equal(got[n], plain[n]) for n in plain), source
     hf = load_file(str(work / f"{arch}-hf" / "model.safetensors"))
     again = to_hf(read_init_from(cfg), cfg)
+    checkpoint = str(latest_checkpoint(work / arch))
+    assert export_main([checkpoint, str(work / f"{arch}-hf"), "--format", "hf"]) == 2  # an existing folder: kept
+    assert not list(work.glob(f".{arch}-hf.tmp-*"))
     assert again.keys() == hf.keys() and all(torch.equal(again[n], hf[n]) for n in hf)
 
 
