@@ -95,6 +95,11 @@ def _mismatch(key: str, got: Any, want: Any, source: str) -> ConfigError:
     return ConfigError(f"model.init_from: {source} has {key}={got!r} but this run needs {want!r}")
 
 
+# transformers' defaults for keys a config.json may leave out (GPT2Config, LlamaConfig)
+GPT2_DEFAULTS = {"n_positions": 1024, "layer_norm_epsilon": 1e-5, "n_inner": None, "activation_function": "gelu_new"}
+LLAMA_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "intermediate_size": 11008}
+
+
 def check_hf_config(hf: dict[str, Any], cfg: ModelConfig, source: str) -> None:
     """ConfigError (one line, the first difference) unless config.json `hf` describes the model `cfg` builds.
 
@@ -105,15 +110,15 @@ def check_hf_config(hf: dict[str, Any], cfg: ModelConfig, source: str) -> None:
         raise _mismatch("model_type", hf.get("model_type"), model_type, source)
     want = hf_config(cfg, None)
     if cfg.arch == "gpt":
-        keys = ["vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon"]
-        defaults = {"n_positions": 1024, "layer_norm_epsilon": 1e-5, "n_inner": None, "activation_function": "gelu_new"}
-        got = {k: hf.get(k, defaults.get(k)) for k in [*keys, "n_inner", "activation_function"]}
+        keys = ["vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function"]
+        keys += ["layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx"]
+        defaults = {**GPT2_DEFAULTS, "scale_attn_weights": True}
+        got = {k: hf.get(k, defaults.get(k, False)) for k in keys}
         got["n_inner"] = got["n_inner"] or (4 * got["n_embd"] if got["n_embd"] else None)  # None: 4·n_embd
-        keys += ["n_inner", "activation_function"]
     else:
         keys = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
         keys += ["head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "attention_bias", "mlp_bias"]
-        got = {k: hf.get(k) for k in keys}
+        got = {k: hf.get(k, LLAMA_DEFAULTS.get(k)) for k in keys}
         got["num_key_value_heads"] = got["num_key_value_heads"] or got["num_attention_heads"]
         heads = got["num_attention_heads"]
         got["head_dim"] = got["head_dim"] or (got["hidden_size"] // heads if heads and got["hidden_size"] else None)
