@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hsdp.torch_compat",),  # every process-global torch patch and private torch/torchft API
     ("kernels",),
     ("hsdp.comm",),
-    ("hsdp.layout", "hsdp.model", "hsdp.data", "hsdp.optim"),
+    ("hsdp.layout", "hsdp.model", "hsdp.data", "hsdp.optim", "hsdp.hf", "hsdp.init_from"),
     ("hsdp.sync",),
     ("hsdp.compile",),  # the graph side: below the engines, which run its graphs
     ("hsdp.engines",),

@@ -26,8 +26,8 @@ from hsdp.compile.cache import cpu_options
 from hsdp.config.schema import Config
 from hsdp.engines.base import Batch, Engine, EngineState, SavedCheckpoint
 from hsdp.engines.clock import CompileClock
+from hsdp.init_from import initial_model
 from hsdp.layout import DTYPES
-from hsdp.model import build_model
 from hsdp.sync.policy import NoSync
 from hsdp.torch_compat import FSDPAllGather, FSDPReduceScatter, start_compile_pool_lazily
 
@@ -126,7 +126,7 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
 
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> "FSDP2Engine":
-        model = build_model(cfg.model, cfg.run.seed).to(mesh.device)
+        model = initial_model(cfg.model, cfg.run.seed).to(mesh.device)
         if cfg.compile.enabled:
             # As torchtitan does: each transformer block compiled (in place, so parameter names stay),
             # FSDP2's hooks run around the compiled blocks, eagerly.
@@ -187,7 +187,7 @@ class DDPEngine(_TorchCheckpoint, Engine):
 
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> "DDPEngine":
-        return cls(build_model(cfg.model, cfg.run.seed).to(mesh.device), mesh)
+        return cls(initial_model(cfg.model, cfg.run.seed).to(mesh.device), mesh)
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         return self.module(idx)

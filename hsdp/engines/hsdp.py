@@ -40,8 +40,9 @@ from hsdp.engines.collectives import (
     start_reduce,
 )
 from hsdp.engines.dtensor import init_optimizer_state, shard_dtensor
+from hsdp.init_from import initial_unit_initializer
 from hsdp.layout import DTYPES, ParamSpec, ReducePlan, plan_layout, reduce_plan
-from hsdp.model import build_model, unit_initializer
+from hsdp.model import build_model
 from hsdp.sync.policy import NoSync, Sync, SyncPolicy, build_sync
 from hsdp.torch_compat import queue_backward_callback, swap_parameter
 
@@ -218,7 +219,7 @@ class HSDPEngine(Engine):
             cfg.precision.param_dtype,
             cfg.precision.reduce_dtype,
             cfg.mesh.prefetch,
-            materialize=unit_initializer(cfg.model, cfg.run.seed),
+            materialize=initial_unit_initializer(cfg.model, cfg.run.seed),  # model.init_from's, if set
             sync_cfg=cfg.sync,
             **cls.config_kwargs(cfg),
         )
