@@ -209,3 +209,16 @@ def test_bad_input_exits_2_with_one_line(fake_run: Path, tmp_path: Path, capsys)
         capsys, [config, "--inter", "20mbit", "--calibrate", str(fake_run), "--set", "model.n_layer=3"]
     )
     assert "model" in line
+
+
+def test_bandwidth_for_a_utilization_reaches_it(fake_run: Path, capsys):
+    """--for-utilization's rate gives that utilisation (±1%), with compute given as --compute-s."""
+    config = str(fake_run / "config.yaml")
+    assert main([config, "--inter", "1gbit", "--compute-s", "0.1", "--for-utilization", "0.9"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 90% |"))
+    value, unit = row.split("|")[2].split()
+    bps = float(value) * {"kbit/s": 1e3, "Mbit/s": 1e6, "Gbit/s": 1e9}[unit]
+    assert main([config, "--inter", f"{bps / 1e6}mbit", "--compute-s", "0.1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["compute_utilization"] == pytest.approx(0.9, abs=0.01)
+    line = one_line_error(capsys, [config, "--inter", "1gbit", "--compute-s", "0.1", "--calibrate", str(fake_run)])
+    assert "one source of compute" in line

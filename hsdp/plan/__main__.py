@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency", type=float, default=0.0, metavar="MS", help="one-way inter-link latency (ms)")
     p.add_argument("--intra", help="the shard group's rate per rank (default: free, as in the calibration)")
     p.add_argument("--calibrate", metavar="RUN_DIR", help="a mesh.backend=fake run of the config")
+    p.add_argument(
+        "--compute-s",
+        type=float,
+        metavar="SECONDS",
+        help="a compute-only step time measured elsewhere (e.g. a sweep's nocomm twin), instead of --calibrate",
+    )
     p.add_argument("--calibrate-steps", type=int, default=16, help="fake steps measured when no RUN_DIR is given")
     p.add_argument("--overhead", type=float, default=FRAMING, help="wire bytes per payload byte (TCP/IP framing)")
     p.add_argument("--json", action="store_true", help="print JSON (one object, or a list for several rates)")
@@ -76,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of --gpu/--flops (default 0.4)")
     p.add_argument("--flops", help="peak FLOP/s per GPU, for a GPU not in the table (e.g. 989e12)")
     p.add_argument("--tokens", help="token budget (default: run.steps × tokens per step)")
+    p.add_argument(
+        "--for-utilization",
+        metavar="U[,U...]",
+        help="also print the inter bandwidth each compute utilisation needs (e.g. 0.5,0.9,0.95)",
+    )
     return p
 
 
@@ -97,9 +108,14 @@ class Plan:
             raise ConfigError(
                 "--params: a fake-backend calibration measures only the config's model; add --gpu or --flops"
             )
-        if self.peak is not None and a.calibrate:
-            raise ConfigError("--calibrate: give either a calibration run or --gpu/--flops, not both")
+        given = [flag for flag, v in (("--calibrate", a.calibrate), ("--compute-s", a.compute_s)) if v is not None]
+        given += ["--gpu/--flops"] if self.peak is not None else []
+        if len(given) > 1:
+            raise ConfigError(f"{given[0]}: give one source of compute, not {' and '.join(given)}")
+        if a.compute_s is not None and not a.compute_s > 0:
+            raise ConfigError(f"--compute-s: expected seconds > 0, got {a.compute_s:g}")
         self.tokens = int(parse_count(a.tokens, "--tokens")) if a.tokens else None
+        self.targets = parse_targets(a.for_utilization) if a.for_utilization else []
         mesh = [f"mesh.sync={a.replicas}"] if a.replicas else []
         mesh += [f"mesh.shard={a.shard}"] if a.shard else []
         self.overrides = [*a.overrides, *mesh]
@@ -108,6 +124,8 @@ class Plan:
         self.compute: Optional[Compute] = None
         if a.calibrate:  # read (and check) it now: a wrong folder is bad input, found before any work
             self.compute = read_fake_run(a.calibrate, self.cfg)
+        elif a.compute_s is not None:
+            self.compute = Compute(a.compute_s, 0.0, "--compute-s")
 
     def workload(self, cfg: Optional[Config] = None) -> Workload:
         return build_workload(cfg or self.cfg, self.params)
@@ -134,6 +152,28 @@ class Plan:
             "failure_heal_bytes_per_rank": cost.heal_bytes_per_rank,
         }
         return p
+
+
+def parse_targets(text: str) -> list[float]:
+    try:
+        targets = [float(t) for t in text.split(",") if t]
+    except ValueError:
+        targets = []
+    if not targets or not all(0 < t < 1 for t in targets):
+        raise ConfigError(f"--for-utilization: expected fractions in (0, 1) such as 0.5,0.9, got {text!r}")
+    return targets
+
+
+def bandwidth_for(plan: Plan, w: Workload, target: float) -> Optional[float]:
+    """The least inter rate (bits/s) at which the compute utilisation reaches `target` (bisection on a log
+    scale between 1 kbit/s and 100 Pbit/s; utilisation grows with the rate), or None if it never does."""
+    lo, hi = 1e3, 1e17
+    if plan.predict(w, hi).compute_utilization < target:
+        return None
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if plan.predict(w, mid).compute_utilization >= target else (mid, hi)
+    return hi
 
 
 def hsdp_twin(cfg: Config) -> Config:
@@ -178,6 +218,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"the restarted replica heals in ~{p.extra['failure_heal_s']:.3g} s "
             f"({p.extra['failure_heal_bytes_per_rank'] / 2**20:.4g} MiB per rank)"
         )
+    if plan.targets:
+        print("\n| compute utilization | inter bandwidth needed |\n|---:|---:|")
+        for target in plan.targets:
+            bps = bandwidth_for(plan, w, target)
+            print(f"| {100 * target:g}% | {rate_label(bps) if bps else 'never (latency or compute bound)'} |")
     if args.plot:
         twin = plan.workload(hsdp_twin(plan.cfg))
         curves = {"exact HSDP": lambda r: plan.predict(twin, r).compute_utilization}

@@ -28,7 +28,7 @@ from hsdp.plan.model import Compute
 
 SKIP = 3  # train.py profiles step 2's memory (StepMemoryProbe); steps 0–1 allocate
 REPO = Path(__file__).resolve().parents[2]
-# what must agree between the calibration run and the planned config for its compute to apply
+# what must agree between the calibration run and the config to plan for its compute to apply
 SAME_SHAPE = (
     ("model", None),
     ("data", "batch_size"),
@@ -74,14 +74,14 @@ def read_fake_run(run_dir: str, cfg: Optional[Config] = None) -> Compute:
 
 
 def check_same_shape(run: Config, cfg: Config, run_dir: str) -> None:
-    """The calibration run must compute what the planned config computes (the sync may differ)."""
+    """The calibration run must compute what the config to plan computes (the sync may differ)."""
     for section, key in SAME_SHAPE:
         a, b = getattr(run, section), getattr(cfg, section)
         if key is not None:
             a, b = getattr(a, key), getattr(b, key)
         if a != b:
             name = section if key is None else f"{section}.{key}"
-            raise ConfigError(f"--calibrate: {run_dir} has another {name} than the planned config ({a} vs {b})")
+            raise ConfigError(f"--calibrate: {run_dir} has another {name} than the config to plan ({a} vs {b})")
 
 
 def measure_fake_run(config: Optional[str], overrides: list[str], steps: int, keep: Optional[str] = None) -> Compute:

@@ -12,7 +12,7 @@ from hsdp.plan.model import Prediction
 def rate_label(bps: float) -> str:
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bps >= scale:
-            return f"{bps / scale:g} {unit}"
+            return f"{bps / scale:.4g} {unit}"
     return f"{bps:g} bit/s"
 
 
