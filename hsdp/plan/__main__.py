@@ -20,7 +20,7 @@ from typing import Optional
 from hsdp.bench.spec import parse_rate
 from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
-from hsdp.plan.calibrate import measure_fake_run, read_fake_run
+from hsdp.plan.calibrate import SKIP, measure_fake_run, read_fake_run
 from hsdp.plan.model import FRAMING, Compute, Link, Prediction, predict
 from hsdp.plan.project import failure_cost, gpu_peak_flops, projected_compute
 from hsdp.plan.report import plot_utilization, rate_label, table
@@ -112,6 +112,10 @@ class Plan:
         given += ["--gpu/--flops"] if self.peak is not None else []
         if len(given) > 1:
             raise ConfigError(f"{given[0]}: give one source of compute, not {' and '.join(given)}")
+        if not given and a.calibrate_steps <= SKIP:
+            raise ConfigError(
+                f"--calibrate-steps: the first {SKIP} steps are not timed; expected more, got {a.calibrate_steps}"
+            )
         if a.compute_s is not None and not a.compute_s > 0:
             raise ConfigError(f"--compute-s: expected seconds > 0, got {a.compute_s:g}")
         self.tokens = int(parse_count(a.tokens, "--tokens")) if a.tokens else None

@@ -85,8 +85,15 @@ def check_same_shape(run: Config, cfg: Config, run_dir: str) -> None:
 
 
 def measure_fake_run(config: Optional[str], overrides: list[str], steps: int, keep: Optional[str] = None) -> Compute:
-    """Run `steps` steps of the config with mesh.backend=fake now (train.py) and read them."""
-    out = keep or tempfile.mkdtemp(prefix="hsdp-plan-")
+    """Run `steps` steps of the config with mesh.backend=fake now (train.py) and read them; the run folder
+    goes under `keep` (kept) or a temporary folder (removed)."""
+    if keep is not None:
+        return _measure_into(config, overrides, steps, keep)
+    with tempfile.TemporaryDirectory(prefix="hsdp-plan-") as out:
+        return _measure_into(config, overrides, steps, out)
+
+
+def _measure_into(config: Optional[str], overrides: list[str], steps: int, out: str) -> Compute:
     args = [sys.executable, str(REPO / "train.py")]
     if config:
         args += ["--config", config]
@@ -110,4 +117,5 @@ def measure_fake_run(config: Optional[str], overrides: list[str], steps: int, ke
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         raise ConfigError(f"calibration run failed: {tail[0]}")
-    return read_fake_run(str(Path(out) / "calibration"))
+    compute = read_fake_run(str(Path(out) / "calibration"))
+    return Compute(compute.step_s, compute.sync_s, f"{steps} fake-backend steps measured now")
