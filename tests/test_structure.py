@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hsdp.compile",),  # the graph side: below the engines, which run its graphs
     ("hsdp.engines",),
     ("hsdp.run",),  # preflight and checkpoint/ included: they ask the data, the engines, the codec, the run folder
-    ("train", "hsdp.bench", "hsdp.export", "hsdp.sample", "hsdp.prepare", "hsdp.sweep", "hsdp.slowlink"),
+    ("train", "hsdp.bench", "hsdp.export", "hsdp.sample", "hsdp.prepare", "hsdp.sweep", "hsdp.slowlink", "hsdp.plan"),
 )
 
 
