@@ -183,3 +183,38 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def max_param_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(rel_err(a[k], b[k]) for k in a)
+
+
+def schedules(run: RunResult) -> dict[str, list[list[str]]]:
+    """schedule.txt → {"forward": [lines of each forward graph], "backward": [...]}."""
+    out: dict[str, list[list[str]]] = {"forward": [], "backward": []}
+    for block in (run.run_dir / "schedule.txt").read_text().split("# graph ")[1:]:
+        head, *lines = block.strip().splitlines()
+        out["forward" if "(forward)" in head else "backward"].append(lines)
+    return out
+
+
+def gathers_in_flight(lines: list[str]) -> list[int]:
+    """For each compute line of a schedule: how many all-gathers are started and not yet waited."""
+    started: set[str] = set()
+    seen = []
+    for line in lines:
+        if line.startswith("start all_gather"):
+            started.add(line.split()[2])
+        elif line.startswith("wait"):
+            started.discard(line.split()[1])
+        elif line.startswith("compute"):
+            seen.append(len(started))
+    return seen
+
+
+def assert_prefetch(run: RunResult, k: int) -> None:
+    """In the run's generated forward code, compute runs with up to k gathers in flight (k ≥ 1 reaches k),
+    none with k = 0; the FX liveness bound holds: at most k+1 units' full params alive at once."""
+    forward = schedules(run)["forward"]
+    assert forward
+    for lines in forward:
+        assert max(gathers_in_flight(lines)) == k, (k, lines)
+    for g in run.summary["compiled"]:
+        if g["graph"] == "forward":
+            assert g["max_full_params_alive"] <= k + 1

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import SMALL, RunResult, max_param_rel_err, run_train
+from tests.helpers import SMALL, RunResult, assert_prefetch, max_param_rel_err, run_train, schedules
 
-# The module's fixtures compile ~12 train.py processes once for all its checks; on a loaded 2-core box
+# The module's fixtures run ~9 train.py processes (5 compiled) once for all its checks; on a loaded 2-core box
 # that setup alone can pass pytest's default 600 s, so this module gets more.
 pytestmark = pytest.mark.timeout(1800)
 
@@ -58,26 +58,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult,
         "1x2-bf16": _pair(
             tmp, "bf16", BASE + BF16, compiled=["compile.enabled=true", "compile.passes=ours", "compile.prefetch=1"]
         ),
-    }
-
-
-@pytest.fixture(scope="module")
-def scheduled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
-    """Compiled 1x2 runs scheduled by our passes (prefetch 0 and 2) and by inductor's (the ablation),
-    and the FSDP2 baseline with its blocks compiled."""
-    tmp = tmp_path_factory.mktemp("passes")
-    variants = {
-        "ours0": ["compile.passes=ours", "compile.prefetch=0", "compile.bucket_mb=0.1"],
-        "ours2": ["compile.passes=ours", "compile.prefetch=2"],
-        # the same job again: a warm compile, loaded from inductor's caches (tests/conftest.py gives
-        # this process its own cache folder, so the first ours2 compiled cold)
-        "ours2-warm": ["compile.passes=ours", "compile.prefetch=2"],
-        "inductor": ["compile.passes=inductor"],
-        "fsdp2": ["mesh.engine=fsdp2"],
-    }
-    return {
-        name: run_train(tmp, name, BASE + ["compile.enabled=true"] + extra, timeout=900)
-        for name, extra in variants.items()
     }
 
 
@@ -143,14 +123,6 @@ def test_grad_accumulation_reduces_once_per_step(runs) -> None:
     assert sorted(g["reduce_scatters"] for g in backwards) == [0, UNITS_NEEDING_WEIGHTS + 1]
 
 
-def test_fsdp2_compiled_baseline_equals_eager_and_reports_its_compile(runs, scheduled) -> None:
-    """FSDP2 with compiled blocks trains like the eager engines (1e-5) and reports compile time, no recompile."""
-    fsdp2, eager = scheduled["fsdp2"], runs["1x2"][0]
-    assert _rel(fsdp2.losses, eager.losses) < 1e-5
-    assert max_param_rel_err(fsdp2.params(0), eager.params(0)) < 1e-5
-    assert fsdp2.summary["compile_time_s"] > 0 and fsdp2.summary["recompiles"] == 0
-
-
 @pytest.mark.parametrize("case", ["1x2", "2x2-diloco"])
 def test_release_in_the_compiled_graphs(runs, case: str) -> None:
     """Forward saves no full param for backward; backward re-gathers exactly the units that need weights."""
@@ -168,56 +140,15 @@ def test_release_in_the_compiled_graphs(runs, case: str) -> None:
         assert sorted(g["all_reduces"] for g in backwards) == [0, UNITS_NEEDING_WEIGHTS + 1]
 
 
-@pytest.mark.parametrize("name", ["ours0", "ours2", "inductor"])
-def test_scheduling_passes_keep_numerics(runs, scheduled, name: str) -> None:
-    """Reordering collectives changes nothing computed: losses and params equal passes=none to 1e-5."""
-    none = runs["1x2"][1]
-    assert _rel(scheduled[name].losses, none.losses) < 1e-5
-    assert max_param_rel_err(scheduled[name].params(0), none.params(0)) < 1e-5
-    assert scheduled[name].summary["recompiles"] == 0
-
-
-def _schedules(run: RunResult) -> dict[str, list[list[str]]]:
-    """schedule.txt → {"forward": [lines of each forward graph], "backward": [...]}."""
-    out: dict[str, list[list[str]]] = {"forward": [], "backward": []}
-    for block in (run.run_dir / "schedule.txt").read_text().split("# graph ")[1:]:
-        head, *lines = block.strip().splitlines()
-        out["forward" if "(forward)" in head else "backward"].append(lines)
-    return out
-
-
-def _gathers_in_flight(lines: list[str]) -> list[int]:
-    """For each compute line of a schedule: how many all-gathers are started and not yet waited."""
-    started: set[str] = set()
-    seen = []
-    for line in lines:
-        if line.startswith("start all_gather"):
-            started.add(line.split()[2])
-        elif line.startswith("wait"):
-            started.discard(line.split()[1])
-        elif line.startswith("compute"):
-            seen.append(len(started))
-    return seen
-
-
-@pytest.mark.parametrize("name,k", [("ours0", 0), ("bf16", 1), ("ours2", 2)])
-def test_generated_code_keeps_our_prefetch(runs, scheduled, name: str, k: int) -> None:
-    """In inductor's generated forward code, compute runs with up to k gathers in flight (k ≥ 1 reaches k),
-    none with k = 0; the FX liveness bound holds: at most k+1 units' full params alive at once."""
-    run = runs["1x2-bf16"][1] if name == "bf16" else scheduled[name]
-    forward = _schedules(run)["forward"]
-    assert forward
-    for lines in forward:
-        in_flight = _gathers_in_flight(lines)
-        assert max(in_flight) == k, (k, lines)
-    for g in run.summary["compiled"]:
-        if g["graph"] == "forward":
-            assert g["max_full_params_alive"] <= k + 1
+def test_generated_code_keeps_our_prefetch(runs) -> None:
+    """In inductor's generated forward code of the bf16 run (prefetch 1), compute runs with up to one gather in
+    flight and reaches one; at most two units' full params alive at once (tests/test_compile_passes.py: k = 0, 2)."""
+    assert_prefetch(runs["1x2-bf16"][1], 1)
 
 
 def test_generated_backward_waits_reduce_scatters_late(runs) -> None:
     """With our passes, each reduce-scatter overlaps compute: some compute runs before its wait."""
-    for lines in _schedules(runs["1x2-bf16"][1])["backward"]:
+    for lines in schedules(runs["1x2-bf16"][1])["backward"]:
         pending: set[str] = set()
         overlapped = 0
         for line in lines:
@@ -228,29 +159,6 @@ def test_generated_backward_waits_reduce_scatters_late(runs) -> None:
             elif line.startswith("compute") and pending:
                 overlapped += 1
         assert overlapped >= 2, lines
-
-
-def test_buckets_pair_small_units(scheduled) -> None:
-    """bucket_mb=0.1: the 40-64 KB units pair up (embedding+block, block+head): 2 all-gathers per forward."""
-    summary = scheduled["ours0"].summary
-    assert summary["buckets"] == [[0, 1], [2, 3]]
-    for g in summary["compiled"]:
-        assert g["all_gathers"] == 2 and (g["graph"] == "forward" or g["reduce_scatters"] == 2)
-
-
-def test_warm_compile_loads_the_same_graphs(scheduled) -> None:
-    """A second run of the same job loads both graphs from inductor's caches: nothing compiled, the census
-    (bytes) from its sidecar, and the same generated code, schedule, bytes and losses, bit for bit."""
-    cold, warm = scheduled["ours2"], scheduled["ours2-warm"]
-    assert cold.summary["compile_cache_hits"] == 0 and warm.summary["compile_cache_hits"] == 2
-    assert warm.summary["compiled"] == cold.summary["compiled"] and warm.summary["recompiles"] == 0
-    assert warm.losses == cold.losses
-    assert [(m["shard_bytes"], m["sync_bytes"]) for m in warm.metrics] == [
-        (m["shard_bytes"], m["sync_bytes"]) for m in cold.metrics
-    ]
-    for name in ["schedule.txt", "compiled/graph0.py", "compiled/graph1.py"]:
-        assert (warm.run_dir / name).read_text() == (cold.run_dir / name).read_text(), name
-    assert warm.summary["compile_time_s"] < cold.summary["compile_time_s"]
 
 
 KERNEL_OPS = ["hsdp_kernels.cast_shard", "hsdp_kernels.scale_grad", "hsdp_kernels.scaled_grad_shard"]
