@@ -19,6 +19,8 @@ import torch
 
 import kernels
 from kernels import backend
+from kernels.bitpack import index_bits, pack_bits, unpack_bits
+from kernels.quant2 import dequantize_int2_mean, quantize_int2
 
 UNITS = {"small": (1024, 2816), "7b": (4096, 11008)}  # (d_model, d_ffn) of one transformer block
 KERNELS = (
@@ -33,11 +35,16 @@ KERNELS = (
     "quantize_int4",
     "dequantize_int4",
     "topk_ef",
+    "quantize_int2",
+    "dequantize_int2",
+    "pack_idx",
+    "unpack_idx",
 )
 S = 8  # shard-group size (one node)
 M = 4  # sync-group size for the dequantize rows
 QBLOCK = 256  # int8 and int4 quantization block
 TOPK_CHUNK, TOPK_K = 1024, 10  # top-k: 10 of every 1024 elements (~1% density)
+SPARSE_CHUNK, SPARSE_K = 4096, 64  # SparseLoCo: 64 of every 4096, int2 values in blocks of 64, 12-bit indices
 
 
 def block_shapes(d: int, ffn: int) -> list[tuple[int, ...]]:
@@ -95,6 +102,15 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
     packed4 = torch.randint(0, 256, (M, (N + 1) // 2), dtype=torch.uint8, device=device, generator=g)
     err = randn(N) * 1e-3
     n_sel = kernels.topk_numel(N, TOPK_CHUNK, TOPK_K)
+    c2 = kernels.topk_numel(N, SPARSE_CHUNK, SPARSE_K)  # SparseLoCo's selected values of one unit
+    bits = index_bits(SPARSE_CHUNK)
+    sel_vals = randn(c2)
+    sel_idx = torch.randint(0, SPARSE_CHUNK, (c2,), dtype=torch.int16, device=device, generator=g)
+    packed2 = torch.randint(0, 256, (M, (c2 + 3) // 4), dtype=torch.uint8, device=device, generator=g)
+    table2 = torch.rand(M, 2 * -(-c2 // SPARSE_K), device=device, generator=g)
+    packed_idx = pack_bits(sel_idx, bits)
+    idx_out = torch.empty(c2, dtype=torch.int16, device=device)
+    out2 = torch.empty(c2, device=device)
     idx_bytes = kernels.topk_index_dtype(TOPK_CHUNK).itemsize
     return {
         "pack": (f"{label} fp32→bf16", N * (4 + 2), lambda: kernels.pack_shards(held, shard_bf16)),
@@ -131,6 +147,26 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
             f"{label}, {TOPK_K} of {TOPK_CHUNK}",
             3 * N * 4 + n_sel * (idx_bytes + 4),
             lambda: kernels.topk_error_feedback(delta, err, TOPK_CHUNK, TOPK_K),
+        ),
+        "quantize_int2": (
+            f"{c2} values, block {SPARSE_K}",
+            c2 * 4 + (c2 + 3) // 4 + 8 * -(-c2 // SPARSE_K),
+            lambda: quantize_int2(sel_vals, SPARSE_K),
+        ),
+        "dequantize_int2": (
+            f"M={M}, {c2} values",
+            M * ((c2 + 3) // 4 + 8 * -(-c2 // SPARSE_K)) + c2 * 4,
+            lambda: dequantize_int2_mean(packed2, table2, SPARSE_K, out2),
+        ),
+        "pack_idx": (
+            f"{c2} indices, {bits} bits",
+            c2 * 2 + packed_idx.numel(),
+            lambda: pack_bits(sel_idx, bits),
+        ),
+        "unpack_idx": (
+            f"{c2} indices, {bits} bits",
+            c2 * 2 + packed_idx.numel(),
+            lambda: unpack_bits(packed_idx, bits, idx_out),
         ),
     }
 

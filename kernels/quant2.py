@@ -72,6 +72,7 @@ def _quantize2_kernel(x_ptr, p_ptr, table_ptr, n, nb, block, ROWS: tl.constexpr,
         tl.minimum(tl.min(tl.where(m0, tl.abs(x0), inf), axis=1), tl.min(tl.where(m1, tl.abs(x1), inf), axis=1)),
         tl.minimum(tl.min(tl.where(m2, tl.abs(x2), inf), axis=1), tl.min(tl.where(m3, tl.abs(x3), inf), axis=1)),
     )
+    lo = tl.where(b < nb, lo, 0.0)  # rows past the last block: no inf − inf
     d = (hi - lo) * 0.5
     t = lo + d
     byte = _code(x0, t, m0) | (_code(x1, t, m1) << 2) | (_code(x2, t, m2) << 4) | (_code(x3, t, m3) << 6)
