@@ -12,6 +12,7 @@ replica sent exactly the reference's byte formula. A run on the 2×2 mesh checks
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 
@@ -252,3 +253,146 @@ def test_sync_bytes_on_the_wire_equal_the_formula(tmp_path):
     assert [b - a for a, b in zip([0, *cum], cum)] == want
     assert sum(1 for m in run.metrics if m["synced"]) == 2  # fragment 0 after step 4, fragment 1 after step 6
     assert all(math.isfinite(m["loss"]) for m in run.metrics)
+
+
+# ---------------------------------------------------------------- elastic: residuals of dropped / spectated rounds
+class _Scripted(_Threaded):
+    """_Threaded as a transport that may fail: round r commits iff commits[r], and counts this replica's part
+    iff counted[r] (False: it spectates)."""
+
+    def __init__(self, M: int, commits: list[bool], counted: list[bool]) -> None:
+        super().__init__(M)
+        self.commits, self.counted_script = commits, counted
+
+    def transport(self, m: int):
+        inner, script = super().transport(m), self
+        rounds = [-1]
+
+        class Transport(type(inner)):
+            may_fail = True
+            counted = True
+
+            def begin_round(self) -> None:
+                rounds[0] += 1
+                self.counted = script.counted_script[rounds[0]]
+
+            def commit_round(self) -> bool:
+                return script.commits[rounds[0]]
+
+        return Transport()
+
+
+def test_elastic_residuals_change_only_in_rounds_that_applied_them():
+    """A dropped round leaves every residual bitwise as before it (θ_g too); a committed round this replica
+    spectated applies the peers' mean (θ_g moves) and leaves its residual as before; a counted round updates it."""
+    torch.set_num_threads(1)
+    cfg, _ = _configs(CASES["sparseloco-int2-chosen-P1"])
+    commits = [True, False, True, True]
+    counted = [True, True, False, True]
+    group = _Scripted(2, commits, counted)
+    g = torch.Generator().manual_seed(1)
+    thetas = [[torch.randn(n, generator=g) for n in SIZES[:2]] for _ in range(2)]
+    thetas[1] = [t.clone() for t in thetas[0]]
+    policies = [SyncPolicy(cfg, thetas[m], group.transport(m)) for m in range(2)]
+    for r in range(4):
+        for m in range(2):
+            for t in thetas[m]:
+                t.add_(torch.randn(t.numel(), generator=g) * 1e-2)
+        before_e = [[None if e is None else e.clone() for e in p.error] for p in policies]
+        before_g = [s.global_params.clone() for s in policies[0].outer]
+        step = EVERY * (r + 1) - 1
+        _in_threads([lambda p=p, s=step: p.after_step(s) for p in policies])
+        for m, p in enumerate(policies):
+            same_e = all(b is not None and torch.equal(e, b) for e, b in zip(p.error, before_e[m]))
+            zero_e = all(float(e.abs().max()) == 0 for e in p.error)
+            moved_g = not all(torch.equal(s.global_params, b) for s, b in zip(p.outer, before_g))
+            if r == 0:  # the first round: residuals allocated and filled
+                assert not zero_e and moved_g
+            elif not commits[r]:
+                assert same_e and not moved_g, r
+            elif not counted[r]:
+                assert same_e and moved_g, r
+            else:
+                assert not same_e and moved_g, r
+        assert policies[0].dropped == (0 if r < 1 else 1)
+
+
+def test_a_healed_replica_gets_no_residual_from_its_peer():
+    """HealState sends a peer's params, optimizer and θ_g / momentum, not its residuals: a restarted
+    replica's residuals are zero from its next sync (docs/design.md §11)."""
+    from types import SimpleNamespace
+
+    from hsdp.sync.elastic.heal import HealState
+
+    cfg, _ = _configs(CASES["sparseloco-int2-chosen-P1"])
+    helds = [torch.randn(n) for n in SIZES[:2]]
+    policy = SyncPolicy(cfg, helds, _Threaded(1).transport(0))
+    for h in helds:
+        h.add_(torch.randn(h.numel()) * 1e-2)  # a local step
+    policy.after_step(EVERY - 1)  # one sync (M = 1): residuals now non-zero
+    assert all(e is not None and float(e.abs().max()) > 0 for e in policy.error)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    source = HealState()
+    source.engine = SimpleNamespace(policy=policy, units=[SimpleNamespace(held_flat=h) for h in helds])
+    source.optimizer = opt
+    state = source.full_state()
+    assert state["policy"]["error"] == [None, None]
+    assert policy.error[0] is not None  # the peer keeps its own
+    fresh = SyncPolicy(cfg, [torch.zeros(n) for n in SIZES[:2]], _Threaded(1).transport(0))
+    fresh.error = [torch.ones(n) for n in SIZES[:2]]  # whatever it held before it died
+    target = HealState()
+    target.engine = SimpleNamespace(policy=fresh, units=[SimpleNamespace(held_flat=torch.zeros(n)) for n in SIZES[:2]])
+    target.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    target.load_full(state)
+    assert fresh.error == [None, None]
+    assert all(torch.equal(a.global_params, b.global_params) for a, b in zip(fresh.outer, policy.outer))
+
+
+SPARSELOCO = [
+    "sync.outer_lr=1.0",
+    "sync.outer_momentum=0",
+    "sync.topk=0.0156",
+    "sync.topk_chunk=4096",
+    "sync.quantize=int2",
+    "sync.quant_block=64",
+    "sync.error_feedback=true",
+    "sync.error_feedback_decay=0.95",
+    "sync.topk_mean=chosen",
+]
+
+
+def test_elastic_sparseloco_run_survives_a_killed_replica(tmp_path):
+    """tests/test_elastic.py's kill case (2 replicas × 1, replica 1 SIGKILLed after step 5, restarted, healed at
+    a param sync) with SparseLoCo's codec: the run finishes, the replicas end bitwise equal (they adopt θ_g
+    at the final sync), and the survivor dropped no round."""
+    from tests.helpers import REPO
+    from tests.test_elastic import (
+        ELASTIC,
+        HOLD_STEP,
+        KILL,
+        KILL_RUN_STEPS,
+        KILL_STEP,
+        _finish,
+        _kill_replica_at,
+        _params,
+        _records,
+        _replicas,
+        _start,
+    )
+
+    run_dir = tmp_path / "sparse"
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    script = [str(REPO / "tests/elastic_kill_train.py"), "1", str(KILL_STEP), str(HOLD_STEP), str(markers)]
+    overrides = ELASTIC + KILL + SPARSELOCO + ["mesh.sync=2", "mesh.shard=1", f"run.steps={KILL_RUN_STEPS}"]
+    proc = _start(run_dir, overrides, script)
+    _kill_replica_at(proc, run_dir, 1, KILL_STEP)
+    code, err = _finish(proc)
+    assert code == 0, err[-3000:]
+    assert _replicas(run_dir)["1"]["restarts"] == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["replica_failures"] == 1 and summary["heals"] >= 1
+    assert summary["dropped_syncs"]["0"] == 0
+    assert all(math.isfinite(r["loss"]) for m in (0, 1) for r in _records(run_dir, m))
+    a, b = _params(run_dir, 0), _params(run_dir, 1)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -160,11 +160,6 @@ def check_elastic(cfg: Config) -> None:
         raise ConfigError(f"elastic.min_replicas: expected at most mesh.sync={cfg.mesh.sync}, got {e.min_replicas}")
     if cfg.mesh.backend == "fake":
         raise ConfigError("elastic.enabled: mesh.backend=fake moves no data; an elastic run needs a real backend")
-    if s.error_feedback:
-        raise ConfigError(
-            "sync.error_feedback: a dropped elastic round would leave each replica's residual updated for a "
-            "message that was never applied; elastic runs refuse it"
-        )
     if cfg.run.resume not in ("auto", "never"):
         raise ConfigError(
             "run.resume: an elastic run's replicas resume together, each from its own checkpoint, so it takes "

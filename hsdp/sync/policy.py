@@ -145,6 +145,7 @@ class SyncPolicy:
         self.outer: list[Optional[_OuterState]] = [None] * len(held)
         # Error feedback: each replica's residual per unit (fp32, allocated on its first sync).
         self.error: list[Optional[torch.Tensor]] = [None] * len(held)
+        self.residual_before: dict[int, torch.Tensor] = {}  # elastic + error feedback: see settle_residuals
         self.fragments = fragment_units(len(held), cfg.fragments)
         self.in_flight: list[_DelayedSync] = []  # in start order, so every rank waits in the same order
         self.landed: list[int] = []  # fragments whose sync landed in the last after_step / finish
@@ -280,6 +281,7 @@ class SyncPolicy:
             for red in sync.reductions:
                 self.codec.finish(red, self.transport)
         commit = self.transport.commit_round()
+        self.settle_residuals(commit)
         for sync in syncs:
             if commit:
                 for u, red in zip(self.fragments[sync.fragment], sync.reductions):
@@ -303,7 +305,9 @@ class SyncPolicy:
             for t in means:
                 self.transport.all_reduce_sum(t, async_op=False)
             n = len(self.transport.contributors)
-        if not self.transport.commit_round():
+        committed = self.transport.commit_round()
+        self.settle_residuals(committed)
+        if not committed:
             self.dropped += 1
             return
         for u, mean in zip(units, means):
@@ -321,7 +325,22 @@ class SyncPolicy:
         compute_delta(self.outer[u].global_params, held, delta)
         if self.cfg.error_feedback and self.error[u] is None:
             self.error[u] = torch.zeros_like(held)
+        self.keep_residual(u)
         return self.codec.start(delta, self.transport, async_op, error=self.error[u])
+
+    # ---- error feedback on a transport that may fail (elastic, docs/design.md §11): a residual changes only
+    # in a round that committed and counted this replica's part; otherwise it is put back as it was.
+    def keep_residual(self, u: int) -> None:
+        """Before the codec updates unit u's residual in a round that may not count: keep a copy."""
+        if self.transport.may_fail and self.error[u] is not None:
+            self.residual_before[u] = self.error[u].clone()
+
+    def settle_residuals(self, committed: bool) -> None:
+        """After a round's commit: put the kept residuals back unless the round applied this replica's part."""
+        if not (committed and self.transport.counted):
+            for u, before in self.residual_before.items():
+                self.error[u].copy_(before)
+        self.residual_before.clear()
 
     def apply_outer_step(self, u: int, mean_delta: torch.Tensor, merge: bool) -> None:
         """θ_g ← outer step with mean Δ; θ_m ← θ_g, or with merge (a delayed sync) α·θ_m + (1 − α)·θ_g."""
