@@ -21,6 +21,7 @@ import kernels
 from kernels import backend
 from kernels.bitpack import index_bits, pack_bits, unpack_bits
 from kernels.quant2 import dequantize_int2_mean, quantize_int2
+from kernels.sparse_decode import decode_topk_int2_add
 
 UNITS = {"small": (1024, 2816), "7b": (4096, 11008)}  # (d_model, d_ffn) of one transformer block
 KERNELS = (
@@ -39,6 +40,7 @@ KERNELS = (
     "dequantize_int2",
     "pack_idx",
     "unpack_idx",
+    "decode_topk_int2",
 )
 S = 8  # shard-group size (one node)
 M = 4  # sync-group size for the dequantize rows
@@ -111,6 +113,12 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
     packed_idx = pack_bits(sel_idx, bits)
     idx_out = torch.empty(c2, dtype=torch.int16, device=device)
     out2 = torch.empty(c2, device=device)
+    # one replica's SparseLoCo payload of the unit: valid, ascending indices within each chunk
+    sel_pos = torch.arange(c2, device=device) % SPARSE_K * (SPARSE_CHUNK // SPARSE_K)
+    last = N - (-(-N // SPARSE_CHUNK) - 1) * SPARSE_CHUNK  # a short last chunk: keep its indices inside it
+    sel_pos[c2 - min(SPARSE_K, last) :] = torch.arange(min(SPARSE_K, last), device=device)
+    payload = (pack_bits(sel_pos.to(torch.int16), bits), packed2[0], table2[0])
+    acc, senders = torch.zeros(N, device=device), torch.zeros(N, device=device)
     idx_bytes = kernels.topk_index_dtype(TOPK_CHUNK).itemsize
     return {
         "pack": (f"{label} fp32→bf16", N * (4 + 2), lambda: kernels.pack_shards(held, shard_bf16)),
@@ -167,6 +175,11 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
             f"{c2} indices, {bits} bits",
             c2 * 2 + packed_idx.numel(),
             lambda: unpack_bits(packed_idx, bits, idx_out),
+        ),
+        "decode_topk_int2": (  # reads the payload, reads + writes the sum and the senders at c2 positions
+            f"{c2} of {label}, chosen",
+            packed_idx.numel() + (c2 + 3) // 4 + table2.shape[1] * 4 + 4 * c2 * 4,
+            lambda: decode_topk_int2_add(*payload, bits, SPARSE_CHUNK, SPARSE_K, SPARSE_K, acc, senders),
         ),
     }
 

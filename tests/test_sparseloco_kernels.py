@@ -18,6 +18,8 @@ import torch  # noqa: E402
 from kernels import backend  # noqa: E402
 from kernels.bitpack import index_bits, pack_bits, pack_bits_ref, packed_nbytes, unpack_bits  # noqa: E402
 from kernels.quant2 import dequantize_int2, dequantize_int2_mean, quantize_int2, quantize_int2_ref  # noqa: E402
+from kernels.sparse_decode import decode_topk_int2_add  # noqa: E402
+from kernels.topk import scatter_add_chunks, topk_numel, topk_select  # noqa: E402
 from tests.test_kernels_compress import _AOT_SCRIPT  # noqa: E402
 
 
@@ -137,6 +139,34 @@ def test_pack_unpack_kernel_equals_reference_equals_loops(bits: int, count: int)
             assert out.tolist() == v.tolist(), (b, dtype)
 
 
+# ----------------------------------------------------------------------------- fused decode
+
+
+@pytest.mark.parametrize(("n", "chunk", "k", "block"), [(37, 8, 3, 4), (300, 64, 5, 8), (1000, 256, 9, 12)])
+def test_fused_decode_equals_the_three_kernels(n: int, chunk: int, k: int, block: int):
+    """decode_topk_int2_add (Triton and reference) == unpack_bits + dequantize_int2 + scatter_add_chunks, for
+    two replicas in order, with the senders count; short last chunks (37 % 8, 300 % 64, 1000 % 256)."""
+    bits = index_bits(chunk)
+    base = _values(n, 1)
+    want, want_s = base.clone(), torch.zeros(n)
+    got = {b: (base.clone(), torch.zeros(n)) for b in ("torch", "triton")}
+    for m in range(2):
+        idx, vals = topk_select(_values(n, 7 + m), chunk, k)
+        packed_vals, table = quantize_int2_ref(vals, block)
+        packed_idx = pack_bits_ref(idx, bits)
+        for b, (out, senders) in got.items():
+            on(b, decode_topk_int2_add, packed_idx, packed_vals, table, bits, chunk, k, block, out, senders)
+        back, dec = torch.empty_like(idx), torch.empty(vals.numel())
+        unpack_bits(packed_idx, bits, back)
+        dequantize_int2(packed_vals, table, block, dec)
+        scatter_add_chunks(back, dec, chunk, k, want)
+        scatter_add_chunks(back, torch.ones_like(dec), chunk, k, want_s)
+    assert vals.numel() == topk_numel(n, chunk, k)
+    for b, (out, senders) in got.items():
+        assert torch.equal(out, want) and torch.equal(senders, want_s), b
+    assert int(want_s.max()) == 2  # some position was sent by both
+
+
 def test_index_bits():
     assert [index_bits(c) for c in (1, 2, 3, 256, 257, 1024, 4096, 8192)] == [0, 1, 2, 8, 9, 10, 12, 13]
     assert packed_nbytes(128, 12) == 192 and packed_nbytes(431, 7) == 378
@@ -157,7 +187,7 @@ def test_validation_errors():
 
 
 def test_custom_ops_registered():
-    for name in ("quantize_int2", "dequantize_int2_mean", "pack_bits", "unpack_bits"):
+    for name in ("quantize_int2", "dequantize_int2_mean", "pack_bits", "unpack_bits", "decode_topk_int2_add"):
         assert hasattr(torch.ops.hsdp_kernels, name)
 
 
@@ -194,6 +224,25 @@ GPU_CASES = {
         {"v_ptr": "*i16", "p_ptr": "*u8", "count": "i32", "nbytes": "i32"},
         {"BITS": 12, "SPAN": 2, "BLOCK": 1024},
         {"num_warps": 4},
+    ),
+    "decode_add12": (
+        "kernels.sparse_decode",
+        "_decode_add_kernel",
+        {
+            "pi_ptr": "*u8",
+            "pv_ptr": "*u8",
+            "table_ptr": "*fp32",
+            "out_ptr": "*fp32",
+            "senders_ptr": "*fp32",
+            "total": "i32",
+            "n": "i32",
+            "nbytes_idx": "i32",
+            "chunk": "i32",
+            "k": "i32",
+            "block": "i32",
+        },
+        {"BITS": 12, "HAS_SENDERS": True, "BLOCK": 1024},
+        {"num_warps": 4, "enable_fp_fusion": False},
     ),
     "unpack12": (
         "kernels.bitpack",

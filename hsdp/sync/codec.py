@@ -38,6 +38,7 @@ from kernels.bitpack import index_bits, pack_bits, packed_nbytes, unpack_bits
 from kernels.quant import MAX_BLOCK, dequantize_mean, quantize_int8
 from kernels.quant2 import dequantize_int2_mean, quantize_int2
 from kernels.quant4 import dequantize_int4_mean, quantize_int4
+from kernels.sparse_decode import decode_topk_int2_add
 from kernels.topk import (
     MAX_CHUNK,
     scatter_add_chunks,
@@ -298,8 +299,13 @@ class TopKCodec:
         idx = torch.empty(c, dtype=topk_index_dtype(self.chunk), device=red.delta.device)
         senders = torch.zeros_like(red.delta) if self.mean == "chosen" else None
         ones = torch.ones_like(vals) if senders is not None else None
+        fused = self.values.quantize == "int2" and self.bits > 0  # SparseLoCo's payload: one launch per replica
         for m in range(M):  # replicas in order, then ÷ M (or ÷ how many sent each coordinate)
             packed_idx, *parts = _unpack(rows[m], fields)
+            if fused:  # unpack + dequantize + scatter-add (+ count) in one kernel, the same sums
+                block = self.values.block
+                decode_topk_int2_add(packed_idx, *parts, self.bits, self.chunk, self.k, block, red.delta, senders)
+                continue
             unpack_bits(packed_idx, self.bits, idx)
             self.values.decode(parts, vals)
             scatter_add_chunks(idx, vals, self.chunk, self.k, red.delta)
