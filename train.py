@@ -149,6 +149,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             "sync_bytes": carried["sync_bytes"] + mesh.comm.group_bytes("sync"),
             "comm": mesh.comm.report(),  # this process's calls (a restarted replica's: since its restart)
             "engine": cfg.mesh.engine,
+            "init_from": cfg.model.init_from or None,  # the weights the run started from (null: the seeded init)
             "backend": dist.get_backend(),
             "world": mesh.world,
             **engine.stats(),

@@ -17,15 +17,20 @@ def temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write `data` as JSON atomically (temp name, fsync, os.replace): readers see the old file or the new one."""
+def write_text(path: Path, text: str) -> None:
+    """Write `text` atomically (temp name, fsync, os.replace): readers see the old file or the new one."""
     tmp = temp_name(path)
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` as JSON atomically (see write_text)."""
+    write_text(path, json.dumps(data, indent=1))
 
 
 def stale_temps(path: Path) -> list[Path]:

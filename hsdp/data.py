@@ -29,6 +29,7 @@ SYNTHETIC_TRAIN, SYNTHETIC_VAL = 1 << 20, 1 << 16  # tokens of the synthetic sou
 SCAN_CHUNK = 1 << 26  # tokens per slice when scanning a .bin for its largest id (128 MiB of uint16)
 TOKENIZER = "tokenizer.json"  # beside a tokens file: the tokenizer that wrote it (hsdp.prepare)
 GLOB_CHARS = "*?["
+SHARDS = "{split}_[0-9][0-9][0-9][0-9][0-9][0-9].bin"  # hsdp.prepare's numbered shards of one split
 
 
 def stdlib_files() -> list[Path]:
@@ -60,27 +61,47 @@ def _val_bin(path: Path) -> Path | None:
 
 
 def token_files(pattern: str) -> tuple[list[Path], list[Path]]:
-    """(train, val) token files of `data.path`: one file or a glob of shards (sorted).
+    """(train, val) token files of `data.path`: one file, a glob of shards (sorted), or a folder hsdp.prepare wrote.
 
-    Val: `val.bin` beside the (first) file; for a glob whose file name says `train`, the same glob
-    with `val` in its place (llm.c's `fineweb_train_*.bin` → `fineweb_val_*.bin`); else none (the
-    tail of train is held out). ConfigError if nothing matches.
+    A folder: its `train_*.bin` shards and `val_*.bin` (or, prepared before shards, `train.bin` and `val.bin`).
+    Val of a file or glob: `val.bin` beside the (first) file; for a glob whose file name says `train`, the same
+    glob with `val` in its place (llm.c's `fineweb_train_*.bin` → `fineweb_val_*.bin`); else none (the tail of
+    train is held out). ConfigError if nothing matches.
     """
     path = Path(pattern).expanduser()
-    if path.is_file() or not any(c in pattern for c in GLOB_CHARS):
-        train = [path] if path.is_file() else []
-    else:
-        train = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
-    if not train:
-        raise ConfigError(f"data.path: expected an existing .bin token file or a glob of shards, got {pattern!r}")
+    if path.is_dir():
+        return prepared_files(path)
+    is_glob = not path.is_file() and any(c in pattern for c in GLOB_CHARS)
+    train = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file()) if is_glob else [path]
+    if not train or not train[0].is_file():
+        shards = sorted(path.parent.glob(SHARDS.format(split="train"))) if path.parent.is_dir() else []
+        hint = (
+            f"; {path.parent} holds hsdp.prepare's shards ({shards[0].name}, ...): set data.path to the folder"
+            if shards
+            else ""
+        )
+        raise ConfigError(
+            f"data.path: expected an existing .bin token file, a glob of shards or a prepared folder, got "
+            f"{pattern!r}{hint}"
+        )
     val: list[Path] = []
-    if len(train) > 1 and "train" in path.name:
+    if is_glob and "train" in path.name:
         head, _, tail = path.name.rpartition("train")
         val = sorted(Path(p) for p in glob.glob(str(path.with_name(f"{head}val{tail}"))) if Path(p).is_file())
     if not val:
         beside = _val_bin(train[0])
         val = [beside] if beside is not None and beside not in train else []
     return train, val
+
+
+def prepared_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(train, val) of a folder hsdp.prepare wrote: numbered shards, or the single train.bin / val.bin of old."""
+    train = sorted(folder.glob(SHARDS.format(split="train")))
+    if train:
+        return train, sorted(folder.glob(SHARDS.format(split="val")))
+    if (folder / "train.bin").is_file():
+        return [folder / "train.bin"], [folder / "val.bin"] if (folder / "val.bin").is_file() else []
+    raise ConfigError(f"data.path: the folder {folder} holds no train_*.bin shards or train.bin (hsdp.prepare's)")
 
 
 def shard_info(path: Path) -> ShardInfo:

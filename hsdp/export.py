@@ -1,6 +1,6 @@
-"""Export a checkpoint as a plain full state dict of `hsdp.model.GPT` (one process, no process group).
+"""Export a checkpoint as a plain full state dict of `hsdp.model.GPT`, or as a Hugging Face folder (one process).
 
-    python -m hsdp.export <checkpoint> <out.pt> [--replica m | --global]
+    python -m hsdp.export <checkpoint> <out> [--replica m | --global] [--format pt | safetensors | hf]
 
 Default: θ_g, the global model, if the checkpoint has one (DiLoCo, int8 or a
 delayed sync), else replica 0. `--replica m` picks replica m's own params (they
@@ -8,6 +8,12 @@ differ from θ_g and from each other between param syncs); baselines (fsdp2,
 ddp) have one model. DCP assembles each full tensor from whatever shards the
 checkpoint holds, so the mesh it was saved on does not matter. The output loads
 with `GPT(cfg.model).load_state_dict(torch.load(out))`.
+
+`--format safetensors` writes the same tensors as a `.safetensors` file;
+`--format hf` writes a folder `transformers.AutoModelForCausalLM.from_pretrained`
+loads with no custom code (GPT2LMHeadModel or LlamaForCausalLM, hsdp/hf.py): config.json,
+model.safetensors, generation_config.json and, when the run's data has a tokenizer.json,
+the tokenizer files AutoTokenizer loads. Every format can be `model.init_from` of a run.
 
 A checkpoint path that does not exist (pruned by `run.keep_checkpoints`, or never
 saved) or is unfinished is refused with the run's complete checkpoints listed; one
@@ -19,28 +25,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
-from hsdp.config.schema import ConfigError
-from hsdp.engines.registry import saved_engine_class
-from hsdp.model import GPT
-from hsdp.run.checkpoint import (
-    CHECKPOINTS,
-    COMPLETE,
-    complete_checkpoints,
-    read_dcp_metadata,
-    read_meta,
-    read_saved_config,
-    step_of,
-    verify_files,
-)
-from hsdp.run.integrity import first_non_finite
+from hsdp.config.schema import Config, ConfigError
+from hsdp.data import tokenizer_path
+from hsdp.hf import write_hf_folder
+from hsdp.run.checkpoint import CHECKPOINTS, COMPLETE, complete_checkpoints, read_saved_config, step_of
+from hsdp.run.checkpoint.export import read_model
 
 
 class CheckpointGone(ConfigError):
@@ -112,31 +106,20 @@ def export(checkpoint: Path, replica: Optional[int] = None, use_global: bool = F
 
 
 def read_checkpoint(checkpoint: Path, replica: Optional[int], use_global: bool) -> tuple[dict, str]:
-    """export's reading, after the path was found complete."""
-    meta = read_meta(checkpoint, key="checkpoint")
-    cfg = read_saved_config(checkpoint, key="checkpoint")
-    read_dcp_metadata(checkpoint, key="checkpoint")  # fails early (ConfigError) on missing or truncated files
-    verify_files(checkpoint, key="checkpoint")  # and on files whose bytes changed since the save
-    prefix, what = saved_engine_class(meta["engine"]).export_source(meta, replica, use_global)
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    # Checkpoint tensors have the held layout's shape (a 0-d param is stored as (1,)).
-    targets = {
-        prefix + n: torch.empty(tuple(p.shape) or (1,), dtype=torch.float32) for n, p in model.named_parameters()
-    }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(targets, storage_reader=FileSystemReader(str(checkpoint)), no_dist=True)
-    state = {n: targets[prefix + n].reshape(p.shape) for n, p in model.named_parameters()}
-    bad = first_non_finite(state)
-    if bad is not None:
-        raise ConfigError(f"checkpoint: {checkpoint} holds a non-finite value in {bad}; not exported")
-    return state, what
+    """export's reading, after the path was found complete (the checkpoint component's `read_model`)."""
+    return read_model(checkpoint, replica, use_global)
 
 
-def check_out_path(out: Path) -> None:
-    """The output must be a file in an existing, writable folder (ConfigError before any work)."""
-    if out.is_dir():
+FORMATS = ("pt", "safetensors", "hf")
+
+
+def check_out_path(out: Path, fmt: str = "pt") -> None:
+    """The output must be a file (an absent or empty folder for hf) in an existing, writable folder (ConfigError
+    before any work)."""
+    if fmt == "hf":
+        if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+            raise ConfigError(f"out: {out} exists; --format hf writes a new (or empty) folder")
+    elif out.is_dir():
         raise ConfigError(f"out: {out} is a folder; give a file name such as {out / 'model.pt'}")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
@@ -145,20 +128,38 @@ def check_out_path(out: Path) -> None:
         raise ConfigError(f"out: the folder {parent} is not writable")
 
 
+def write_export(state: dict, cfg: Config, out: Path, fmt: str) -> None:
+    """`state` to `out` in format `fmt` (hf: with the run's tokenizer, if its data has one)."""
+    if fmt == "hf":
+        write_hf_folder(out, state, cfg.model, tokenizer_path(cfg))
+    elif fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({n: t.contiguous() for n, t in state.items()}, str(out), metadata={"format": "pt"})
+    else:
+        torch.save(state, out)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hsdp.export", description=__doc__.splitlines()[0])
     p.add_argument(
         "checkpoint", type=Path, help="a checkpoint folder (<run>/checkpoints/step_N, <run>/replica<m>/checkpoints/...)"
     )
-    p.add_argument("out", type=Path, help="output .pt file (torch.save of the state dict)")
+    p.add_argument("out", type=Path, help="output: a .pt / .safetensors file, or a new folder for --format hf")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--replica", type=int, default=None, help="export replica m's own params")
     which.add_argument("--global", dest="use_global", action="store_true", help="export θ_g (the default if present)")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="pt",
+        help="pt: torch.save of the state dict (default); safetensors: the same tensors; hf: a transformers folder",
+    )
     args = p.parse_args(argv)
     try:
-        check_out_path(args.out)
+        check_out_path(args.out, args.format)
         state, what = export(args.checkpoint, args.replica, args.use_global)
-        torch.save(state, args.out)
+        write_export(state, read_saved_config(args.checkpoint, key="checkpoint"), args.out, args.format)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

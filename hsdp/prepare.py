@@ -1,6 +1,7 @@
-"""Text corpus → `tokenizer.json` + llm.c shards `train.bin` / `val.bin`, streamed.
+"""Text corpus → `tokenizer.json` + llm.c shards `train_000000.bin`, … / `val_000000.bin`, …, streamed.
 
     python -m hsdp.prepare INPUT... --out DIR [--vocab N | --tokenizer tokenizer.json] [--val-fraction F]
+                                              [--shard-tokens N]
 
 INPUT is a text file, a folder (its files ending in a --suffix, recursively, except
 under subfolders named by --exclude) or a quoted glob. Documents: each line of a
@@ -10,7 +11,10 @@ separated by `<|endoftext|>`. Document i (in input order) goes to val iff
 document (fewer than 1/F documents, e.g. one), val is instead the last F of the
 last document's characters (cut at a pre-token boundary), as a document of its own.
 Each document is preceded by the end-of-text id (as llm.c's fineweb.py does), so
-that id lies between documents.
+that id lies between documents. Each split's token stream is cut into shards of
+--shard-tokens tokens (the last one shorter; a cut may fall inside a document, as
+llm.c's does): `data.path: DIR` (or `DIR/train_*.bin`) reads them as one stream, so
+a corpus of any size works and the shard size changes nothing a run sees.
 
 Passes: check (every file readable, UTF-8, and .jsonl lines parse; documents
 counted and files hashed; before any output), train a byte-level BPE on the train
@@ -54,13 +58,16 @@ from hsdp.corpus import (
     documents,
     plan_split,
 )
-from hsdp.shards import MAX_VOCAB, ShardWriter
+from hsdp.shards import MAX_TOKENS, MAX_VOCAB, ShardWriter
 
 BYTES = 256  # the byte-level alphabet
 BATCH_CHARS = 4 << 20  # text encoded per encode_batch call (the tokenizer parallelises within a batch)
 DEFAULT_VOCAB = 4096
-OUTPUTS = ("tokenizer.json", "train.bin", "val.bin")
+SPLITS = ("train", "val")
+TOKENIZER = "tokenizer.json"
+LEGACY_SHARDS = ("train.bin", "val.bin")  # one shard per split: what prepare wrote before --shard-tokens
 MANIFEST = "prepare.json"
+DEFAULT_SHARD_TOKENS = 100_000_000  # as llm.c's fineweb.py: 200 MB per shard
 # Longest pre-token the trained tokenizer keeps whole (in bytes; longer ones are cut into pieces this long).
 # BPE training slows with the square of a pre-token's length (100 KB without whitespace: 4 s, 400 KB: 97 s);
 # Python's stdlib (31 MB of code) has no pre-token longer than this, so normal text encodes as without the cut.
@@ -127,16 +134,71 @@ def load_tokenizer(path: Path) -> Any:
     return tok
 
 
+# ---------------------------------------------------------------- shards
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:06d}.bin"
+
+
+def our_files(out: Path) -> list[Path]:
+    """Every output name of ours present in `out` (tokenizer, shards of either layout)."""
+    shards = [p for split in SPLITS for p in sorted(out.glob(f"{split}_[0-9]*.bin"))]
+    return [p for p in (out / TOKENIZER, *(out / n for n in LEGACY_SHARDS)) if p.exists()] + shards
+
+
+class ShardSeries:
+    """One split's token stream written as shards of at most `shard_tokens` tokens, each complete or absent
+    (hsdp.shards.ShardWriter: temp name, fsync, rename); at least one shard, even for an empty split."""
+
+    def __init__(self, out: Path, split: str, shard_tokens: int) -> None:
+        self.out, self.split, self.shard_tokens = out, split, shard_tokens
+        self.names: list[str] = []  # the shards begun, in order
+        self.count = 0  # tokens written, over all shards
+        self.writer: Optional[ShardWriter] = None  # the shard being written (None between two)
+
+    def open_next(self) -> ShardWriter:
+        self.names.append(shard_name(self.split, len(self.names)))
+        self.writer = ShardWriter(self.out / self.names[-1])
+        return self.writer
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            writer = self.writer or self.open_next()
+            take = min(len(tokens), self.shard_tokens - writer.count)
+            writer.write(tokens[:take])
+            self.count += take
+            tokens = tokens[take:]
+            if writer.count == self.shard_tokens:  # full: committed now; the next token opens the next shard
+                writer.commit()
+                self.writer = None
+
+    def close(self) -> None:
+        """Commit the last shard (an empty first one if nothing was written)."""
+        writer = self.writer or (None if self.names else self.open_next())
+        if writer is not None:
+            writer.commit()
+        self.writer = None
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+
+
 # ---------------------------------------------------------------- output
 def manifest(corpus: Corpus, args: argparse.Namespace) -> dict[str, Any]:
-    """What identifies a prepared corpus: its files (path, size, SHA-256), the tokenizer and the split."""
+    """What identifies a prepared corpus: its files (path, size, SHA-256), the tokenizer, the split and the
+    shard size."""
     tokenizer = (
         {"file_sha256": hashlib.sha256(args.tokenizer.read_bytes()).hexdigest()}
         if args.tokenizer
         else {"trained_vocab": args.vocab}
     )
     files = [[str(f.resolve()), f.stat().st_size, h] for f, h in zip(corpus.files, corpus.sha256)]
-    return {"files": files, "tokenizer": tokenizer, "val_fraction": args.val_fraction}
+    return {
+        "files": files,
+        "tokenizer": tokenizer,
+        "val_fraction": args.val_fraction,
+        "shard_tokens": args.shard_tokens,
+    }
 
 
 def same_files(saved: Any, want: list[list[Any]]) -> bool:
@@ -163,7 +225,7 @@ def check_out(out: Path, want: dict[str, Any]) -> str:
     PrepareError if it holds files not written by hsdp.prepare, or a complete prepare of another corpus."""
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out: {out} is a file, not a folder")
-    present = [n for n in (*OUTPUTS, MANIFEST) if (out / n).exists()]
+    present = [p.name for p in our_files(out)] + ([MANIFEST] if (out / MANIFEST).exists() else [])
     if not present:
         return "new"
     try:
@@ -174,8 +236,10 @@ def check_out(out: Path, want: dict[str, Any]) -> str:
         raise PrepareError(
             f"--out: {out} holds {', '.join(present)} not written by hsdp.prepare; use another folder"
         ) from None
-    complete = bool(saved.get("complete")) and all((out / n).is_file() for n in OUTPUTS)
-    differs = [k for k in ("tokenizer", "val_fraction") if saved.get(k) != want[k]]
+    written = [TOKENIZER, *(n for names in (saved.get("shards") or {}).values() for n in names)]
+    complete = bool(saved.get("complete")) and "shards" in saved and all((out / n).is_file() for n in written)
+    # A prepare from before --shard-tokens (train.bin, val.bin) records no shard_tokens: another layout.
+    differs = [k for k in ("tokenizer", "val_fraction", "shard_tokens") if saved.get(k) != want[k]]
     if not same_files(saved.get("files"), want["files"]):
         differs.insert(0, "files")
     if differs and complete:
@@ -190,20 +254,37 @@ def check_out(out: Path, want: dict[str, Any]) -> str:
 
 def remove_outputs(out: Path) -> None:
     """Delete every file hsdp.prepare writes in `out` (outputs, manifest, temporaries of killed runs)."""
-    for name in (*OUTPUTS, MANIFEST):
-        (out / name).unlink(missing_ok=True)
-        for stale in stale_temps(out / name):
-            stale.unlink(missing_ok=True)
+    for path in [*our_files(out), out / MANIFEST, *our_temps(out)]:
+        path.unlink(missing_ok=True)
+
+
+def our_temps(out: Path) -> list[Path]:
+    """Temporaries of our names left by writers that were killed before they could clean up."""
+    ours = [stale_temps(out / n) for n in (TOKENIZER, MANIFEST, *LEGACY_SHARDS)]
+    shards = [p for p in out.glob(".*.bin.tmp-*") if is_shard(p.name[1:])]
+    return [p for found in ours for p in found] + sorted(shards)
+
+
+def is_shard(name: str) -> bool:
+    """Whether a file name (temporary suffix allowed) is one of our numbered shards."""
+    split, _, rest = name.partition("_")
+    return split in SPLITS and rest[:6].isdigit() and rest[6:].startswith(".bin")
 
 
 def encode_corpus(
-    tok: Any, corpus: Corpus, out: Path, split: Split, bar: bool, chunk_bytes: int = CHUNK_BYTES
-) -> dict[str, dict[str, int]]:
-    """Write train.bin and val.bin (each complete or not at all); {split: {tokens, documents}}."""
+    tok: Any,
+    corpus: Corpus,
+    out: Path,
+    split: Split,
+    bar: bool,
+    chunk_bytes: int = CHUNK_BYTES,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+) -> dict[str, dict[str, Any]]:
+    """Write each split's shards (each complete or not at all); {split: {tokens, documents, shards}}."""
     eot = np.array([tok.token_to_id(EOT)], dtype=np.uint16)
     docs = {"train": 0, "val": 0}
-    with ShardWriter(out / "train.bin") as train, ShardWriter(out / "val.bin") as val:
-        writers = {"train": train, "val": val}
+    writers = {name: ShardSeries(out, name, shard_tokens) for name in SPLITS}
+    try:
         batch: list[tuple[str, bool, str]] = []  # (split, starts a document, text) not yet encoded
         chars = 0
 
@@ -226,7 +307,13 @@ def encode_corpus(
                     chars = 0
                 t.update(nbytes)
             flush()
-    return {name: {"tokens": writers[name].count, "documents": docs[name]} for name in docs}
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return {name: {"tokens": w.count, "documents": docs[name], "shards": w.names} for name, w in writers.items()}
 
 
 # ---------------------------------------------------------------- the command
@@ -252,6 +339,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--val-fraction", type=float, default=0.1, metavar="F", help=VAL_HELP)
     p.add_argument("--suffix", action="append", default=None, help=f"folder files to read (default {DEFAULT_SUFFIXES})")
     p.add_argument("--exclude", action="append", default=[], metavar="NAME", help="skip subfolders of this name")
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        metavar="N",
+        help=f"tokens per shard, train_000000.bin, ... (default {DEFAULT_SHARD_TOKENS:,}; at most {MAX_TOKENS:,})",
+    )
     args = p.parse_args(argv)
     if args.tokenizer is None and args.vocab is None:
         args.vocab = DEFAULT_VOCAB
@@ -270,6 +364,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise PrepareError(f"--val-fraction: expected a value in (0, 1), got {args.val_fraction}")
     if args.tokenizer is not None and not args.tokenizer.is_file():
         raise PrepareError(f"--tokenizer: {args.tokenizer} is not a file")
+    if not 1 <= args.shard_tokens <= MAX_TOKENS:
+        raise PrepareError(
+            f"--shard-tokens: expected 1 to {MAX_TOKENS} (an llm.c header's int32 count), got {args.shard_tokens}"
+        )
 
 
 def start_output(out: Path, state: str, want: dict[str, Any]) -> None:
@@ -280,9 +378,10 @@ def start_output(out: Path, state: str, want: dict[str, Any]) -> None:
         if state == "replace":
             print(f"note: {out} held an unfinished prepare of another corpus; replacing it", file=sys.stderr)
             remove_outputs(out)
-        for name in OUTPUTS:
-            for stale in stale_temps(out / name):
-                stale.unlink()
+        for stale in our_temps(out):
+            if stale.name.startswith(f".{MANIFEST}"):
+                continue  # rewritten just below
+            stale.unlink()
         write_json(out / MANIFEST, {**want, "complete": False})
     except OSError as e:
         raise PrepareError(f"--out: cannot write to {out} ({e.strerror})") from None
@@ -294,16 +393,17 @@ def write_outputs(args: argparse.Namespace, tok: Any, corpus: Corpus, split: Spl
     t0 = time.perf_counter()
     if tok is None:
         tok = train_tokenizer(corpus, args.vocab, split, bar, CHUNK_BYTES)
-    tmp = temp_name(out / "tokenizer.json")
+    tmp = temp_name(out / TOKENIZER)
     tok.save(str(tmp))
-    os.replace(tmp, out / "tokenizer.json")
-    splits = encode_corpus(tok, corpus, out, split, bar)
+    os.replace(tmp, out / TOKENIZER)
+    splits = encode_corpus(tok, corpus, out, split, bar, shard_tokens=args.shard_tokens)
     seconds = time.perf_counter() - t0
-    record = {**want, "complete": True, "splits": splits, "seconds": round(seconds, 2)}
+    shards = {name: s.pop("shards") for name, s in splits.items()}
+    record = {**want, "complete": True, "splits": splits, "shards": shards, "seconds": round(seconds, 2)}
     if split.tail_doc is not None:
         record["val_is_tail_of_document"] = split.tail_doc
     write_json(out / MANIFEST, record)
-    return {"splits": splits, "seconds": seconds, "vocab": tok.get_vocab_size()}
+    return {"splits": splits, "shards": shards, "seconds": seconds, "vocab": tok.get_vocab_size()}
 
 
 def prepare(args: argparse.Namespace, bar: bool) -> dict[str, Any]:
@@ -364,8 +464,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
     mb = corpus.nbytes / 1e6
     print(
-        f"wrote {args.out}: tokenizer.json ({done['vocab']} ids), train.bin ({s['train']['tokens']:,} tokens, "
-        f"{s['train']['documents']} docs), val.bin ({s['val']['tokens']:,} tokens, {s['val']['documents']} docs) "
+        f"wrote {args.out}: tokenizer.json ({done['vocab']} ids), train ({s['train']['tokens']:,} tokens, "
+        f"{s['train']['documents']} docs, {len(done['shards']['train'])} shards), val ({s['val']['tokens']:,} tokens, "
+        f"{s['val']['documents']} docs, {len(done['shards']['val'])} shards) "
         f"from {mb:.1f} MB of text in {done['seconds']:.1f} s ({mb / done['seconds']:.2f} MB/s)",
         file=sys.stderr,
     )

@@ -70,7 +70,7 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch.autograd:Variable._execution_engine.queue_callback", "the end of backward: land pending reduces"),
     Api(
         "torchft.checkpointing.http_transport:HTTPTransport",
-        "the heal server's port (the address a replica advertises)",
+        "the heal server's port (the address a replica advertises) and its request handler (access log)",
         instance_attr="_server",
     ),
 )
@@ -244,6 +244,15 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 def http_transport_port(transport: Any) -> int:
     """The port of torchft's HTTP checkpoint transport's own server (private, as its address() reads it)."""
     return transport._server.socket.getsockname()[1]
+
+
+def silence_http_access_log(transport: Any) -> None:
+    """Drop the heal server's per-request access-log lines (http.server writes each GET to stderr).
+
+    The handler class is built inside torchft's `HTTPTransport.__init__`, one per transport, so this
+    changes only that server; refused requests (`log_error`) are still printed.
+    """
+    transport._server.RequestHandlerClass.log_request = lambda *args, **kwargs: None
 
 
 _LAZY: tuple[tuple[tuple[str, ...], Callable[[], tuple[Any, ...]]], ...] = (

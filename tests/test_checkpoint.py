@@ -1,4 +1,4 @@
-"""Checkpoints (hsdp/run/checkpoint.py): bitwise resume, resharding, crashes, validation, export, torchrun.
+"""Checkpoints (hsdp/run/checkpoint/): bitwise resume, resharding, crashes, validation, export, torchrun.
 
 Real processes and real files; every subprocess has a timeout. A fresh launch costs ~10 s on
 2 cores (mostly imports; run_train's warm server cuts that to a few seconds), so runs are kept
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
@@ -268,6 +269,21 @@ def test_diloco_resume_between_syncs_is_bitwise(out: Path, diloco_ref: RunResult
     assert read_meta(diloco_ref.run_dir / "checkpoints" / "step_19")["replicas_identical"]  # right after a sync
     resumed = run_train(out, "diloco-resumed", DILOCO + [f"run.resume={step_9}"])
     assert_same_run(resumed, diloco_ref, from_step=10)
+
+
+def test_saved_keys_are_the_format_1_layout(diloco_ref: RunResult) -> None:
+    """The DCP keys on disk are design §7's table, named here independently of the code that writes them: a
+    checkpoint written before hsdp/run/checkpoint/ laid out the keys has these, so it still loads."""
+    step_9 = diloco_ref.run_dir / "checkpoints" / "step_9"
+    names = [n for n, _ in GPT(config_for(DILOCO).model).named_parameters()]
+    expected = {f"rank{r}.extra" for r in range(4)}
+    for m in range(2):
+        expected |= {f"replica{m}.model.{n}" for n in names}
+        expected |= {f"replica{m}.optim.{n}.{s}" for n in names for s in ("exp_avg", "exp_avg_sq", "step")}
+    expected |= {f"sync.{b}.{n}" for b in ("global", "momentum") for n in names}
+    saved = set(FileSystemReader(str(step_9)).read_metadata().state_dict_metadata)
+    assert saved == expected, (sorted(saved - expected)[:5], sorted(expected - saved)[:5])
+    assert read_meta(step_9)["format"] == 1
 
 
 def test_fragments_resume_with_a_sync_in_flight_is_bitwise(out: Path) -> None:

@@ -136,6 +136,10 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
     for m in range(n):
         steps = [r["step"] for r in _records(run_dir, m)]
         assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == KILL_RUN_STEPS - 1, m
+    # a restarted replica's counters continue its previous life's: none goes backwards in its metrics
+    for key in ("elapsed_s", "train_time_s", "tokens", "trained_tokens", "sync_bytes"):
+        values = [r[key] for r in _records(run_dir, 1)]
+        assert all(a <= b for a, b in zip(values, values[1:])), (key, values)
     survivor = [r["replicas"] for r in _records(run_dir, 0)]
     first_short = survivor.index(n - 1)  # a sync without replica 1 ...
     assert n in survivor[first_short:]  # ... and later with it again

@@ -95,7 +95,7 @@ def test_header_fields_and_split_by_documents(prepared: Path) -> None:
         expected[split] += [eot, *tok.encode(doc, add_special_tokens=False).ids]
     assert [i for i in range(len(DOCS)) if int((i + 1) * 0.25) > int(i * 0.25)] == [3, 7]
     for split, ids in expected.items():
-        head, tokens = read_shard(prepared / f"{split}.bin")
+        head, tokens = read_shard(prepared / f"{split}_000000.bin")
         assert list(head[:3]) == [20240520, 1, len(tokens)] and not head[3:].any()
         assert tokens.tolist() == ids
     manifest = json.loads((prepared / "prepare.json").read_text())
@@ -114,7 +114,7 @@ def test_long_document_in_chunks_equals_whole(tmp_path: Path, prepared: Path) ->
     out = tmp_path / "out"
     out.mkdir()
     prepare.encode_corpus(tok, corpus, out, prepare.Split(0.5), bar=False, chunk_bytes=64)
-    _, tokens = read_shard(out / "train.bin")
+    _, tokens = read_shard(out / "train_000000.bin")
     assert tokens.tolist() == [tok.token_to_id(EOT), *tok.encode(text, add_special_tokens=False).ids]
 
 
@@ -123,13 +123,13 @@ def test_given_tokenizer_and_rerun(prepared: Path, corpus: Path, tmp_path: Path,
     out = tmp_path / "again"
     args = [str(corpus), "--out", str(out), "--tokenizer", str(prepared / "tokenizer.json"), "--val-fraction", "0.25"]
     assert main(args) == 0
-    assert (out / "train.bin").read_bytes() == (prepared / "train.bin").read_bytes()
-    mtime = (out / "train.bin").stat().st_mtime_ns
+    assert (out / "train_000000.bin").read_bytes() == (prepared / "train_000000.bin").read_bytes()
+    mtime = (out / "train_000000.bin").stat().st_mtime_ns
     assert main(args) == 0 and "nothing to do" in capsys.readouterr().err
-    assert (out / "train.bin").stat().st_mtime_ns == mtime
+    assert (out / "train_000000.bin").stat().st_mtime_ns == mtime
     assert main([str(corpus / "a.txt"), str(corpus / "b.md"), *args[1:]]) == 2
     assert "different corpus" in capsys.readouterr().err
-    assert (out / "train.bin").stat().st_mtime_ns == mtime
+    assert (out / "train_000000.bin").stat().st_mtime_ns == mtime
 
 
 def _exit_2_with_one_line(argv: list[str], capsys, needle: str) -> None:
@@ -158,12 +158,12 @@ def test_bad_input_refused_before_any_output(corpus: Path, tmp_path: Path, capsy
     _exit_2_with_one_line([str(corpus), "--out", str(foreign)], capsys, "not written by hsdp.prepare")
     (tmp_path / "empty.txt").write_text("")
     _exit_2_with_one_line([str(tmp_path / "empty.txt"), "--out", str(out)], capsys, "no text")
-    assert not (out / "train.bin").exists() and not list(out.glob(".*tmp*"))
+    assert not (out / "train_000000.bin").exists() and not list(out.glob(".*tmp*"))
     assert (foreign / "train.bin").read_bytes() == b"\0\0"
 
 
 def test_interrupted_prepare_leaves_no_final_shard(corpus: Path, tmp_path: Path, monkeypatch, capsys) -> None:
-    """Ctrl-C while encoding: no train.bin/val.bin, no temporary file left; a rerun completes."""
+    """Ctrl-C while encoding: no shard, no temporary file left; a rerun completes."""
     out = tmp_path / "out"
     calls = []
 
@@ -184,7 +184,7 @@ def test_interrupted_prepare_leaves_no_final_shard(corpus: Path, tmp_path: Path,
     assert main([str(corpus / "a.txt"), "--out", str(out), "--vocab", "300"]) == 0  # any corpus is welcome
     assert main([str(corpus), "--out", str(tmp_path / "other"), "--vocab", "300"]) == 0
     out = tmp_path / "other"
-    assert (out / "train.bin").is_file() and (out / "val.bin").is_file()
+    assert (out / "train_000000.bin").is_file() and (out / "val_000000.bin").is_file()
 
 
 def test_killed_prepare_leaves_no_final_shard(prepared: Path, tmp_path: Path) -> None:
@@ -198,7 +198,7 @@ def test_killed_prepare_leaves_no_final_shard(prepared: Path, tmp_path: Path) ->
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
-        while not list(out.glob(".train.bin.tmp-*")) and time.monotonic() < deadline and proc.poll() is None:
+        while not list(out.glob(".train_000000.bin.tmp-*")) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.005)
         assert proc.poll() is None, "prepare finished before it could be killed"
         proc.send_signal(signal.SIGKILL)
@@ -206,10 +206,10 @@ def test_killed_prepare_leaves_no_final_shard(prepared: Path, tmp_path: Path) ->
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert list(out.glob(".train.bin.tmp-*")) and not (out / "train.bin").exists()
+    assert list(out.glob(".train_000000.bin.tmp-*")) and not (out / "train_000000.bin").exists()
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert (out / "train.bin").is_file() and not list(out.glob(".*tmp*"))
+    assert (out / "train_000000.bin").is_file() and not list(out.glob(".*tmp*"))
 
 
 # ----------------------------------------------------------------- data.source=tokens
@@ -250,12 +250,12 @@ def test_glob_of_shards_reads_as_one_stream(tmp_path: Path) -> None:
 
 
 def test_vocab_size_null_takes_the_tokenizers(prepared: Path, tmp_path: Path) -> None:
-    cfg = tokens_cfg(prepared / "train.bin", "model.vocab_size=null")
+    cfg = tokens_cfg(prepared, "model.vocab_size=null")
     assert cfg.model.vocab_size == Tokenizer.from_file(str(prepared / "tokenizer.json")).get_vocab_size()
     with pytest.raises(ConfigError, match="smaller than"):
-        tokens_cfg(prepared / "train.bin", "model.vocab_size=257")
+        tokens_cfg(prepared, "model.vocab_size=257")
     bare = tmp_path / "train.bin"
-    bare.write_bytes((prepared / "train.bin").read_bytes())
+    bare.write_bytes((prepared / "train_000000.bin").read_bytes())
     with pytest.raises(ConfigError, match="model.vocab_size: null"):
         tokens_cfg(bare, "model.vocab_size=null")
 
@@ -302,7 +302,7 @@ def test_long_pretokens_are_cut_and_normal_text_encodes_as_before(tmp_path: Path
     )
     assert tok.decode(tok.encode(nospace, add_special_tokens=False).ids) == nospace
     ids = [tok.token_to_id(EOT), *tok.encode(nospace, add_special_tokens=False).ids]
-    assert read_shard(out / "train.bin")[1].tolist()[: len(ids)] == ids
+    assert read_shard(out / "train_000000.bin")[1].tolist()[: len(ids)] == ids
     plain = Tokenizer.from_str(tok.to_str())  # the same model behind GPT-2's pre-tokenizer alone
     plain.pre_tokenizer = ByteLevel(add_prefix_space=False)
     normal = [*DOCS, (REPO / "hsdp" / "prepare.py").read_text(), (REPO / "README.md").read_text()]
@@ -332,7 +332,7 @@ def test_one_document_gives_val_its_tail(tmp_path: Path, capsys) -> None:
     assert main([str(tmp_path / "one.txt"), "--out", str(out), "--vocab", "280", "--val-fraction", "0.25"]) == 0
     assert "val is the last document's tail" in capsys.readouterr().err
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    [head], [tail] = _shard_text(tok, out / "train.bin"), _shard_text(tok, out / "val.bin")
+    [head], [tail] = _shard_text(tok, out / "train_000000.bin"), _shard_text(tok, out / "val_000000.bin")
     assert head + tail == doc and tail[0] in " \n" and not tail[1].isspace()
     assert abs(len(tail) - 0.25 * len(doc)) < 10  # the cut moved on to the next pre-token start only
     manifest = json.loads((out / "prepare.json").read_text())
@@ -379,4 +379,9 @@ def test_failure_after_output_began_removes_what_it_wrote(corpus: Path, tmp_path
     (out / ".train.bin.tmp-1").write_bytes(b"\0")
     assert main([str(corpus), "--out", str(out), "--vocab", "300"]) == 0
     assert "unfinished prepare of another corpus" in capsys.readouterr().err
-    assert sorted(p.name for p in out.iterdir()) == ["prepare.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "prepare.json",
+        "tokenizer.json",
+        "train_000000.bin",
+        "val_000000.bin",
+    ]

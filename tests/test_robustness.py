@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -433,6 +434,37 @@ def test_wandb_is_imported_only_when_enabled_and_a_broken_one_only_warns(tmp_pat
         assert err == [] if mode == "disabled" else (len(err) == 1 and "continuing without wandb" in err[0]), err
         assert json.loads((cfg.run_dir / "metrics.jsonl").read_text())["loss"] == 1.0
         assert (cfg.run_dir / "summary.json").is_file()
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """One run folder, one wandb run: a second logger on the folder (a resume, a restarted replica 0)
+    asks wandb to resume the same id, and does not resend the steps wandb already holds."""
+    inits, logged = [], []
+
+    class FakeRun:
+        def __init__(self, step: int) -> None:
+            self.step, self.summary = step, {}
+
+        def log(self, data, step):
+            logged.append(step)
+
+        def finish(self):
+            pass
+
+    fake = types.ModuleType("wandb")
+    fake.Settings = lambda **kw: kw
+    fake.init = lambda **kw: inits.append(kw) or FakeRun(step=0 if len(inits) == 1 else 3)
+    cfg = load_checked_config(None, ["wandb.mode=offline", f"run.out_dir={tmp_path}", "run.name=w"])
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg.run_dir.mkdir()
+    for continue_after, steps in ((None, range(3)), (1, range(2, 5))):  # the second life resumes after step 1
+        log = MetricsLogger(cfg, cfg.run_dir, enabled=True, continue_after=continue_after)
+        for step in steps:
+            log.log({"step": step, "loss": 1.0})
+        log.close()
+    assert inits[0]["id"] == inits[1]["id"] and all(kw["resume"] == "allow" for kw in inits)
+    assert logged == [0, 1, 2, 3, 4]  # step 2 is in wandb from the first life (its run.step said 3)
+    assert (cfg.run_dir / "wandb.id").read_text().strip() == inits[0]["id"]
 
 
 # ------------------------------------------------------------------ kernels.bench

@@ -54,7 +54,7 @@ def bpe_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     corpus = tmp / "corpus.txt"
     corpus.write_text("<|endoftext|>".join(TEXT[i : i + 500] for i in range(0, len(TEXT), 500)))
     assert prepare_main([str(corpus), "--out", str(tmp / "data"), "--vocab", "320"]) == 0
-    overrides = TINY + ["data.source=tokens", f"data.path={tmp / 'data' / 'train.bin'}", "model.vocab_size=null"]
+    overrides = TINY + ["data.source=tokens", f"data.path={tmp / 'data'}", "model.vocab_size=null"]
     run_train(tmp, "bpe", overrides)
     return tmp / "bpe"
 
@@ -89,7 +89,7 @@ def test_greedy_is_the_argmax_of_the_exported_model(byte_run: Path, capsys) -> N
 def test_uses_the_runs_tokenizer(bpe_run: Path, capsys) -> None:
     out = sample(capsys, str(bpe_run), "--prompt", "def f1", "--tokens", "20", "--seed", "1")
     assert out.startswith("def f1") and len(out) > len("def f1") + 5
-    tok = Tokenizer.from_file(str(Path(read_saved_config(bpe_run).data.path).parent / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(Path(read_saved_config(bpe_run).data.path) / "tokenizer.json"))  # the prepared folder
     assert read_saved_config(bpe_run).model.vocab_size == tok.get_vocab_size()
 
 
@@ -153,7 +153,7 @@ def test_sigint_mid_stream(byte_run: Path) -> None:
     try:
         first = proc.stdout.read(20)  # streamed: arrives long before a million tokens are done
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -21,7 +21,7 @@ from tests.helpers import QUIET_ENV, REPO, SMALL
 
 MARK_ENV = "HSDP_TEST_RUN_MARK"
 START_TIMEOUT_S = 150  # until the first metrics line (a fresh launcher and its zygote importing torch, busy box)
-STOP_TIMEOUT_S = 60  # hang guard: the launcher gives workers 3 s after SIGTERM, then kills them
+STOP_TIMEOUT_S = 120  # hang guard: the launcher gives workers 3 s after SIGTERM, then kills them
 GONE_TIMEOUT_S = 60  # hang guard: until no process of the run is left
 
 

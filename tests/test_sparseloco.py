@@ -46,6 +46,7 @@ class _Threaded:
 
         class Transport:
             may_fail = False
+            counted = True
             size = group.M
             contributors = list(range(group.M))
 
@@ -170,13 +171,13 @@ def test_policy_matches_reference(name: str):
         for u in range(len(SIZES)):
             for m in range(M):
                 _close(thetas[m][u], ref_thetas[m][u], f"step {step} replica {m} unit {u} θ_m")
-                if policies[m].error[u] is not None:
-                    _close(policies[m].error[u], ref.err[m][u], f"step {step} replica {m} unit {u} e_m")
+                if policies[m].state.error[u] is not None:
+                    _close(policies[m].state.error[u], ref.err[m][u], f"step {step} replica {m} unit {u} e_m")
             _close(policies[0].outer[u].global_params, ref.theta_g[u], f"step {step} unit {u} θ_g")
     assert syncs == SYNCS * P
     assert group.sent == [want_sent] * M
     # residuals carried something (fp32 values: only where a unit has more than k elements)
-    assert all(float(e.abs().max()) > 0 for e, n in zip(policies[0].error, SIZES) if n > 64)
+    assert all(float(e.abs().max()) > 0 for e, n in zip(policies[0].state.error, SIZES) if n > 64)
 
 
 def test_reference_pieces_by_hand():
@@ -298,13 +299,13 @@ def test_elastic_residuals_change_only_in_rounds_that_applied_them():
         for m in range(2):
             for t in thetas[m]:
                 t.add_(torch.randn(t.numel(), generator=g) * 1e-2)
-        before_e = [[None if e is None else e.clone() for e in p.error] for p in policies]
+        before_e = [[None if e is None else e.clone() for e in p.state.error] for p in policies]
         before_g = [s.global_params.clone() for s in policies[0].outer]
         step = EVERY * (r + 1) - 1
         _in_threads([lambda p=p, s=step: p.after_step(s) for p in policies])
         for m, p in enumerate(policies):
-            same_e = all(b is not None and torch.equal(e, b) for e, b in zip(p.error, before_e[m]))
-            zero_e = all(float(e.abs().max()) == 0 for e in p.error)
+            same_e = all(b is not None and torch.equal(e, b) for e, b in zip(p.state.error, before_e[m]))
+            zero_e = all(float(e.abs().max()) == 0 for e in p.state.error)
             moved_g = not all(torch.equal(s.global_params, b) for s, b in zip(p.outer, before_g))
             if r == 0:  # the first round: residuals allocated and filled
                 assert not zero_e and moved_g
@@ -330,21 +331,21 @@ def test_a_healed_replica_gets_no_residual_from_its_peer():
     for h in helds:
         h.add_(torch.randn(h.numel()) * 1e-2)  # a local step
     policy.after_step(EVERY - 1)  # one sync (M = 1): residuals now non-zero
-    assert all(e is not None and float(e.abs().max()) > 0 for e in policy.error)
+    assert all(e is not None and float(e.abs().max()) > 0 for e in policy.state.error)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     source = HealState()
     source.engine = SimpleNamespace(policy=policy, units=[SimpleNamespace(held_flat=h) for h in helds])
     source.optimizer = opt
     state = source.full_state()
-    assert state["policy"]["error"] == [None, None]
-    assert policy.error[0] is not None  # the peer keeps its own
+    assert state["policy"]["buffers"]["error"] == [None, None] and state["policy"]["meta"]["error_units"] == []
+    assert policy.state.error[0] is not None  # the peer keeps its own
     fresh = SyncPolicy(cfg, [torch.zeros(n) for n in SIZES[:2]], _Threaded(1).transport(0))
-    fresh.error = [torch.ones(n) for n in SIZES[:2]]  # whatever it held before it died
+    fresh.state.error = [torch.ones(n) for n in SIZES[:2]]  # whatever it held before it died
     target = HealState()
     target.engine = SimpleNamespace(policy=fresh, units=[SimpleNamespace(held_flat=torch.zeros(n)) for n in SIZES[:2]])
     target.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     target.load_full(state)
-    assert fresh.error == [None, None]
+    assert fresh.state.error == [None, None]
     assert all(torch.equal(a.global_params, b.global_params) for a, b in zip(fresh.outer, policy.outer))
 
 

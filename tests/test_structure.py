@@ -27,12 +27,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hsdp.torch_compat",),  # every process-global torch patch and private torch/torchft API
     ("kernels",),
     ("hsdp.comm",),
-    ("hsdp.layout", "hsdp.model", "hsdp.data", "hsdp.optim"),
+    ("hsdp.layout", "hsdp.model", "hsdp.data", "hsdp.optim", "hsdp.hf", "hsdp.init_from"),
     ("hsdp.sync",),
     ("hsdp.compile",),  # the graph side: below the engines, which run its graphs
     ("hsdp.engines",),
-    ("hsdp.run",),  # preflight included: it asks the data, the engines, the codec and the run folder
-    ("train", "hsdp.bench", "hsdp.export", "hsdp.sample", "hsdp.prepare", "hsdp.sweep", "hsdp.slowlink"),
+    ("hsdp.run",),  # preflight and checkpoint/ included: they ask the data, the engines, the codec, the run folder
+    ("train", "hsdp.bench", "hsdp.export", "hsdp.sample", "hsdp.prepare", "hsdp.sweep", "hsdp.slowlink", "hsdp.plan"),
 )
 
 

@@ -378,7 +378,7 @@ def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def check_delayed_landed_at_once_equals_blocking(rank: int, comm) -> dict[str, bool]:
-    """τ = 0 is the blocking sync: start_sync + land_sync with nothing in between gives the same bits."""
+    """τ = 0 is the blocking sync: a τ = 1 sync's start + land with nothing in between gives the same bits."""
     from hsdp.comm.transport import GroupTransport
     from hsdp.sync.policy import SyncPolicy
 
@@ -394,11 +394,10 @@ def check_delayed_landed_at_once_equals_blocking(rank: int, comm) -> dict[str, b
         for step in range(2):  # the second sync's momentum is not the first's Δ
             fake_update(blocking.held, step, rank, 0)
             fake_update(delayed.held, step, rank, 0)
-            for u in range(len(POLICY_UNITS)):
-                blocking.sync_params(u)
-            delayed.start_sync(0, step)
-            async_started &= all(w.work is not None for r in delayed.in_flight[0].reductions for w in r.works)
-            delayed.land_sync(delayed.in_flight[0])
+            blocking.land([blocking.start(0, step)])
+            started = delayed.start(0, step)
+            async_started &= all(w.work is not None for r in started.reductions for w in r.works)
+            delayed.land([started])
         results[f"{name}: bitwise"] = bitwise_equal(policy_tensors(blocking), policy_tensors(delayed))
         results[f"{name}: reductions launched async"] = async_started
     return results

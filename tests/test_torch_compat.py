@@ -215,3 +215,21 @@ def test_capture_output_code_restores_what_it_patched():
     with torch_compat.capture_output_code(lambda code: None):
         assert GraphLowering.save_output_code is not before
     assert GraphLowering.save_output_code is before
+
+
+def test_the_heal_server_serves_without_an_access_log_line(capfd):
+    """A heal GET is served (the state comes back) and prints no http.server access-log line."""
+    from datetime import timedelta
+
+    from hsdp.sync.elastic.manager import _http_transport
+
+    timeout = timedelta(seconds=60)
+    server, client = _http_transport(timeout, "127.0.0.1"), _http_transport(timeout, "127.0.0.1")
+    try:
+        server.send_checkpoint([1], 3, {"w": torch.arange(4.0)}, timeout)
+        state = client.recv_checkpoint(0, server.metadata(), 3, timeout)
+    finally:
+        server.shutdown()
+        client.shutdown()
+    assert torch.equal(state["w"], torch.arange(4.0))
+    assert "GET /checkpoint/" not in capfd.readouterr().err

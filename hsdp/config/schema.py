@@ -43,12 +43,13 @@ class ModelConfig:
     d_model: int = 128
     bias: bool = True  # llama: false unless set (hsdp.config.loader)
     arch: str = "gpt"  # gpt (LayerNorm, learned positions, GELU) | llama (RMSNorm, rotary, SwiGLU, no biases)
+    init_from: str = ""  # start from these weights: an HF folder or a plain export (.pt, .safetensors); "" = seeded
 
 
 @dataclass
 class DataConfig:
     source: str = "stdlib"  # stdlib | text | tokens | synthetic
-    path: str = ""  # text: file or glob; tokens: train .bin or a glob of llm.c shards (val beside it, if present)
+    path: str = ""  # text: file or glob; tokens: a prepared folder, a train .bin or a glob of llm.c shards
     batch_size: int = 8  # sequences per rank per micro-step
     val_fraction: float = 0.1  # text/tokens without a val file: share held out
 

@@ -14,20 +14,21 @@
         synced = engine.end_step(step)            # the sync policy's param sync, if due
     engine.finish()                               # land a param sync still in flight
 
-Checkpoints (hsdp/run/checkpoint.py, docs/design.md §7) go through three methods:
-`checkpoint_state(optimizer)` is this rank's flat state dict for `dcp.save`
-(params, inner optimizer state, sync-policy state; sharded tensors as DTensors
-of their full shape, so DCP reshards on load), `checkpoint_meta()` the
-JSON-able structure a load needs to know beforehand, and
-`load_checkpoint(optimizer, saved)` builds load targets shaped after `saved`,
-has `saved.load` fill them in place (one `dcp.load`) and installs them.
+Checkpoints (hsdp/run/checkpoint/, docs/design.md §7) go through two methods, and an
+engine never names a checkpoint key (the checkpoint package lays them out):
+`checkpoint_state(optimizer)` is this rank's state by role, an `EngineState`
+(params, inner optimizer state, the sync policy's state_dict with its buffers
+cut per param; sharded tensors as DTensors of their full shape, so DCP reshards
+on load), and `load_checkpoint(optimizer, saved)` builds an `EngineState` of
+load targets shaped after `saved.meta`, has `saved.load` fill them in place
+(one `dcp.load`) and installs them.
 
 Engines (hsdp/engines/registry.py maps `mesh.engine` to a class): `hsdp` (this
 project, eager: hsdp/engines/hsdp.py; compiled: hsdp/engines/compiled.py), `fsdp2`
 and `ddp` (PyTorch baselines: hsdp/engines/baselines.py). An engine class also
 answers, before any engine exists, what the config and a checkpoint need to know:
-`supports_compile` / `supports_periodic_sync` (read by registry.check_engine_config), `model_key_prefix`,
-`check_checkpoint`, `export_source`.
+`supports_compile` / `supports_periodic_sync` (read by registry.check_engine_config), `state_per_replica`
+(whether each replica's params are its own in a checkpoint) and `check_checkpoint`.
 Baselines always average grads across every rank, so their policy is `NoSync`.
 """
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
@@ -43,22 +44,34 @@ import torch
 import torch.nn as nn
 
 from hsdp.comm.mesh import Mesh
-from hsdp.config.schema import Config, ConfigError
+from hsdp.config.schema import Config
 from hsdp.model import loss_fn
 from hsdp.sync.policy import NoSync, Sync
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, targets)
 
 
+@dataclass
+class EngineState:
+    """An engine's checkpointable state, by role (the checkpoint package names the keys, hsdp/run/checkpoint/keys.py).
+
+    The tensors are the engine's own (saved from, or loaded into, in place)."""
+
+    model: dict[str, Any]  # param name → tensor (a DTensor of the param's full shape where sharded)
+    # The inner optimizer's state: param name → {state name → tensor} (state_per_replica engines), else
+    # torch's optimizer state dict as get_state_dict gives it.
+    optim: dict[str, Any]
+    sync_meta: Optional[dict[str, Any]] = None  # the policy state_dict's JSON "meta" (None: the engine keeps none)
+    sync_buffers: dict[str, dict[str, Any]] = field(default_factory=dict)  # buffer → param name → piece
+    replica_own: frozenset[str] = frozenset()  # sync buffers that differ between replicas
+
+
 @dataclass(frozen=True)
 class SavedCheckpoint:
     """What an engine's `load_checkpoint` needs to know about the checkpoint it reads."""
 
-    keys: frozenset[str]  # the checkpoint's DCP keys
-    replica: int  # the saved replica this rank's replica loads (0 for all when mesh.sync changed)
-    meta: dict[str, Any]  # the saving engine's checkpoint_meta()
-    load: Callable[[dict[str, Any]], None]  # fills a state dict of targets in place (dcp.load)
-    same_replicas: bool = True  # saved on this mesh.sync (else replica-own state such as residuals is not loaded)
+    meta: dict[str, Any]  # the saving engine's `engine_meta` (meta.json): {"sync": its policy's meta}, or {}
+    load: Callable[[EngineState], None]  # fills an EngineState of targets in place (one dcp.load)
 
 
 class Engine(ABC):
@@ -68,6 +81,7 @@ class Engine(ABC):
     supports_compile: ClassVar[bool] = False  # compile.enabled is allowed
     supports_periodic_sync: ClassVar[bool] = False  # sync.warmup_steps < run.steps is allowed
     sync_class: ClassVar[type] = NoSync  # the policy class whose checkpoint state this engine saves
+    state_per_replica: ClassVar[bool] = False  # each replica's params/optimizer state are its own (hsdp)
     mesh: Mesh
     policy: Sync
 
@@ -78,21 +92,9 @@ class Engine(ABC):
         """The model built and wrapped on `mesh` with the config's sync policy (one phase: ready to train)."""
 
     @classmethod
-    def model_key_prefix(cls, replica: int) -> str:
-        """The checkpoint key prefix of replica `replica`'s model params (one model: the same for all)."""
-        return "model."
-
-    @classmethod
     def check_checkpoint(cls, path: Path, meta: dict[str, Any], saved: Config, cfg: Config) -> None:
         """ConfigError unless a run configured by `cfg` can resume this engine's checkpoint `meta`."""
         cls.sync_class.check_resume(meta["engine_meta"].get("sync", {}), meta["step"], saved.sync, cfg.sync, path)
-
-    @classmethod
-    def export_source(cls, meta: dict[str, Any], replica: Optional[int], use_global: bool) -> tuple[str, str]:
-        """(checkpoint key prefix of the params to export, what they are) for `hsdp.export`."""
-        if replica not in (None, 0) or use_global:
-            raise ConfigError(f"--replica/--global: a {meta['engine']} checkpoint holds one model")
-        return cls.model_key_prefix(0), f"the {meta['engine']} model"
 
     # ------------------------------------------------------------ what each engine provides
     @abstractmethod
@@ -123,8 +125,8 @@ class Engine(ABC):
         """This replica's full fp32 params on CPU, under `hsdp.model.GPT`'s names."""
 
     @abstractmethod
-    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """This rank's state for `dcp.save`: params, inner optimizer state, sync-policy state.
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> EngineState:
+        """This rank's state by role: params, inner optimizer state, sync-policy state.
 
         Tensors alias the live state (save before training on). Sharded state is a
         DTensor of the full shape, so a checkpoint loads onto another shard layout.
@@ -132,12 +134,8 @@ class Engine(ABC):
 
     @abstractmethod
     def load_checkpoint(self, optimizer: torch.optim.Optimizer, saved: SavedCheckpoint) -> None:
-        """Restore what `checkpoint_state` saved (possibly from another mesh.shard, or from replica
-        `saved.replica`): build the targets, `saved.load(targets)`, install them."""
-
-    def checkpoint_meta(self) -> dict[str, Any]:
-        """JSON-able structure of the saved state that a load must know before reading it."""
-        return {}
+        """Restore what `checkpoint_state` saved (possibly from another mesh.shard or mesh.sync): build the
+        targets after `saved.meta`, `saved.load(targets)`, install them."""
 
     def replicas_identical(self, step: int) -> bool:
         """Whether every replica holds the same params after `step` (then a checkpoint may load

@@ -24,10 +24,10 @@ from hsdp.comm.groups import Comm, ring_bytes
 from hsdp.comm.mesh import Mesh
 from hsdp.compile.cache import cpu_options
 from hsdp.config.schema import Config
-from hsdp.engines.base import Batch, Engine, SavedCheckpoint
+from hsdp.engines.base import Batch, Engine, EngineState, SavedCheckpoint
 from hsdp.engines.clock import CompileClock
+from hsdp.init_from import initial_model
 from hsdp.layout import DTYPES
-from hsdp.model import build_model
 from hsdp.sync.policy import NoSync
 from hsdp.torch_compat import FSDPAllGather, FSDPReduceScatter, start_compile_pool_lazily
 
@@ -84,19 +84,19 @@ def counted_all_reduce_hook(comm: Comm, group: dist.ProcessGroup) -> Callable[[t
 
 
 class _TorchCheckpoint:
-    """Checkpoints through torch's own state-dict API (keys `model.<name>`, `optim.state.<name>.<state>`,
-    `optim.param_groups...`): FSDP2's DTensors reshard in DCP, DDP's full tensors are written once."""
+    """Checkpoints through torch's own state-dict API (one model; FSDP2's DTensors reshard in DCP, DDP's full
+    tensors are written once)."""
 
     module: nn.Module
 
-    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> EngineState:
         model_sd, optim_sd = get_state_dict(self.module, optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return EngineState(model=model_sd, optim=optim_sd)
 
     def load_checkpoint(self, optimizer: torch.optim.Optimizer, saved: SavedCheckpoint) -> None:
         state = self.checkpoint_state(optimizer)  # creates the optimizer state (a zero-lr step) to load into
         saved.load(state)
-        set_state_dict(self.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.module, optimizer, model_state_dict=state.model, optim_state_dict=state.optim)
 
 
 class FSDP2Engine(_TorchCheckpoint, Engine):
@@ -126,7 +126,7 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
 
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> "FSDP2Engine":
-        model = build_model(cfg.model, cfg.run.seed).to(mesh.device)
+        model = initial_model(cfg.model, cfg.run.seed).to(mesh.device)
         if cfg.compile.enabled:
             # As torchtitan does: each transformer block compiled (in place, so parameter names stay),
             # FSDP2's hooks run around the compiled blocks, eagerly.
@@ -187,7 +187,7 @@ class DDPEngine(_TorchCheckpoint, Engine):
 
     @classmethod
     def from_config(cls, cfg: Config, mesh: Mesh) -> "DDPEngine":
-        return cls(build_model(cfg.model, cfg.run.seed).to(mesh.device), mesh)
+        return cls(initial_model(cfg.model, cfg.run.seed).to(mesh.device), mesh)
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         return self.module(idx)

@@ -30,7 +30,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from hsdp.comm.groups import Comm
 from hsdp.comm.mesh import Mesh
 from hsdp.config.schema import Config, ConfigError, SyncConfig
-from hsdp.engines.base import Engine, SavedCheckpoint
+from hsdp.engines.base import Engine, EngineState, SavedCheckpoint
 from hsdp.engines.collectives import (
     PendingGather,
     PendingReduce,
@@ -40,9 +40,10 @@ from hsdp.engines.collectives import (
     start_reduce,
 )
 from hsdp.engines.dtensor import init_optimizer_state, shard_dtensor
+from hsdp.init_from import initial_unit_initializer
 from hsdp.layout import DTYPES, ParamSpec, ReducePlan, plan_layout, reduce_plan
-from hsdp.model import build_model, unit_initializer
-from hsdp.sync.policy import Buffers, NoSync, Sync, SyncPolicy, build_sync
+from hsdp.model import build_model
+from hsdp.sync.policy import NoSync, Sync, SyncPolicy, build_sync
 from hsdp.torch_compat import queue_backward_callback, swap_parameter
 
 BackwardCallback = Callable[["ShardedUnit", list[Optional[torch.Tensor]]], None]
@@ -218,7 +219,7 @@ class HSDPEngine(Engine):
             cfg.precision.param_dtype,
             cfg.precision.reduce_dtype,
             cfg.mesh.prefetch,
-            materialize=unit_initializer(cfg.model, cfg.run.seed),
+            materialize=initial_unit_initializer(cfg.model, cfg.run.seed),  # model.init_from's, if set
             sync_cfg=cfg.sync,
             **cls.config_kwargs(cfg),
         )
@@ -353,17 +354,10 @@ class HSDPEngine(Engine):
         """Full fp32 params of this replica (all-gathers on the shard group)."""
         return {k: v for u in self.units for k, v in u.gather_full_fp32().items()}
 
-    # ------------------------------------------------------------ checkpoints (hsdp/run/checkpoint.py)
-    # DCP keys, every tensor a Shard(0) DTensor of the param's full shape over the shard group:
-    #   replica{m}.model.<name>             replica m's params (replicas differ between param syncs)
-    #   replica{m}.optim.<name>.<state>     its inner optimizer state (AdamW exp_avg/exp_avg_sq; `step`
-    #                                       is a plain scalar tensor)
-    #   sync.<buffer>.<name>                the sync policy's per-unit flat buffers (θ_g: sync.global, …),
-    #                                       cut into per-param pieces (identical on every replica, so DCP
-    #                                       writes each chunk once)
-    @classmethod
-    def model_key_prefix(cls, replica: int) -> str:
-        return f"replica{replica}.model."
+    # ------------------------------------------------------------ checkpoints (hsdp/run/checkpoint/)
+    # Each replica's params and inner optimizer state are its own (they differ between param syncs); every
+    # tensor a Shard(0) DTensor of the param's full shape over the shard group. The keys: keys.py there.
+    state_per_replica: ClassVar[bool] = True
 
     @classmethod
     def check_checkpoint(cls, path: Path, meta: dict[str, Any], saved: Config, cfg: Config) -> None:
@@ -376,73 +370,48 @@ class HSDPEngine(Engine):
             )
         super().check_checkpoint(path, meta, saved, cfg)
 
-    @classmethod
-    def export_source(cls, meta: dict[str, Any], replica: Optional[int], use_global: bool) -> tuple[str, str]:
-        """θ_g by default when the sync state has it, else replica 0; `--replica m` picks replica m."""
-        global_buffer = cls.sync_class.global_buffer(meta["engine_meta"]["sync"])
-        if use_global or (replica is None and global_buffer is not None):
-            if global_buffer is None:
-                raise ConfigError(
-                    "--global: the checkpoint has no global copy θ_g (plain average keeps none, and "
-                    "none exists before the end of the sync warmup); use --replica m"
-                )
-            return f"sync.{global_buffer}.", "θ_g (the global model)"
-        m = replica or 0
-        if not 0 <= m < meta["mesh"]["sync"]:
-            raise ConfigError(f"--replica: expected 0..{meta['mesh']['sync'] - 1}, got {m}")
-        return cls.model_key_prefix(m), f"replica {m}"
-
-    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        state = self._model_and_optimizer_state(optimizer, self.mesh.sync_rank)
-        state.update(self._sync_pieces(self.policy.checkpoint_buffers(), self.mesh.sync_rank))
-        return state
-
-    def checkpoint_meta(self) -> dict[str, Any]:
-        """The sync state's structure: which buffers exist (the load allocates them before reading)."""
-        return {"sync": self.policy.checkpoint_meta()}
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> EngineState:
+        return self._state(optimizer, self.policy.state_dict())
 
     def load_checkpoint(self, optimizer: torch.optim.Optimizer, saved: SavedCheckpoint) -> None:
         self.zero_grad()  # init_optimizer_state's lr = 0 step needs zero grads
         init_optimizer_state(optimizer)
-        state = self._model_and_optimizer_state(optimizer, saved.replica)  # views: loaded in place
-        sync_meta = saved.meta["sync"]
-        buffers = self.policy.empty_checkpoint_buffers(sync_meta)
-        # Another mesh.sync: a replica's own sync state (error-feedback residuals) belongs to no
-        # replica of the new mesh, so it starts from zero.
-        loadable = {k: v for k, v in buffers.items() if saved.same_replicas or k not in self.policy.replica_buffers}
-        state.update(self._sync_pieces(loadable, saved.replica))  # views of the zeroed flat buffers
-        saved.load(state)
-        self.policy.load_checkpoint(sync_meta, buffers)
+        sync = self.policy.empty_state_dict(saved.meta["sync"])  # zeroed buffers shaped after the saved ones
+        saved.load(self._state(optimizer, sync))  # views of the live params and optimizer state: loaded in place
+        self.policy.load_state_dict(sync)
+
+    def _state(self, optimizer: torch.optim.Optimizer, sync: dict[str, Any]) -> EngineState:
+        """The held params, their optimizer state and the policy's state_dict `sync` cut per param (views)."""
+        shard_mesh = self.mesh.device_mesh["shard"]
+        model: dict[str, Any] = {}
+        optim: dict[str, dict[str, Any]] = {}
+        for name, spec, p in self._held_specs():
+            model[name] = shard_dtensor(p.detach(), spec.shape, shard_mesh)
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value):  # param-shaped state is sharded like the param; `step` is a scalar
+                    sharded = value.shape == p.shape
+                    optim.setdefault(name, {})[key] = shard_dtensor(value, spec.shape, shard_mesh) if sharded else value
+        return EngineState(
+            model=model,
+            optim=optim,
+            sync_meta=sync["meta"],
+            sync_buffers={name: self._per_param(flats) for name, flats in sync["buffers"].items()},
+            replica_own=self.policy.replica_buffers,
+        )
 
     def _held_specs(self) -> list[tuple[str, ParamSpec, torch.nn.Parameter]]:
         return [(u.prefix + s.name, s, p) for u in self.units for s, p in zip(u.specs, u.held_params)]
 
-    def _model_and_optimizer_state(self, optimizer: torch.optim.Optimizer, replica: int) -> dict[str, Any]:
-        shard_mesh = self.mesh.device_mesh["shard"]
-        model, optim = self.model_key_prefix(replica), f"replica{replica}.optim."
-        state: dict[str, Any] = {}
-        for name, spec, p in self._held_specs():
-            state[model + name] = shard_dtensor(p.detach(), spec.shape, shard_mesh)
-            for key, value in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(value):  # param-shaped state is sharded like the param; `step` is a scalar
-                    sharded = value.shape == p.shape
-                    state[f"{optim}{name}.{key}"] = shard_dtensor(value, spec.shape, shard_mesh) if sharded else value
-        return state
-
-    def _sync_pieces(self, buffers: Buffers, replica: int) -> dict[str, Any]:
-        """The policy's flat per-unit buffers as per-param DTensors (views: padding rows are left out).
-
-        Keys `sync.<buffer>.<name>`; a buffer that differs between replicas: `replica{m}.sync.<buffer>.<name>`.
-        """
+    def _per_param(self, flats: list[Optional[torch.Tensor]]) -> dict[str, Any]:
+        """Per-unit flat buffers (the held layout) as per-param DTensors of the full shapes (views: padding rows
+        left out); a unit whose buffer is None has none."""
         shard_mesh = self.mesh.device_mesh["shard"]
         pieces: dict[str, Any] = {}
-        for name, flats in buffers.items():
-            prefix = f"replica{replica}.sync.{name}" if name in self.policy.replica_buffers else f"sync.{name}"
-            for unit, flat in zip(self.units, flats):
-                if flat is None:
-                    continue
-                for spec in unit.specs:
-                    rows = spec.held_rows(self.mesh.shard_rank)
-                    local = flat[spec.offset : spec.offset + rows * spec.row_numel].view(rows, *spec.shape[1:])
-                    pieces[f"{prefix}.{unit.prefix}{spec.name}"] = shard_dtensor(local, spec.shape, shard_mesh)
+        for unit, flat in zip(self.units, flats):
+            if flat is None:
+                continue
+            for spec in unit.specs:
+                rows = spec.held_rows(self.mesh.shard_rank)
+                local = flat[spec.offset : spec.offset + rows * spec.row_numel].view(rows, *spec.shape[1:])
+                pieces[unit.prefix + spec.name] = shard_dtensor(local, spec.shape, shard_mesh)
         return pieces

@@ -5,6 +5,10 @@ machine without wandb runs with `--set wandb.mode=disabled`. wandb never ends a
 run: `wandb.init` is bounded by `HSDP_WANDB_TIMEOUT_S` seconds (default 60;
 online mode without network otherwise retries for a long time), and any wandb
 failure prints one warning line and the run goes on with metrics.jsonl alone.
+
+One run folder is one wandb run: its id is kept in `wandb.id` in the run folder, so a resumed run
+and a restarted elastic replica 0 continue the same wandb run (`resume="allow"`) instead of opening
+a second one; steps wandb already has are not sent again (wandb refuses a step that goes backwards).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import contextlib
 import json
 import os
 import resource
+import secrets
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -22,11 +27,13 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+from hsdp.atomic import write_text
 from hsdp.config.schema import Config, to_dict
-from hsdp.run.integrity import finite_or_none
+from hsdp.run.checkpoint.integrity import finite_or_none
 
 WANDB_TIMEOUT_ENV = "HSDP_WANDB_TIMEOUT_S"
 WANDB_TIMEOUT_S = 60.0  # default bound on wandb.init (login + run creation)
+WANDB_ID_FILE = "wandb.id"  # the run folder's wandb run id, so every process of the run logs to one wandb run
 
 
 def wandb_timeout_s() -> float:
@@ -154,6 +161,16 @@ def last_record(path: Path) -> Optional[dict[str, Any]]:
     return None
 
 
+def wandb_run_id(run_dir: Path) -> str:
+    """The run folder's wandb run id: the one kept in `wandb.id`, or a new one (then kept there)."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(6)  # wandb ids are short [a-z0-9] strings
+    write_text(path, run_id + "\n")
+    return run_id
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step; mirrors it to wandb and the progress bar."""
 
@@ -167,6 +184,7 @@ class MetricsLogger:
         self.run_dir = run_dir
         self.suffix = suffix
         self._wandb = None
+        self._wandb_after = -1  # the last step the wandb run already holds (a resumed run's earlier life)
         self._bar: Optional[tqdm] = None
         self.previous: Optional[dict[str, Any]] = None  # the last record kept from before this process
         if not enabled:
@@ -181,10 +199,14 @@ class MetricsLogger:
         # tracker: a worker stopped by SIGTERM cannot unregister it and the tracker then warns of a
         # leak. One bar in one process needs only a thread lock.
         tqdm.set_lock(threading.RLock())
+        # An elastic run's replicas each draw a bar, one terminal line each (replica m on line m), named
+        # after the replica: two bars on one line overwrite each other.
+        replica = int(suffix.removeprefix(".replica")) if suffix.startswith(".replica") else 0
         self._bar = tqdm(
             total=cfg.run.steps,
             initial=0 if continue_after is None else continue_after + 1,
-            desc=cfg.run.name,
+            desc=cfg.run.name + (f" replica {replica}" if suffix else ""),
+            position=replica,
             dynamic_ncols=True,
             disable=os.environ.get("HSDP_NO_BAR") == "1",
         )
@@ -196,15 +218,19 @@ class MetricsLogger:
             import wandb  # lazy: a GPU box without wandb can still run with mode=disabled
 
             settings = wandb.Settings(init_timeout=timeout, login_timeout=timeout)
-            return wandb.init(
+            run = wandb.init(
                 project=cfg.wandb.project,
                 entity=cfg.wandb.entity,
                 name=cfg.run.name,
+                id=wandb_run_id(run_dir),
+                resume="allow",  # the same id again (a resume, a restarted replica 0) continues that run
                 mode=cfg.wandb.mode,
                 dir=str(run_dir),
                 config=to_dict(cfg),
                 settings=settings,
             )
+            self._wandb_after = int(getattr(run, "step", 0) or 0) - 1
+            return run
         except Exception as e:  # no network, no API key, a broken install: the run matters more
             print(
                 f"warning: wandb.init ({cfg.wandb.mode}, timeout {timeout:g} s, ${WANDB_TIMEOUT_ENV}) failed: "
@@ -235,8 +261,9 @@ class MetricsLogger:
         record = finite_or_none(record)  # JSON has no NaN: a diverged step logs null
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        run = self._wandb
-        self._to_wandb("log", lambda: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]))
+        run, step = self._wandb, record["step"]
+        if step > self._wandb_after:  # a step the wandb run holds from an earlier life is not resent
+            self._to_wandb("log", lambda: run.log({k: v for k, v in record.items() if k != "step"}, step=step))
 
     def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         if self._bar is not None:

@@ -23,6 +23,7 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
 from hsdp.data import check_data, resolve_vocab_size, token_files
 from hsdp.engines.registry import check_engine_config
+from hsdp.init_from import read_init_from
 from hsdp.optim import lr_at
 from hsdp.run.elastic import check_lighthouse_reachable
 from hsdp.run.rundir import check_output_dir
@@ -49,6 +50,7 @@ def preflight(cfg: Config, world_size: Optional[int] = None) -> None:
     check_codec(cfg.sync)
     check_data_paths(cfg)
     resolve_vocab_size(cfg)  # model.vocab_size null → tokenizer.json's size, before anything reads it
+    check_init_from(cfg)
     if cfg.kernels.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         if not torch.cuda.is_available():
             raise ConfigError(
@@ -75,6 +77,16 @@ def check_data_paths(cfg: Config) -> None:
         raise ConfigError(f"data.path: expected a text file or glob that matches files, got {d.path!r}")
     if d.source == "tokens":
         token_files(d.path)  # one file or a glob of shards that matches files
+
+
+def check_init_from(cfg: Config) -> None:
+    """model.init_from (if set) holds exactly this model's tensors: arch, vocab, widths, depth, finite.
+
+    The path is made absolute, so every worker (and config.yaml) names the same file whatever its cwd."""
+    if not cfg.model.init_from:
+        return
+    cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().absolute())
+    read_init_from(cfg.model)  # read once here to check; each rank reads it again to build its params
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:

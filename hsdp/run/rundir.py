@@ -17,7 +17,7 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.sync.membership import ReplicaSeat
 
 # What a run writes into its folder (train.py, hsdp/run/metrics.py, wandb with dir=run folder).
-OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "replicas.json")
+OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "replicas.json", "wandb.id")
 OUTPUT_DIRS = ("checkpoints", "wandb")
 # + an elastic run's per-replica files, and its replicas' checkpoint homes (replica<m>/checkpoints)
 OUTPUT_GLOBS = ("model.replica*.pt", "metrics.replica*.jsonl", "summary.replica*.json", "replica[0-9]*")
@@ -58,7 +58,7 @@ def prepare_run_dir(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
       writes: other files in the folder are left alone) and start fresh;
     - a complete checkpoint in `checkpoints/` and `run.resume != never`: return with
       the folder untouched: train.py then resumes from the checkpoint
-      (hsdp/run/checkpoint.py) and continues metrics.jsonl; this function only makes
+      (hsdp/run/checkpoint/) and continues metrics.jsonl; this function only makes
       sure that nothing is deleted or overwritten before that;
     - otherwise: ConfigError naming `run.overwrite=true`.
 

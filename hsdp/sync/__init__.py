@@ -2,8 +2,9 @@
 
 schedule.py   when (warmup grad sync, every H, fragments, delay τ)
 outer.py      what θ_g does with the mean Δ (average / DiLoCo outer step)
-codec.py      how Δ travels (fp32 all-reduce / int8 all-gather)
-policy.py     the policy combining them, its checkpoint state, resume rules and NoSync
+codec.py      how Δ travels (fp32 all-reduce; int8, int4, top-k all-gather)
+policy.py     the policy combining them (one round: start → land → apply), resume rules and NoSync
+state.py      its state (θ_g, b, e, syncs in flight) as one object with one state_dict
 membership.py this rank's place among the replicas (mesh, join, per-step duties; local or elastic)
 elastic/      the replicas on torchft (docs/design.md §11)
 

@@ -11,25 +11,28 @@ Param sync of a fragment, per unit's held shard θ_m (fp32):
     average (no θ_g):  θ_m ← mean_m θ_m                       (one all-reduce)
     with θ_g:          Δ_m = θ_g − θ_m → codec → mean Δ → outer step → θ_m ← θ_g
 
-Overlapped sync (delay τ > 0): after the update of step s each rank snapshots
-Δ_m = θ_g − θ_m for the due fragment and starts its reduction async; steps
-s+1 … s+τ train on; after the update of step s+τ the reduction is waited on, the
-outer step gives the new θ_g and θ_m ← α·θ_m + (1 − α)·θ_g. τ = 0 is the
-blocking sync, the same ops in the same order (α unused). `finish()` lands
-whatever is still in flight when training ends (before the final eval).
+One param-sync path, a round of the transport (`start_due` → `land`): after the
+update of step s the due fragments' syncs `start` (each unit's Δ_m = θ_g − θ_m, or
+θ_m itself for plain average, goes into the codec: async when τ > 0); after the
+update of step s+τ the round lands: every reduction is finished (waited, mean),
+the transport says whether the round committed, and only then each unit's `apply`
+(outer step → new θ_g, θ_m ← α·θ_m + (1 − α)·θ_g). τ = 0 is the special case that
+lands in the same call (α = 0: θ_m ← θ_g); the elastic round is the same path on a
+transport whose rounds may fail to commit (then nothing is applied). `finish()`
+lands whatever is still in flight when training ends (before the final eval).
 
-The policy also owns its checkpoint state (`checkpoint_meta` / `checkpoint_buffers`
-/ `load_checkpoint`), the rules a resume must satisfy (`check_resume`) and the
-answer to "are the replicas identical after step s" (`replicas_identical`).
-Engines only map its per-unit flat buffers to checkpoint keys.
+Its state (θ_g, b, e, the syncs in flight) is one object, `SyncState`
+(hsdp/sync/state.py), with one `state_dict` that the checkpoint stores as it is
+(`state_dict` / `empty_state_dict` / `load_state_dict` here). The policy also owns
+the rules a resume must satisfy (`check_resume`) and the answer to "are the
+replicas identical after step s" (`replicas_identical`).
 
-θ_g and b are fp32 buffers the size of the held shard (4 bytes/element each);
-an in-flight unit also holds its Δ (4 bytes/element, plus the codec's payload).
+θ_g and b are fp32 buffers the size of the held shard (4 bytes/element each); a
+round holds each due unit's Δ until it lands (4 bytes/element, plus the codec's payload).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
@@ -40,10 +43,8 @@ from hsdp.config.schema import ConfigError, SyncConfig
 from hsdp.sync.codec import Codec, Reduction, build_codec
 from hsdp.sync.outer import OuterOptimizer
 from hsdp.sync.schedule import fragment_units, fragments_due, grad_sync_due, uses_global_copy
+from hsdp.sync.state import REPLICA_BUFFERS, OuterState, PendingSync, SyncState
 from kernels.outer import compute_delta
-
-STATE_FORMAT = 1  # bump when state_dict's layout changes
-Buffers = dict[str, list[Optional[torch.Tensor]]]  # buffer name → one flat tensor (or None) per unit
 
 
 class Sync(Protocol):
@@ -55,10 +56,9 @@ class Sync(Protocol):
     def after_step(self, step: int) -> bool: ...
     def finish(self) -> list[int]: ...
     def replicas_identical(self, step: int) -> bool: ...
-    def checkpoint_meta(self) -> dict[str, Any]: ...
-    def checkpoint_buffers(self) -> Buffers: ...
-    def empty_checkpoint_buffers(self, meta: dict[str, Any]) -> Buffers: ...
-    def load_checkpoint(self, meta: dict[str, Any], buffers: Buffers) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...  # {"meta": JSON structure, "buffers": name → per-unit flat}
+    def empty_state_dict(self, meta: dict[str, Any]) -> dict[str, Any]: ...  # load targets for a saved meta
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     replica_buffers: frozenset[str]  # buffer names that differ between replicas
 
@@ -86,51 +86,24 @@ class NoSync:
     def replicas_identical(self, step: int) -> bool:
         return True
 
-    def checkpoint_meta(self) -> dict[str, Any]:
-        return {}
+    def state_dict(self) -> dict[str, Any]:
+        return {"meta": {}, "buffers": {}}
 
-    def checkpoint_buffers(self) -> Buffers:
-        return {}
+    def empty_state_dict(self, meta: dict[str, Any]) -> dict[str, Any]:
+        return {"meta": meta, "buffers": {}}
 
-    def empty_checkpoint_buffers(self, meta: dict[str, Any]) -> Buffers:
-        return {}
-
-    def load_checkpoint(self, meta: dict[str, Any], buffers: Buffers) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
     @classmethod
     def check_resume(cls, meta: dict[str, Any], step: int, saved: SyncConfig, cfg: SyncConfig, path: Path) -> None:
         return None
 
-    @classmethod
-    def global_buffer(cls, meta: dict[str, Any]) -> Optional[str]:
-        return None
-
-
-@dataclass
-class _OuterState:
-    """θ_g and outer momentum b for one unit's held shard."""
-
-    global_params: torch.Tensor
-    momentum: Optional[torch.Tensor] = None  # allocated on the first sync
-
-
-@dataclass
-class _DelayedSync:
-    """A fragment's sync started after the update of step `start`; it lands after step `land`."""
-
-    fragment: int
-    start: int
-    land: int
-    reductions: list[Reduction]  # one per unit of the fragment, in SyncPolicy.fragments[f] order
-
 
 class SyncPolicy:
     """Decides, each step, whether grads or params cross the sync group, and does the param sync."""
 
-    # Checkpoint buffers that differ between replicas (each replica saves its own); the rest are
-    # identical on every replica (θ_g, b, an in-flight mean Δ).
-    replica_buffers = frozenset({"error"})
+    replica_buffers = REPLICA_BUFFERS  # state buffers that differ between replicas (hsdp/sync/state.py)
 
     def __init__(
         self, cfg: SyncConfig, held: list[torch.Tensor], transport: Transport, codec: Optional[Codec] = None
@@ -140,16 +113,14 @@ class SyncPolicy:
         self.transport = transport
         self.codec = codec or build_codec(cfg)
         self.outer_opt = OuterOptimizer.from_config(cfg)
-        self.delay, self.alpha = cfg.delay, cfg.alpha
+        self.delay = cfg.delay
+        self.alpha = cfg.alpha if cfg.delay > 0 else 0.0  # τ = 0 lands as it starts: θ_m ← θ_g
         self.uses_global = uses_global_copy(cfg)
-        self.outer: list[Optional[_OuterState]] = [None] * len(held)
-        # Error feedback: each replica's residual per unit (fp32, allocated on its first sync).
-        self.error: list[Optional[torch.Tensor]] = [None] * len(held)
-        self.residual_before: dict[int, torch.Tensor] = {}  # elastic + error feedback: see settle_residuals
         self.fragments = fragment_units(len(held), cfg.fragments)
-        self.in_flight: list[_DelayedSync] = []  # in start order, so every rank waits in the same order
+        self.state = SyncState(held, self.fragments)  # θ_g, b, e and the syncs in flight: what a checkpoint keeps
         self.landed: list[int] = []  # fragments whose sync landed in the last after_step / finish
         self.dropped = 0  # rounds that did not commit (an elastic replica failed during them): not applied
+        self.residual_before: dict[int, torch.Tensor] = {}  # elastic + error feedback: see settle_residuals
         if cfg.warmup_steps == 0:
             self.start_global_copy()
 
@@ -199,11 +170,11 @@ class SyncPolicy:
         # rank issues and waits on the sync group's collectives in this same order.
         landing = [s for s in self.in_flight if s.land == step]
         if landing:
-            self.land_syncs(landing)
+            self.land(landing)
         return self.start_due(step)
 
     def start_due(self, step: int, joined: bool = False) -> bool:
-        """The param syncs due after `step`, as one round of the transport: run them (τ = 0) or start them.
+        """The param syncs due after `step`, as one round of the transport: start them; τ = 0 lands them at once.
 
         `joined`: the round has already begun (an elastic replica that just healed into its peers' round
         at `step`, hsdp/sync/elastic/join.py)."""
@@ -212,23 +183,16 @@ class SyncPolicy:
             return False
         if not joined:
             self.transport.begin_round()
-        if self.delay > 0:
-            for f in due:
-                self.start_sync(f, step)
-        elif self.transport.may_fail:
-            self.sync_round(due)
-        else:
-            for f in due:
-                for u in self.fragments[f]:
-                    self.sync_params(u)
-                self.landed.append(f)
+        started = [self.start(f, step) for f in due]
+        if self.delay == 0:
+            self.land(started)
         return True
 
     def finish(self) -> list[int]:
         """End of training: land every sync still in flight (in start order); returns their fragments."""
         self.landed = []
         if self.in_flight:
-            self.land_syncs(list(self.in_flight))
+            self.land(list(self.in_flight))
         return self.landed
 
     def replicas_identical(self, step: int) -> bool:
@@ -240,43 +204,26 @@ class SyncPolicy:
             return True
         if self.in_flight or (self.delay > 0 and self.alpha > 0):
             return False
-        # The syncs that landed after `step` started τ steps earlier (τ = 0: blocking, they started now).
+        # The syncs that landed after `step` started τ steps earlier (τ = 0: they started now).
         return len(fragments_due(step - self.delay, self.cfg)) == len(self.fragments)
 
     def start_global_copy(self) -> None:
         """θ_g ← θ_m (the end of the warmup, or the start of a run without one), if the method keeps θ_g."""
         if self.uses_global:
-            self.outer = [_OuterState(global_params=h.clone()) for h in self.held]
+            self.state.start_global_copy()
 
-    # ------------------------------------------------------------ blocking param sync (τ = 0)
+    # ------------------------------------------------------------ one param sync: start → land (finish, commit) → apply
     @torch.no_grad()
-    def sync_params(self, u: int) -> None:
-        """Sync one unit now: reduce, outer step, θ_m ← θ_g (or the plain average)."""
-        held = self.held[u]
-        if not self.uses_global:
-            self.transport.all_reduce_sum(held, async_op=False)
-            held.div_(len(self.transport.contributors))
-            return
-        red = self.snapshot_delta(u, async_op=False)
-        self.codec.finish(red, self.transport)
-        self.apply_outer_step(u, red.delta, merge=False)
-
-    # ------------------------------------------------------------ overlapped param sync (τ > 0)
-    @torch.no_grad()
-    def start_sync(self, f: int, step: int) -> None:
-        """Snapshot Δ_m of fragment f's units and launch their reductions; they land after step + τ."""
-        reductions = [self.snapshot_delta(u, async_op=True) for u in self.fragments[f]]
-        self.in_flight.append(_DelayedSync(f, step, step + self.delay, reductions))
+    def start(self, f: int, step: int) -> PendingSync:
+        """Start fragment f's reductions (async when τ > 0); the sync lands after step + τ."""
+        sync = PendingSync(f, step, step + self.delay, [self.start_reduction(u) for u in self.fragments[f]])
+        self.state.in_flight.append(sync)
+        return sync
 
     @torch.no_grad()
-    def land_sync(self, sync: _DelayedSync) -> None:
-        """Wait for a fragment's reductions, then the outer step and θ_m ← α·θ_m + (1 − α)·θ_g."""
-        self.land_syncs([sync])
-
-    @torch.no_grad()
-    def land_syncs(self, syncs: list[_DelayedSync]) -> None:
-        """Land the syncs of one round: wait for every reduction; if the round commits, each unit's outer
-        step and merge, else (a failed elastic round) none of them."""
+    def land(self, syncs: list[PendingSync]) -> None:
+        """Land the syncs of one round: finish every reduction (wait, mean); if the round commits, apply
+        each unit's, else (a failed elastic round) none of them: θ_m and θ_g stay as they were."""
         for sync in syncs:
             for red in sync.reductions:
                 self.codec.finish(red, self.transport)
@@ -285,199 +232,87 @@ class SyncPolicy:
         for sync in syncs:
             if commit:
                 for u, red in zip(self.fragments[sync.fragment], sync.reductions):
-                    self.apply_outer_step(u, red.delta, merge=True)
+                    self.apply(u, red.delta)
                 self.landed.append(sync.fragment)
-            self.in_flight.remove(sync)
+            self.state.in_flight.remove(sync)
         self.dropped += not commit
 
-    @torch.no_grad()
-    def sync_round(self, fragments: list[int]) -> None:
-        """A blocking round on a transport that may fail (elastic): every reduction first, then, only if the
-        round commits, every unit's update; a round that does not commit leaves θ_m and θ_g as they were."""
-        units = [u for f in fragments for u in self.fragments[f]]
-        if self.uses_global:
-            reds = [self.snapshot_delta(u, async_op=False) for u in units]
-            for red in reds:
-                self.codec.finish(red, self.transport)
-            n, means = None, [red.delta for red in reds]
-        else:
-            means = [self.held[u].clone() for u in units]  # reduced apart from θ_m, which a drop keeps
-            for t in means:
-                self.transport.all_reduce_sum(t, async_op=False)
-            n = len(self.transport.contributors)
-        committed = self.transport.commit_round()
-        self.settle_residuals(committed)
-        if not committed:
-            self.dropped += 1
-            return
-        for u, mean in zip(units, means):
-            if n is None:
-                self.apply_outer_step(u, mean, merge=False)
-            else:
-                self.held[u].copy_(mean).div_(n)
-        self.landed.extend(fragments)
-
-    # ------------------------------------------------------------ the pieces of one unit's sync
-    def snapshot_delta(self, u: int, async_op: bool) -> Reduction:
-        """Δ_m = θ_g − θ_m for unit u, and the start of its reduction through the codec."""
+    def start_reduction(self, u: int) -> Reduction:
+        """Unit u's part of a round, started through the codec: Δ_m = θ_g − θ_m, or without θ_g (plain
+        average, τ = 0) θ_m itself, reduced in place unless a round may fail (then a copy, which a drop
+        discards)."""
         held = self.held[u]
+        async_op = self.delay > 0
+        if not self.uses_global:
+            target = held.clone() if self.transport.may_fail else held
+            return self.codec.start(target, self.transport, async_op)
         delta = torch.empty_like(held)
-        compute_delta(self.outer[u].global_params, held, delta)
-        if self.cfg.error_feedback and self.error[u] is None:
-            self.error[u] = torch.zeros_like(held)
+        compute_delta(self.state.outer[u].global_params, held, delta)
+        error = self.state.error_of(u) if self.cfg.error_feedback else None
         self.keep_residual(u)
-        return self.codec.start(delta, self.transport, async_op, error=self.error[u])
+        return self.codec.start(delta, self.transport, async_op, error=error)
 
     # ---- error feedback on a transport that may fail (elastic, docs/design.md §11): a residual changes only
     # in a round that committed and counted this replica's part; otherwise it is put back as it was.
     def keep_residual(self, u: int) -> None:
         """Before the codec updates unit u's residual in a round that may not count: keep a copy."""
-        if self.transport.may_fail and self.error[u] is not None:
-            self.residual_before[u] = self.error[u].clone()
+        if self.transport.may_fail and self.state.error[u] is not None:
+            self.residual_before[u] = self.state.error[u].clone()
 
     def settle_residuals(self, committed: bool) -> None:
         """After a round's commit: put the kept residuals back unless the round applied this replica's part."""
-        if not (committed and self.transport.counted):
+        if self.residual_before and not (committed and self.transport.counted):
             for u, before in self.residual_before.items():
-                self.error[u].copy_(before)
+                self.state.error[u].copy_(before)
         self.residual_before.clear()
 
-    def apply_outer_step(self, u: int, mean_delta: torch.Tensor, merge: bool) -> None:
-        """θ_g ← outer step with mean Δ; θ_m ← θ_g, or with merge (a delayed sync) α·θ_m + (1 − α)·θ_g."""
-        state = self.outer[u]
+    def apply(self, u: int, mean: torch.Tensor) -> None:
+        """Unit u's landed round: θ_m ← the mean (plain average), or θ_g ← outer step with the mean Δ and
+        θ_m ← α·θ_m + (1 − α)·θ_g (τ = 0: α = 0, θ_m ← θ_g)."""
         held = self.held[u]
+        if not self.uses_global:
+            if mean is not held:
+                held.copy_(mean)
+            return
+        state = self.state.outer[u]
         first = state.momentum is None
         if first:
             state.momentum = torch.empty_like(held)
-        # α = 0 adopts θ_g: let the kernel write it into held, exactly as the blocking sync does.
-        out = torch.empty_like(held) if merge and self.alpha > 0 else held
-        self.outer_opt.step(out, state.global_params, state.momentum, mean_delta, first)
+        # α = 0 adopts θ_g: let the kernel write it into held directly.
+        out = torch.empty_like(held) if self.alpha > 0 else held
+        self.outer_opt.step(out, state.global_params, state.momentum, mean, first)
         if out is not held:
             held.lerp_(out, 1.0 - self.alpha)  # θ_m + (1 − α)(θ_g − θ_m); exact at α = 1
 
-    # ------------------------------------------------------------ checkpointable state
+    # ------------------------------------------------------------ checkpointable state (hsdp/sync/state.py)
+    @property
+    def in_flight(self) -> list[PendingSync]:
+        return self.state.in_flight
+
+    @property
+    def outer(self) -> list[Optional[OuterState]]:
+        return self.state.outer
+
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
-        """θ_g, b and the in-flight syncs, as plain tensors (flat fp32, the held shard's shape).
+        """The sync state's one serialised form ({"meta", "buffers"}, hsdp/sync/state.py).
 
-        A sync in flight is stored as its already-reduced mean Δ and its land step: this waits
-        for the reduction to *finish* (the collective only), but the outer step and merge still
-        happen at the land step, so a run that checkpoints computes exactly what one that does
-        not computes; loading starts no collective. The tensors alias the policy's buffers
-        (like nn.Module.state_dict): save or clone them before training on.
+        A sync in flight is stored as its already-reduced mean Δ and its land step: this waits for the
+        reduction to *finish* (the collective only), but the outer step and merge still happen at the land
+        step, so a run that checkpoints computes exactly what one that does not computes; loading starts
+        no collective. The tensors alias the policy's buffers: save or clone them before training on.
         """
         for sync in self.in_flight:
             for red in sync.reductions:
                 self.codec.finish(red, self.transport)
-        return {
-            "format": STATE_FORMAT,
-            "fragments": self.cfg.fragments,
-            "has_global": any(s is not None for s in self.outer),
-            "global_params": [s.global_params if s is not None else None for s in self.outer],
-            "momentum": [s.momentum if s is not None else None for s in self.outer],
-            "error": list(self.error),
-            "in_flight": [
-                {
-                    "fragment": s.fragment,
-                    "start": s.start,
-                    "land": s.land,
-                    "mean_delta": [r.delta for r in s.reductions],
-                }
-                for s in self.in_flight
-            ],
-        }
+        return self.state.state_dict()
 
-    @torch.no_grad()
+    def empty_state_dict(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Load targets shaped after a saved state_dict's `meta` (zeroed buffers)."""
+        return self.state.empty_state_dict(meta)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what state_dict() returned (tensors are copied onto the held shards' device)."""
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"SyncPolicy.load_state_dict: expected format {STATE_FORMAT}, got {state.get('format')}")
-        if state["fragments"] != self.cfg.fragments or len(state["global_params"]) != len(self.held):
-            raise ValueError(
-                f"SyncPolicy.load_state_dict: state of {len(state['global_params'])} units in "
-                f"{state['fragments']} fragments, policy has {len(self.held)} in {self.cfg.fragments}"
-            )
-
-        def own(t: torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
-            if t.shape != like.shape:
-                raise ValueError(
-                    f"SyncPolicy.load_state_dict: {what} has shape {tuple(t.shape)}, expected {tuple(like.shape)}"
-                )
-            return torch.empty_like(like).copy_(t)
-
-        if state["has_global"]:
-            self.outer = [
-                _OuterState(own(g, h, f"global_params[{u}]"), None if b is None else own(b, h, f"momentum[{u}]"))
-                for u, (h, g, b) in enumerate(zip(self.held, state["global_params"], state["momentum"]))
-            ]
-        else:
-            self.outer = [None] * len(self.held)
-        errors = state.get("error") or [None] * len(self.held)  # absent in states saved without the codec's
-        self.error = [
-            None if e is None else own(e, h, f"error[{u}]") for u, (h, e) in enumerate(zip(self.held, errors))
-        ]
-        self.in_flight = []
-        for s in state["in_flight"]:
-            units = self.fragments[s["fragment"]]
-            reds = [
-                Reduction(own(d, self.held[u], f"in_flight mean_delta of unit {u}"), done=True)
-                for u, d in zip(units, s["mean_delta"], strict=True)
-            ]
-            self.in_flight.append(_DelayedSync(s["fragment"], s["start"], s["land"], reds))
-
-    # ------------------------------------------------------------ the checkpoint's view of that state
-    def checkpoint_meta(self) -> dict[str, Any]:
-        """The saved state's structure (JSON): which buffers exist, so a load can allocate them first."""
-        state = self.state_dict()
-        return {
-            "format": state["format"],
-            "fragments": state["fragments"],
-            "has_global": bool(state["has_global"]),
-            "momentum_units": [u for u, b in enumerate(state["momentum"]) if b is not None],
-            "error_units": [u for u, e in enumerate(state["error"]) if e is not None],
-            "in_flight": [{k: s[k] for k in ("fragment", "start", "land")} for s in state["in_flight"]],
-        }
-
-    def checkpoint_buffers(self) -> Buffers:
-        """The state's tensors by name, each a per-unit list of flat buffers (aliases: save before training on)."""
-        return self._buffers_of(self.state_dict())
-
-    def empty_checkpoint_buffers(self, meta: dict[str, Any]) -> Buffers:
-        """Zeroed buffers shaped after a saved `checkpoint_meta` (load targets; padding stays zero)."""
-        return self._buffers_of(self._empty_state(meta))
-
-    def load_checkpoint(self, meta: dict[str, Any], buffers: Buffers) -> None:
-        """Install buffers filled in from a checkpoint (as returned by `empty_checkpoint_buffers`)."""
-        state = self._empty_state(meta)
-        state["global_params"], state["momentum"] = buffers["global"], buffers["momentum"]
-        state["error"] = buffers["error"]
-        for i, s in enumerate(state["in_flight"]):
-            s["mean_delta"] = [d for d in buffers[f"in_flight{i}"] if d is not None]
-        self.load_state_dict(state)
-
-    def _buffers_of(self, state: dict[str, Any]) -> Buffers:
-        buffers: Buffers = {"global": state["global_params"], "momentum": state["momentum"], "error": state["error"]}
-        for i, s in enumerate(state["in_flight"]):
-            per_unit: list[Optional[torch.Tensor]] = [None] * len(self.held)
-            for u, delta in zip(self.fragments[s["fragment"]], s["mean_delta"]):
-                per_unit[u] = delta
-            buffers[f"in_flight{i}"] = per_unit
-        return buffers
-
-    def _empty_state(self, meta: dict[str, Any]) -> dict[str, Any]:
-        zeros = torch.zeros_like
-        return {
-            "format": meta["format"],
-            "fragments": meta["fragments"],
-            "has_global": meta["has_global"],
-            "global_params": [zeros(h) if meta["has_global"] else None for h in self.held],
-            "momentum": [zeros(h) if u in meta["momentum_units"] else None for u, h in enumerate(self.held)],
-            "error": [zeros(h) if u in meta.get("error_units", ()) else None for u, h in enumerate(self.held)],
-            "in_flight": [
-                {**s, "mean_delta": [zeros(self.held[u]) for u in self.fragments[s["fragment"]]]}
-                for s in meta["in_flight"]
-            ],
-        }
+        self.state.load_state_dict(state)
 
     @classmethod
     def check_resume(cls, meta: dict[str, Any], step: int, saved: SyncConfig, cfg: SyncConfig, path: Path) -> None:
@@ -501,11 +336,6 @@ class SyncPolicy:
                 f"sync.method: checkpoint {path} (step {step}, past the warmup) has no global "
                 f"copy θ_g, which this config's sync needs"
             )
-
-    @classmethod
-    def global_buffer(cls, meta: dict[str, Any]) -> Optional[str]:
-        """The name of the checkpoint buffer holding θ_g, if the saved state has one."""
-        return "global" if meta.get("has_global") else None
 
 
 def build_sync(cfg: SyncConfig, held: list[torch.Tensor], transport: Transport) -> SyncPolicy:

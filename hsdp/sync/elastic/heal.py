@@ -58,7 +58,8 @@ class HealState:
         # Copies: they are sent from another thread while this replica trains on.
         policy = copy.deepcopy(self.engine.policy.state_dict())
         # Error-feedback residuals are each replica's own: a healed replica starts from zero (docs/design.md §11).
-        policy["error"] = [None] * len(policy["error"])
+        policy["buffers"]["error"] = [None] * len(policy["buffers"]["error"])
+        policy["meta"]["error_units"] = []
         thetas = self._global_params(policy)
         return {
             # A unit whose params are θ_g (just after its sync) is not sent twice: a fifth less behind a slow link.
@@ -83,7 +84,7 @@ class HealState:
 
     def _global_params(self, policy_state: dict[str, Any]) -> list[Optional[torch.Tensor]]:
         """θ_g per unit from a policy state dict (None for each unit where the policy keeps none)."""
-        return policy_state.get("global_params") or [None] * len(self.engine.units)
+        return policy_state["buffers"].get("global") or [None] * len(self.engine.units)
 
     @torch.no_grad()
     def load_full(self, state: dict[str, Any]) -> None:

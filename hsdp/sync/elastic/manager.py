@@ -63,7 +63,9 @@ def _http_transport(timeout: timedelta, host: str):
             port = torch_compat.http_transport_port(self)  # torchft's own server (as its address() reads it)
             return f"http://{f'[{host}]' if ':' in host else host}:{port}/checkpoint/"
 
-    return _Transport(timeout=timeout, num_chunks=0)
+    transport = _Transport(timeout=timeout, num_chunks=0)
+    torch_compat.silence_http_access_log(transport)  # a line per heal request on the user's terminal says nothing
+    return transport
 
 
 def address_towards(url: str) -> str:

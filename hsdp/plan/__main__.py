@@ -1,0 +1,251 @@
+"""Plan a run before paying for it: step time, compute utilisation and bytes at given link rates.
+
+    python -m hsdp.plan CONFIG [--set k=v ...] --inter RATE[,RATE...] [--latency MS] [--intra RATE]
+                        [--calibrate RUN_DIR] [--json] [--plot OUT.png]
+                        [--params N] [--replicas M] [--shard S] [--gpu NAME] [--mfu F] [--flops F] [--tokens T]
+
+Compute comes from a fake-backend run of the config (`--calibrate RUN_DIR`, else a few fake steps
+measured now) or, with `--gpu`/`--flops`, from FLOPs (hsdp.plan.project); communication from the
+engine's byte counts (hsdp.plan.workload) on the step model of hsdp.plan.model. Bad input exits 2
+with one line, before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from hsdp.bench.spec import parse_rate
+from hsdp.config.loader import load_config
+from hsdp.config.schema import Config, ConfigError
+from hsdp.plan.calibrate import SKIP, measure_fake_run, read_fake_run
+from hsdp.plan.model import FRAMING, Compute, Link, Prediction, predict
+from hsdp.plan.project import failure_cost, gpu_peak_flops, projected_compute
+from hsdp.plan.report import plot_utilization, rate_label, table
+from hsdp.plan.workload import Workload, build_workload
+
+SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str, flag: str) -> float:
+    """'10B' → 1e10, '124M', '2e12', '1.5T'; ConfigError naming the flag otherwise."""
+    t = str(text).strip().lower()
+    scale = SUFFIXES.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if t[-1:] in SUFFIXES else t) * scale
+    except ValueError:
+        raise ConfigError(f"{flag}: expected a number such as 10B, 124M or 2e12, got {text!r}") from None
+    if not value > 0:
+        raise ConfigError(f"{flag}: expected a positive number, got {text!r}")
+    return value
+
+
+def parse_rates(text: str, flag: str) -> list[float]:
+    rates = []
+    for part in filter(None, text.split(",")):
+        try:
+            label, bps = parse_rate(part)
+        except ConfigError:
+            raise ConfigError(f"{flag}: expected rates such as 20mbit, 10gbit or 500kbit, got {part!r}") from None
+        if bps is None:
+            raise ConfigError(f"{flag}: a plan needs a finite rate, got {part!r}")
+        rates.append(float(bps))
+    if not rates:
+        raise ConfigError(f"{flag}: expected at least one rate")
+    return rates
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hsdp.plan", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="the run's config (YAML)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--inter", required=True, help="each replica's link, comma-separated rates: 20mbit,10gbit")
+    p.add_argument("--latency", type=float, default=0.0, metavar="MS", help="one-way inter-link latency (ms)")
+    p.add_argument("--intra", help="the shard group's rate per rank (default: free, as in the calibration)")
+    p.add_argument("--calibrate", metavar="RUN_DIR", help="a mesh.backend=fake run of the config")
+    p.add_argument(
+        "--compute-s",
+        type=float,
+        metavar="SECONDS",
+        help="a compute-only step time measured elsewhere (e.g. a sweep's nocomm twin), instead of --calibrate",
+    )
+    p.add_argument("--calibrate-steps", type=int, default=16, help="fake steps measured when no RUN_DIR is given")
+    p.add_argument("--overhead", type=float, default=FRAMING, help="wire bytes per payload byte (TCP/IP framing)")
+    p.add_argument("--json", action="store_true", help="print JSON (one object, or a list for several rates)")
+    p.add_argument("--plot", metavar="OUT.png", help="utilisation vs inter bandwidth, HSDP and the config's method")
+    p.add_argument("--params", help="project to a model of this many parameters (scales the config's units)")
+    p.add_argument("--replicas", type=int, help="mesh.sync of the projected cluster")
+    p.add_argument("--shard", type=int, help="mesh.shard (GPUs per replica) of the projected cluster")
+    p.add_argument("--gpu", help="GPU for the compute (hsdp.model's peak table): H100, H200, A100, ...")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of --gpu/--flops (default 0.4)")
+    p.add_argument("--flops", help="peak FLOP/s per GPU, for a GPU not in the table (e.g. 989e12)")
+    p.add_argument("--tokens", help="token budget (default: run.steps × tokens per step)")
+    p.add_argument(
+        "--for-utilization",
+        metavar="U[,U...]",
+        help="also print the inter bandwidth each compute utilisation needs (e.g. 0.5,0.9,0.95)",
+    )
+    return p
+
+
+class Plan:
+    """The checked inputs of one planning command."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.rates = parse_rates(a.inter, "--inter")
+        if not a.latency >= 0:
+            raise ConfigError(f"--latency: expected milliseconds >= 0, got {a.latency:g}")
+        self.intra = parse_rates(a.intra, "--intra")[0] if a.intra else None
+        if not 0 < a.mfu <= 1:
+            raise ConfigError(f"--mfu: expected a fraction in (0, 1], got {a.mfu:g}")
+        if not a.overhead >= 1:
+            raise ConfigError(f"--overhead: expected a factor >= 1, got {a.overhead:g}")
+        self.peak = parse_count(a.flops, "--flops") if a.flops else gpu_peak_flops(a.gpu) if a.gpu else None
+        self.params = int(parse_count(a.params, "--params")) if a.params else None
+        if self.params is not None and self.peak is None:
+            raise ConfigError(
+                "--params: a fake-backend calibration measures only the config's model; add --gpu or --flops"
+            )
+        given = [flag for flag, v in (("--calibrate", a.calibrate), ("--compute-s", a.compute_s)) if v is not None]
+        given += ["--gpu/--flops"] if self.peak is not None else []
+        if len(given) > 1:
+            raise ConfigError(f"{given[0]}: give one source of compute, not {' and '.join(given)}")
+        if not given and a.calibrate_steps <= SKIP:
+            raise ConfigError(
+                f"--calibrate-steps: the first {SKIP} steps are not timed; expected more, got {a.calibrate_steps}"
+            )
+        if a.compute_s is not None and not a.compute_s > 0:
+            raise ConfigError(f"--compute-s: expected seconds > 0, got {a.compute_s:g}")
+        self.tokens = int(parse_count(a.tokens, "--tokens")) if a.tokens else None
+        self.targets = parse_targets(a.for_utilization) if a.for_utilization else []
+        mesh = [f"mesh.sync={a.replicas}"] if a.replicas else []
+        mesh += [f"mesh.shard={a.shard}"] if a.shard else []
+        self.overrides = [*a.overrides, *mesh]
+        self.cfg: Config = load_config(a.config, self.overrides)
+        self.args = a
+        self.compute: Optional[Compute] = None
+        if a.calibrate:  # read (and check) it now: a wrong folder is bad input, found before any work
+            self.compute = read_fake_run(a.calibrate, self.cfg)
+        elif a.compute_s is not None:
+            self.compute = Compute(a.compute_s, 0.0, "--compute-s")
+
+    def workload(self, cfg: Optional[Config] = None) -> Workload:
+        return build_workload(cfg or self.cfg, self.params)
+
+    def link(self, bps: float) -> Link:
+        return Link(bps, self.args.latency / 1e3, self.intra, self.args.overhead)
+
+    def resolve_compute(self, w: Workload) -> Compute:
+        if self.compute is None:
+            if self.peak is not None:
+                self.compute = projected_compute(w, self.peak, self.args.mfu)
+            else:
+                print(f"[plan] measuring {self.args.calibrate_steps} fake-backend steps of the config", file=sys.stderr)
+                self.compute = measure_fake_run(self.args.config, self.overrides, self.args.calibrate_steps)
+        return self.compute
+
+    def predict(self, w: Workload, bps: float) -> Prediction:
+        compute = self.resolve_compute(w)
+        p = predict(w, self.link(bps), compute, self.cfg.run.steps, self.tokens)
+        cost = failure_cost(w, self.link(bps), compute, self.cfg)
+        p.extra = {
+            "failure_survivor_lost_s": cost.survivor_lost_s,
+            "failure_heal_s": cost.heal_s,
+            "failure_heal_bytes_per_rank": cost.heal_bytes_per_rank,
+        }
+        return p
+
+
+def parse_targets(text: str) -> list[float]:
+    try:
+        targets = [float(t) for t in text.split(",") if t]
+    except ValueError:
+        targets = []
+    if not targets or not all(0 < t < 1 for t in targets):
+        raise ConfigError(f"--for-utilization: expected fractions in (0, 1) such as 0.5,0.9, got {text!r}")
+    return targets
+
+
+def bandwidth_for(plan: Plan, w: Workload, target: float) -> Optional[float]:
+    """The least inter rate (bits/s) at which the compute utilisation reaches `target` (bisection on a log
+    scale between 1 kbit/s and 100 Pbit/s; utilisation grows with the rate), or None if it never does."""
+    lo, hi = 1e3, 1e17
+    if plan.predict(w, hi).compute_utilization < target:
+        return None
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if plan.predict(w, mid).compute_utilization >= target else (mid, hi)
+    return hi
+
+
+def hsdp_twin(cfg: Config) -> Config:
+    """The same config as exact HSDP (grads synced every step)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, warmup_steps=None))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = Plan(args)
+        if args.plot:
+            import matplotlib  # noqa: F401  (fail now, not after the calibration)
+    except ConfigError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    except ImportError:
+        print("plan: --plot needs matplotlib (pip install -e '.[plot]')", file=sys.stderr)
+        return 2
+    w = plan.workload()
+    try:
+        predictions = [plan.predict(w, bps) for bps in plan.rates]
+    except ConfigError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = [p.to_json() for p in predictions]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+    else:
+        print(
+            f"compute: {plan.compute.step_s:.4g} s/step + {plan.compute.sync_s:.4g} s per param sync "
+            f"({plan.compute.source})"
+        )
+        print(f"params {w.params:.4g}, units {len(w.units)}, mesh {w.M}×{w.S}, {w.tokens_per_step} tokens/step\n")
+        print(table(predictions))
+        p = predictions[0]
+        lost = p.extra["failure_survivor_lost_s"]
+        print(
+            f"\nreplica failure at {rate_label(p.rate_bps)}: survivors lose ~{lost:.3g} s, "
+            f"the restarted replica heals in ~{p.extra['failure_heal_s']:.3g} s "
+            f"({p.extra['failure_heal_bytes_per_rank'] / 2**20:.4g} MiB per rank)"
+        )
+    if plan.targets:
+        print("\n| compute utilization | inter bandwidth needed |\n|---:|---:|")
+        for target in plan.targets:
+            bps = bandwidth_for(plan, w, target)
+            print(f"| {100 * target:g}% | {rate_label(bps) if bps else 'never (latency or compute bound)'} |")
+    if args.plot:
+        twin = plan.workload(hsdp_twin(plan.cfg))
+        curves = {"exact HSDP": lambda r: plan.predict(twin, r).compute_utilization}
+        if plan.cfg.sync.warmup_steps is not None:
+            curves[method_label(plan.cfg)] = lambda r: plan.predict(w, r).compute_utilization
+        lo, hi = min(plan.rates) / 10, max(plan.rates) * 10
+        plot_utilization(args.plot, curves, lo, hi)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def method_label(cfg: Config) -> str:
+    s = cfg.sync
+    codec = s.quantize if s.topk == 0 else f"top-{s.topk:g}" + (f" {s.quantize}" if s.quantize != "none" else "")
+    parts = [s.method, f"H={s.every}", codec if codec != "none" else "fp32"]
+    parts += [f"P={s.fragments}"] if s.fragments > 1 else []
+    parts += [f"τ={s.delay}"] if s.delay else []
+    return " ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""What one step of a config computes and moves: its units' held sizes and FLOP shares, and the bytes
+of every collective, from the functions the engine counts with (docs/design.md §3, §4).
+
+Bytes are never re-derived here. A unit's held elements come from `hsdp.layout.plan_layout` (the
+engine's own dim-0 layout, padding included); a collective's bytes from `hsdp.comm.groups.ring_bytes_of`
+(what `Comm` counts); a codec's payload from the codec classes of `hsdp.sync.codec` (`fields`: the
+tensors it sends). Int8 sends its two fields as two all-gathers; int4 and top-k pack theirs into one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hsdp.comm.groups import ring_bytes_of
+from hsdp.config.schema import Config, SyncConfig
+from hsdp.layout import DTYPES, plan_layout
+from hsdp.model import GPT
+from hsdp.sync.codec import DenseLowBitCodec, Fp32Codec, Int8Codec, TopKCodec, build_codec
+from hsdp.sync.schedule import fragment_units
+
+
+@dataclass(frozen=True)
+class Message:
+    """One collective on a group of n ranks: its op and the bytes one rank sends (ring formula)."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter
+    nbytes: int
+
+    def hops(self, n: int) -> int:
+        """Latency terms of a ring: n − 1 steps for a gather or scatter, 2(n − 1) for an all-reduce."""
+        return 2 * (n - 1) if self.op == "all_reduce" else n - 1
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of the model as the engine holds it: elements per rank and its share of the step's FLOPs."""
+
+    held: int  # N_u: held elements per rank (hsdp.layout), padding included
+    flops_share: float  # fraction of the model's forward/backward FLOPs in this unit
+    embedding: bool  # backward needs no weights: not re-gathered (docs/design.md §3)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A config's step: units, mesh and dtypes, and the sync config whose schedule and codec it runs."""
+
+    units: tuple[Unit, ...]
+    M: int  # replicas (mesh.sync)
+    S: int  # shard group (mesh.shard)
+    A: int  # micro-steps (optim.grad_accum)
+    param_bytes: int  # b_p
+    reduce_bytes: int  # b_r
+    prefetch: bool
+    sync: SyncConfig
+    tokens_per_step: int  # the whole run's, all replicas
+    flops_per_token: int
+    params: int  # the model's parameters (unpadded)
+
+    # -------------------------------------------------------- the shard group (per rank, per step)
+    def gather_messages(self, u: int) -> Message:
+        return Message("all_gather", ring_bytes_of("all_gather", self.S, self.units[u].held * self.param_bytes))
+
+    def reduce_scatter_message(self, u: int) -> Message:
+        return Message(
+            "reduce_scatter", ring_bytes_of("reduce_scatter", self.S, self.units[u].held * self.reduce_bytes)
+        )
+
+    def shard_bytes_per_step(self) -> int:
+        """§4: forward gathers and backward re-gathers per micro-step, one reduce-scatter, the grad norm."""
+        if self.S == 1:
+            return 0
+        gathers = sum(
+            self.gather_messages(u).nbytes * (1 if unit.embedding else 2) for u, unit in enumerate(self.units)
+        )
+        scatters = sum(self.reduce_scatter_message(u).nbytes for u in range(len(self.units)))
+        return self.A * gathers + scatters + ring_bytes_of("all_reduce", self.S, 4)
+
+    # -------------------------------------------------------- the sync group (per rank)
+    def grad_sync_message(self, u: int) -> Message:
+        """Stage 3 of the grad reduction: the reduced grad shard all-reduced across replicas (§3)."""
+        return Message("all_reduce", ring_bytes_of("all_reduce", self.M, self.units[u].held * self.reduce_bytes))
+
+    def grad_sync_bytes(self) -> int:
+        return 0 if self.M == 1 else sum(self.grad_sync_message(u).nbytes for u in range(len(self.units)))
+
+    def param_sync_messages(self, u: int) -> list[Message]:
+        """The collectives of one unit's param sync through the config's codec (§2.3–2.5)."""
+        return codec_messages(self.sync, self.units[u].held, self.M)
+
+    def fragments(self) -> list[list[int]]:
+        return fragment_units(len(self.units), self.sync.fragments)
+
+    def fragment_sync_bytes(self, f: int) -> int:
+        if self.M == 1:
+            return 0
+        return sum(m.nbytes for u in self.fragments()[f] for m in self.param_sync_messages(u))
+
+    def period_sync_bytes(self) -> int:
+        """Bytes of one period H after the warmup: every fragment syncs once."""
+        return sum(self.fragment_sync_bytes(f) for f in range(self.sync.fragments))
+
+
+def codec_messages(sync: SyncConfig, n: int, M: int) -> list[Message]:
+    """What the codec `sync` names sends for a unit of n held elements on M replicas.
+
+    Plain averaging (no θ_g) all-reduces θ_m itself, in fp32, as the fp32 codec does Δ_m.
+    """
+    codec = build_codec(sync)
+    if isinstance(codec, Fp32Codec):
+        return [Message("all_reduce", ring_bytes_of("all_reduce", M, 4 * n))]
+    if isinstance(codec, Int8Codec):  # values and scales, one all-gather each (Int8Codec.start)
+        fields = DenseLowBitCodec("int8", codec.block).values.fields(n)
+        return [Message("all_gather", ring_bytes_of("all_gather", M, f.nbytes)) for f in fields]
+    if isinstance(codec, DenseLowBitCodec):
+        fields = codec.values.fields(n)
+    elif isinstance(codec, TopKCodec):
+        fields = codec.fields(n)
+    else:  # a codec this planner does not know yet: refuse rather than guess its bytes
+        raise TypeError(f"plan: no byte count for codec {type(codec).__name__}")
+    return [Message("all_gather", ring_bytes_of("all_gather", M, sum(f.nbytes for f in fields)))]
+
+
+def unit_flops(unit: torch.nn.Module, index: int, cfg: Config) -> float:
+    """A unit's training FLOPs per token, as `GPT.flops_per_token` counts them (its share of them)."""
+    matmul = 0 if index == 0 else sum(p.numel() for p in unit.parameters() if p.dim() == 2)
+    attention = 12 * cfg.model.seq_len * cfg.model.d_model if 0 < index <= cfg.model.n_layer else 0
+    return 6 * matmul + attention
+
+
+def build_workload(cfg: Config, params: int | None = None) -> Workload:
+    """The config's workload; `params` scales every unit to a model of that many parameters (projection)."""
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    S, M = cfg.mesh.shard, cfg.mesh.sync
+    total = sum(p.numel() for p in model.parameters())
+    scale = 1.0 if params is None else params / total
+    flops = [unit_flops(unit, i, cfg) for i, unit in enumerate(model.units)]
+    # an embedding's lookup has no matmul FLOPs, but its backward (a scatter-add) costs time: give it the
+    # share of a matmul over its table, so the per-unit split never has a zero-time unit
+    flops[0] = 6 * sum(p.numel() for p in model.units[0].parameters()) / cfg.model.seq_len
+    units = tuple(
+        Unit(
+            held=max(1, round(plan_layout(unit, S).N * scale)),
+            flops_share=f / sum(flops),
+            embedding=i == 0,
+        )
+        for i, (unit, f) in enumerate(zip(model.units, flops))
+    )
+    per_token = model.flops_per_token() if params is None else 6 * params
+    return Workload(
+        units=units,
+        M=M,
+        S=S,
+        A=cfg.optim.grad_accum,
+        param_bytes=DTYPES[cfg.precision.param_dtype].itemsize,
+        reduce_bytes=DTYPES[cfg.precision.reduce_dtype].itemsize,
+        prefetch=cfg.mesh.prefetch,
+        sync=cfg.sync,
+        tokens_per_step=M * S * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum,
+        flops_per_token=per_token,
+        params=total if params is None else params,
+    )
+
+
+def state_bytes_per_rank(w: Workload) -> int:
+    """What a healing replica fetches per rank (docs/design.md §11): its held params (fp32), AdamW's two
+    moments and, for DiLoCo, the outer momentum; θ_g equals the params after a sync and is not sent twice."""
+    return sum(u.held for u in w.units) * (4 + 8 + (4 if w.sync.method == "diloco" else 0))

@@ -1,0 +1,72 @@
+"""Checkpoints as one component: the on-disk layout, the key layout, save/load, integrity and export
+(docs/design.md §7). Engines and the sync policy hand it their state; they never name a key.
+
+    find.py       where checkpoints are: checkpoints/step_N, an elastic replica's home, what run.resume names
+    keys.py       the DCP key layout of an engine's `EngineState` (the one place keys are named)
+    validate.py   before any worker starts: complete, readable, intact, a fit for the config (check_resume)
+    integrity.py  checksums.json (SHA-256 per file) and the finite-state check
+    store.py      the loop's side: `Checkpoints` (save atomically, resume), `RankExtras`, prune, publish
+    export.py     one model's full params read in one process (hsdp.export, hsdp.sample)
+
+On disk (FORMAT 1; every checkpoint written so far has this layout):
+
+    <run_dir>/checkpoints/step_N/         the state after step N (N+1 steps done); resume starts at N+1
+        .metadata, __<rank>_0.distcp       DCP: every rank's tensors and pickled extras (keys: keys.py)
+        meta.json                          step, engine, mesh, replicas_identical, engine_meta {"sync": the
+                                           policy state_dict's meta} (hsdp/sync/state.py)
+        config.yaml                        the run's resolved config at save time
+        checksums.json                     SHA-256 of every file above (integrity.py)
+        .complete                          written last: only a folder with it is a checkpoint
+    <run_dir>/checkpoints/.tmp_step_N/    a save in progress (renamed when every rank is done)
+    <run_dir>/replica<m>/checkpoints/...   an elastic run: each replica's own, saved in its own world
+
+The names below are the component's interface for the rest of the project.
+"""
+
+from hsdp.run.checkpoint.find import (
+    CHECKPOINTS,
+    COMPLETE,
+    FORMAT,
+    checkpoints_dir,
+    complete_checkpoints,
+    elastic_resume_note,
+    latest_checkpoint,
+    remove_failed_saves,
+    replica_home,
+    resolve_resume,
+    step_of,
+)
+from hsdp.run.checkpoint.store import Checkpoints, Progress, prune
+from hsdp.run.checkpoint.validate import (
+    check_resume,
+    finished,
+    read_dcp_metadata,
+    read_meta,
+    read_saved_config,
+    validate_checkpoint,
+    verify_files,
+)
+
+__all__ = [
+    "CHECKPOINTS",
+    "COMPLETE",
+    "FORMAT",
+    "Checkpoints",
+    "Progress",
+    "check_resume",
+    "checkpoints_dir",
+    "complete_checkpoints",
+    "elastic_resume_note",
+    "finished",
+    "latest_checkpoint",
+    "prune",
+    "read_dcp_metadata",
+    "read_meta",
+    "read_saved_config",
+    "remove_failed_saves",
+    "replica_home",
+    "resolve_resume",
+    "step_of",
+    "validate_checkpoint",
+    "verify_files",
+]

@@ -1,0 +1,324 @@
+"""Saving and restoring a rank's state: the training loop's side of the checkpoint (docs/design.md §7).
+
+What a rank saves is handed to it, never laid out by its owner: the engine's `EngineState` (params,
+inner optimizer state, the sync policy's state_dict cut per param), named by keys.py, plus this rank's
+`RankExtras` (RNG states, Comm counters, the loop's progress), a torch `Stateful` stored pickled under
+`rank{r}.extra`. One `dcp.save` / `dcp.load` per checkpoint, every rank collectively.
+
+Crash safety: rank 0 renames `.tmp_step_N` to `step_N` only after a barrier that every rank reaches
+once its files are written, then writes `.complete`; older checkpoints beyond `run.keep_checkpoints`
+are deleted only after that. A kill at any point leaves the previous complete checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from hsdp.atomic import fsync_dir
+from hsdp.comm.mesh import Mesh
+from hsdp.config.loader import save_config
+from hsdp.config.schema import Config
+from hsdp.engines.base import Engine, EngineState, SavedCheckpoint
+from hsdp.run.checkpoint.find import (
+    COMPLETE,
+    FORMAT,
+    checkpoints_dir,
+    complete_checkpoints,
+    latest_checkpoint,
+    replica_home,
+    resolve_resume,
+    step_of,
+)
+from hsdp.run.checkpoint.integrity import CHECKSUMS, first_non_finite, hash_files, rank_data_files, write_checksums
+from hsdp.run.checkpoint.keys import dcp_state, extra_key
+from hsdp.run.checkpoint.validate import read_meta
+from hsdp.run.guard import Diverged, SaveFailed, last_good_hint
+from hsdp.sync.membership import ReplicaSeat
+
+
+# ---------------------------------------------------------------- the loop's side
+@dataclass
+class Progress:
+    """What the training loop carries across a resume besides the engine's state."""
+
+    start_step: int = 0  # the first step this process runs
+    step_times: list[float] = field(default_factory=list)
+    loss: Optional[float] = None  # the last logged train loss
+    val_loss: Optional[float] = None
+    prior_wall_s: float = 0.0  # wall time of the run before this process (up to its checkpoint)
+    resumed_from: Optional[Path] = None
+    tokens: Optional[int] = None  # the run's tokens trained so far, as this rank counts them (train.py)
+    trained_tokens: Optional[int] = None  # of those, the tokens of the ranks whose metrics this rank writes
+
+
+class RankExtras:
+    """A rank's state besides the engine's (torch's `Stateful`): RNG states, Comm counters (§4) and the loop's
+    progress (step times, last losses, wall time, tokens). Saved pickled under `rank{r}.extra`."""
+
+    def __init__(self, mesh: Mesh, t_start: float, progress: Optional[Progress] = None) -> None:
+        self.mesh, self.t_start = mesh, t_start
+        self.saving = progress  # the loop's progress to save (None when loading)
+        self.progress: dict[str, Any] = {}  # the loaded progress
+
+    def state_dict(self) -> dict[str, Any]:
+        comm, progress = self.mesh.comm, self.saving
+        cuda = torch.cuda.get_rng_state(self.mesh.device) if self.mesh.device.type == "cuda" else None
+        return {
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": cuda,
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+            },
+            "comm": {c: dict(getattr(comm, c)) for c in ("bytes", "seconds", "calls")},
+            "progress": {
+                "step_times": list(progress.step_times),
+                "loss": progress.loss,
+                "val_loss": progress.val_loss,
+                "wall_s": progress.prior_wall_s + time.perf_counter() - self.t_start,
+                "tokens": progress.tokens,
+                "trained_tokens": progress.trained_tokens,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if rng.get("cuda") is not None and self.mesh.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.mesh.device)
+        comm = self.mesh.comm
+        for counter in ("bytes", "seconds", "calls"):
+            getattr(comm, counter).clear()
+            getattr(comm, counter).update(state["comm"][counter])
+        self.progress = state["progress"]
+
+
+class Checkpoints:
+    """Saves this rank's state every `run.checkpoint_every` steps and restores it at start."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        engine: Engine,
+        optimizer: torch.optim.Optimizer,
+        t_start: float,
+        seat: Optional[ReplicaSeat] = None,
+    ) -> None:
+        self.cfg, self.mesh, self.engine, self.optimizer = cfg, mesh, engine, optimizer
+        # An elastic replica (`seat`) saves and loads its own checkpoints in its own world; its
+        # first rank is then the world's rank 0, not the run's.
+        self.seat = seat
+        replica = self.replica = None if seat is None else seat.replica
+        self.home = cfg.run_dir if replica is None else replica_home(cfg.run_dir, replica)
+        self.root = checkpoints_dir(self.home)
+        self.first = dist.get_rank() == 0
+        self.t_start = t_start
+        self.resumed_from: Optional[Path] = None
+        self.last_load_s: Optional[float] = None  # this rank's seconds in the load, and in all saves
+        self.saves, self.save_s = 0, 0.0
+
+    # ------------------------------------------------------------ resume
+    def resume(self) -> Progress:
+        """Restore the checkpoint `run.resume` names (decided by rank 0 for every rank); else a fresh start."""
+        if self.cfg.mesh.backend == "fake":  # nothing moves between ranks, so nothing could be restored right
+            return Progress()
+        if self.seat is not None and self.seat.restart > 0:
+            return Progress()  # a replica restarted within the run heals from a live one instead (newer)
+        # An elastic replica resumes from its own newest checkpoint; one behind the others heals at the join.
+        choice = [str(resolve_resume(self.cfg, self.replica) or "") if self.first else None]
+        dist.broadcast_object_list(choice, src=0)  # every rank loads the same one, even if a save lands now
+        if not choice[0]:
+            return Progress()
+        path = Path(choice[0])
+        meta = read_meta(path)
+        keys = frozenset(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        # Another mesh.sync (a checkpoint of identical replicas): every replica loads replica 0's state, and
+        # none loads a replica's own sync buffers (they belong to no replica of the new mesh: left zero).
+        same_replicas = meta["mesh"]["sync"] == self.mesh.sync_size
+        replica = self.mesh.sync_rank if same_replicas else 0
+        # A rank absent from the checkpoint (a bigger world) takes rank 0's RNG and counters.
+        mine = extra_key(self.mesh.rank) if extra_key(self.mesh.rank) in keys else extra_key(0)
+        extras = RankExtras(self.mesh, self.t_start)
+        loaded: dict[str, Any] = {}
+
+        def load(targets: EngineState) -> None:
+            keyed = dcp_state(targets, self.engine.state_per_replica, replica, own_buffers=same_replicas)
+            keyed[mine] = b""
+            dcp.load(keyed, storage_reader=FileSystemReader(str(path)))
+            loaded.update(pickle.loads(keyed.pop(mine)))
+
+        saved = SavedCheckpoint(meta=meta["engine_meta"], load=load)
+        t0 = time.perf_counter()
+        self.engine.load_checkpoint(self.optimizer, saved)
+        extras.load_state_dict(loaded)  # after the engine's install (DDP's dummy backward moves the counters)
+        self.last_load_s = round(time.perf_counter() - t0, 4)
+        self.resumed_from = path
+        p = extras.progress
+        return Progress(
+            start_step=meta["step"] + 1,
+            step_times=p["step_times"],
+            loss=p["loss"],
+            val_loss=p["val_loss"],
+            prior_wall_s=p["wall_s"],
+            resumed_from=path,
+            tokens=p.get("tokens"),  # None: a checkpoint from before these were saved
+            trained_tokens=p.get("trained_tokens"),
+        )
+
+    # ------------------------------------------------------------ save
+    def stats(self) -> dict[str, Any]:
+        """For summary.json: where this run resumed from and this rank's time in checkpoint I/O."""
+        return {
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "checkpoint_load_s": self.last_load_s,
+            "checkpoints_saved": self.saves,
+            "checkpoint_save_s": round(self.save_s, 4),
+        }
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.run.checkpoint_every
+        return every > 0 and (step + 1) % every == 0
+
+    def maybe_save(self, step: int, progress: Progress) -> None:
+        """After the update, sync and log of `step`: save if it is a checkpoint step."""
+        if self.due(step):
+            self.save(step, progress)
+
+    def save(self, step: int, progress: Progress) -> Path:
+        """Write `checkpoints/step_{step}` atomically (collective: every rank calls it).
+
+        Refuses (Diverged, on every rank) a state that holds a NaN or inf, before anything is
+        written: a bad state is never checkpointed, so pruning never removes the last good one.
+        A save that fails on rank 0 removes its temporary folder before the error propagates.
+        """
+        t0 = time.perf_counter()
+        tmp, final = self.root / f".tmp_step_{step}", self.root / f"step_{step}"
+        rank0 = self.first
+        engine_state = self.engine.checkpoint_state(self.optimizer)
+        state = dcp_state(engine_state, self.engine.state_per_replica, self.mesh.sync_rank)
+        self._refuse_non_finite(step, state)
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+            tmp.mkdir(parents=True)
+        try:
+            dist.barrier()
+            state[extra_key(self.mesh.rank)] = pickle.dumps(RankExtras(self.mesh, self.t_start, progress).state_dict())
+            meta = {
+                "format": FORMAT,
+                "step": step,
+                "engine": self.cfg.mesh.engine,
+                "mesh": {"sync": self.mesh.sync_size, "shard": self.mesh.shard_size, "replica": self.replica},
+                "replicas_identical": self.engine.replicas_identical(step),
+                "engine_meta": {} if engine_state.sync_meta is None else {"sync": engine_state.sync_meta},
+                "saved_at": time.time(),
+            }
+            dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+            dist.barrier()  # every rank's files are written (DCP's metadata only on rank 0's side)
+            digests = [None] * dist.get_world_size() if rank0 else None
+            mine = hash_files(tmp, rank_data_files(tmp, dist.get_rank()))  # each rank hashes its own (DCP's) files
+            dist.gather_object(mine, digests, dst=0)
+            if rank0:
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+                save_config(self.cfg, tmp / "config.yaml")
+                checksums = write_checksums(tmp, {k: v for d in digests for k, v in d.items()})
+                _fsync_files([tmp / "meta.json", tmp / "config.yaml", checksums])  # DCP fsyncs its own files
+                publish(tmp, final)
+                # An elastic replica has no later checkpoints to drop (it resumed from its own newest): never
+                # delete one (a run's resume never deletes what a replica saved).
+                prune(self.home, final, self.cfg.run.keep_checkpoints, drop_later=self.replica is None)
+        except BaseException as e:
+            if rank0:  # a full disk must not stay full of a save that will never complete
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, CheckpointException):  # DCP's report holds every rank's traceback: name the first
+                rank, (error, _) = next(iter(sorted(e.failures.items(), key=lambda kv: kv[0])))
+                raise SaveFailed(
+                    f"saving checkpoint step_{step} failed on rank {rank}: {type(error).__name__}: {error}"
+                    f"{'' if 'No space left' in str(error) else _disk_full_hint(self.cfg.run_dir)}"
+                ) from None
+            if isinstance(e, OSError):
+                raise SaveFailed(f"saving checkpoint step_{step} failed: {type(e).__name__}: {e}") from e
+            raise
+        self.saves += 1
+        self.save_s += time.perf_counter() - t0
+        return final
+
+    def _refuse_non_finite(self, step: int, state: dict[str, Any]) -> None:
+        """Diverged on every rank if any rank's state holds a NaN or inf (one flag all-reduced, uncounted)."""
+        bad_key = first_non_finite(state)
+        flag = torch.tensor([0.0 if bad_key is None else 1.0 + self.mesh.rank], device=self.mesh.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if float(flag) > 0:
+            where = f"{bad_key} on rank {self.mesh.rank}" if bad_key else f"rank {int(flag) - 1}'s state"
+            raise Diverged(
+                f"step {step}: the state to checkpoint holds a non-finite value ({where}); not saved; "
+                + last_good_hint(latest_checkpoint(self.home))
+            )
+
+    def last_good(self) -> Optional[Path]:
+        """The newest complete checkpoint (every checkpoint is finite), for the divergence message."""
+        return latest_checkpoint(self.home)
+
+
+def prune(run_dir: Path, newest: Path, keep: int, drop_later: bool = True) -> None:
+    """After `newest` is complete: delete older complete checkpoints beyond the `keep` newest, later ones
+    (an abandoned continuation, after resuming from an earlier checkpoint; not with `drop_later=False`)
+    and crashed saves (rank 0)."""
+    done = complete_checkpoints(run_dir)
+    older = [p for p in done if step_of(p) <= step_of(newest)]
+    later = [p for p in done if step_of(p) > step_of(newest)] if drop_later else []
+    for old in older[:-keep] + later:
+        if old != newest:
+            shutil.rmtree(old, ignore_errors=True)
+    for p in checkpoints_dir(run_dir).iterdir():  # crashed saves: temporary folders, renamed but never marked
+        if p != newest and (
+            p.name.startswith(".tmp_step_") or (step_of(p) is not None and not (p / COMPLETE).is_file())
+        ):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename a fully written checkpoint into place, then mark it complete (rank 0)."""
+    if final.exists():  # renamed by a save that crashed before its marker: never loaded, so replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    marker = final / (COMPLETE + ".tmp")
+    # The marker records the checksums file, so a checkpoint that lost it is refused, not loaded unverified.
+    record = {"step": step_of(final), **({"checksums": CHECKSUMS} if (final / CHECKSUMS).is_file() else {})}
+    marker.write_text(json.dumps(record) + "\n")
+    os.replace(marker, final / COMPLETE)
+    fsync_dir(final)
+
+
+def _disk_full_hint(folder: Path) -> str:
+    """torch.save reports a write cut short by a full disk as `unexpected pos`, without the errno: say so
+    when the run folder's file system is (nearly) full."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f" (No space left on device: {free} bytes free in {folder})" if free < 2**20 else ""
+
+
+def _fsync_files(files: list[Path]) -> None:
+    for f in files:
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
