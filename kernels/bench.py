@@ -19,6 +19,9 @@ import torch
 
 import kernels
 from kernels import backend
+from kernels.bitpack import index_bits, pack_bits, unpack_bits
+from kernels.quant2 import dequantize_int2_mean, quantize_int2
+from kernels.sparse_decode import decode_topk_int2_add
 
 UNITS = {"small": (1024, 2816), "7b": (4096, 11008)}  # (d_model, d_ffn) of one transformer block
 KERNELS = (
@@ -33,11 +36,17 @@ KERNELS = (
     "quantize_int4",
     "dequantize_int4",
     "topk_ef",
+    "quantize_int2",
+    "dequantize_int2",
+    "pack_idx",
+    "unpack_idx",
+    "decode_topk_int2",
 )
 S = 8  # shard-group size (one node)
 M = 4  # sync-group size for the dequantize rows
 QBLOCK = 256  # int8 and int4 quantization block
 TOPK_CHUNK, TOPK_K = 1024, 10  # top-k: 10 of every 1024 elements (~1% density)
+SPARSE_CHUNK, SPARSE_K = 4096, 64  # SparseLoCo: 64 of every 4096, int2 values in blocks of 64, 12-bit indices
 
 
 def block_shapes(d: int, ffn: int) -> list[tuple[int, ...]]:
@@ -95,6 +104,21 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
     packed4 = torch.randint(0, 256, (M, (N + 1) // 2), dtype=torch.uint8, device=device, generator=g)
     err = randn(N) * 1e-3
     n_sel = kernels.topk_numel(N, TOPK_CHUNK, TOPK_K)
+    c2 = kernels.topk_numel(N, SPARSE_CHUNK, SPARSE_K)  # SparseLoCo's selected values of one unit
+    bits = index_bits(SPARSE_CHUNK)
+    sel_vals = randn(c2)
+    sel_idx = torch.randint(0, SPARSE_CHUNK, (c2,), dtype=torch.int16, device=device, generator=g)
+    packed2 = torch.randint(0, 256, (M, (c2 + 3) // 4), dtype=torch.uint8, device=device, generator=g)
+    table2 = torch.rand(M, 2 * -(-c2 // SPARSE_K), device=device, generator=g)
+    packed_idx = pack_bits(sel_idx, bits)
+    idx_out = torch.empty(c2, dtype=torch.int16, device=device)
+    out2 = torch.empty(c2, device=device)
+    # one replica's SparseLoCo payload of the unit: valid, ascending indices within each chunk
+    sel_pos = torch.arange(c2, device=device) % SPARSE_K * (SPARSE_CHUNK // SPARSE_K)
+    last = N - (-(-N // SPARSE_CHUNK) - 1) * SPARSE_CHUNK  # a short last chunk: keep its indices inside it
+    sel_pos[c2 - min(SPARSE_K, last) :] = torch.arange(min(SPARSE_K, last), device=device)
+    payload = (pack_bits(sel_pos.to(torch.int16), bits), packed2[0], table2[0])
+    acc, senders = torch.zeros(N, device=device), torch.zeros(N, device=device)
     idx_bytes = kernels.topk_index_dtype(TOPK_CHUNK).itemsize
     return {
         "pack": (f"{label} fp32→bf16", N * (4 + 2), lambda: kernels.pack_shards(held, shard_bf16)),
@@ -131,6 +155,31 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
             f"{label}, {TOPK_K} of {TOPK_CHUNK}",
             3 * N * 4 + n_sel * (idx_bytes + 4),
             lambda: kernels.topk_error_feedback(delta, err, TOPK_CHUNK, TOPK_K),
+        ),
+        "quantize_int2": (
+            f"{c2} values, block {SPARSE_K}",
+            c2 * 4 + (c2 + 3) // 4 + 8 * -(-c2 // SPARSE_K),
+            lambda: quantize_int2(sel_vals, SPARSE_K),
+        ),
+        "dequantize_int2": (
+            f"M={M}, {c2} values",
+            M * ((c2 + 3) // 4 + 8 * -(-c2 // SPARSE_K)) + c2 * 4,
+            lambda: dequantize_int2_mean(packed2, table2, SPARSE_K, out2),
+        ),
+        "pack_idx": (
+            f"{c2} indices, {bits} bits",
+            c2 * 2 + packed_idx.numel(),
+            lambda: pack_bits(sel_idx, bits),
+        ),
+        "unpack_idx": (
+            f"{c2} indices, {bits} bits",
+            c2 * 2 + packed_idx.numel(),
+            lambda: unpack_bits(packed_idx, bits, idx_out),
+        ),
+        "decode_topk_int2": (  # reads the payload, reads + writes the sum and the senders at c2 positions
+            f"{c2} of {label}, chosen",
+            packed_idx.numel() + (c2 + 3) // 4 + table2.shape[1] * 4 + 4 * c2 * 4,
+            lambda: decode_topk_int2_add(*payload, bits, SPARSE_CHUNK, SPARSE_K, SPARSE_K, acc, senders),
         ),
     }
 

@@ -78,7 +78,8 @@ MEANINGS: dict[str, str] = {
     "sync.outer_momentum": "outer momentum μ (null: 0.9 for diloco; average is μ = 0 and may not set it)",
     "sync.nesterov": "Nesterov outer momentum (diloco)",
     "sync.fragments": "P: streaming fragments (units round-robin, synced every/P steps apart; must divide every)",
-    "sync.quantize": "`int8` / `int4`: Δ (or its top-k values) sent as 8/4-bit values + one fp32 scale per block",
+    "sync.quantize": "`int8` / `int4` / `int2`: Δ (or its top-k values) sent as 8/4/2-bit values + one fp32 scale "
+    "(int2: a table of two fp32 levels) per block",
     "wandb.project": "wandb project",
     "wandb.entity": "wandb entity (null: the account's default)",
 }

@@ -37,8 +37,9 @@ Bytes (per rank and step; sync group M, n = a unit's held elements, B = quant_bl
 k = ⌈ρ·C⌉, written here from the docstring of hsdp/sync/codec.py): one all-gather per unit of a
 payload; a rank sends (M − 1)·payload:
   int4      ⌈n/2⌉ + 4⌈n/B⌉
-  top-k     c·b_idx + values(c), c = (⌈n/C⌉ − 1)·k + min(k, n − (⌈n/C⌉ − 1)·C), b_idx 1 (C ≤ 256),
-            2 (C ≤ 32768), else 4; values(c) = 4c (fp32), c + 4⌈c/B⌉ (int8), ⌈c/2⌉ + 4⌈c/B⌉ (int4)
+  top-k     ⌈c·b/8⌉ + values(c), c = (⌈n/C⌉ − 1)·k + min(k, n − (⌈n/C⌉ − 1)·C), b = ⌈log₂ C⌉ bits per
+            packed index; values(c) = 4c (fp32), c + 4⌈c/B⌉ (int8), ⌈c/2⌉ + 4⌈c/B⌉ (int4),
+            ⌈c/4⌉ + 8⌈c/B⌉ (int2)
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ def value_bytes(c: int, quantize: str, block: int) -> int:
         return c + 4 * math.ceil(c / block)
     if quantize == "int4":
         return math.ceil(c / 2) + 4 * math.ceil(c / block)
+    if quantize == "int2":
+        return math.ceil(c / 4) + 8 * math.ceil(c / block)
     return 4 * c
 
 
@@ -154,8 +157,8 @@ def payload_bytes(n: int, sc: SyncConfig) -> int:
     """What one replica all-gathers for a unit of n held elements."""
     if sc.topk > 0:
         c = selected(n, sc.topk_chunk, topk_k(sc))
-        idx = 1 if sc.topk_chunk <= 256 else 2 if sc.topk_chunk <= 32768 else 4
-        return c * idx + value_bytes(c, sc.quantize, sc.quant_block)
+        bits = math.ceil(math.log2(sc.topk_chunk))  # per index, packed across the payload
+        return math.ceil(c * bits / 8) + value_bytes(c, sc.quantize, sc.quant_block)
     return value_bytes(n, sc.quantize, sc.quant_block)
 
 
@@ -182,7 +185,7 @@ def test_cases_cover_short_last_chunks_and_odd_payloads():
     assert [last(n, 128) for n in sizes] == [104, 4, 4, 54]  # k = 7: blocks send a short last chunk whole
     assert [selected(n, 128, 7) for n in sizes] == [273, 431, 431, 259]  # odd: int4's last nibble is empty
     assert payload_bytes(7812, SyncConfig(topk=0.05, topk_chunk=128, quantize="int4", quant_block=32)) == (
-        431 + 216 + 4 * 14
+        378 + 216 + 4 * 14  # 431 indices of 7 bits: 3017 bits in 378 bytes
     )
 
 

@@ -35,6 +35,7 @@ class Transport(Protocol):
     """
 
     may_fail: bool  # rounds can fail to commit: the one place that says so (the policy asks it)
+    counted: bool  # whether this replica's part counts in the current round's means (False: it spectates)
 
     @property
     def size(self) -> int:
@@ -65,6 +66,7 @@ class GroupTransport:
     """The c10d sync group of the mesh, through `Comm` (so its bytes are counted as "sync")."""
 
     may_fail = False  # a failed collective raises and ends the run (launch stops every rank)
+    counted = True  # every replica's part counts
 
     def __init__(self, comm: Comm, group: str = "sync") -> None:
         self.comm, self.group = comm, group

@@ -94,11 +94,13 @@ class SyncConfig:
     outer_momentum: Optional[float] = None  # None: 0.0 for average, 0.9 for diloco
     nesterov: bool = True
     fragments: int = 1  # P: streaming fragments
-    quantize: str = "none"  # none | int8 | int4
-    quant_block: int = 256  # elements per int8/int4 scale (even for int4: two values per byte)
+    quantize: str = "none"  # none | int8 | int4 | int2
+    quant_block: int = 256  # elements per int8/int4 scale or int2 table (even for int4, a multiple of 4 for int2)
     topk: float = 0.0  # density in (0, 1]: send the largest-|x| ⌈topk·topk_chunk⌉ of each chunk (0 = off)
     topk_chunk: int = 1024  # elements per top-k chunk (indices are sent within the chunk)
     error_feedback: bool = False  # lossy codecs: each replica keeps what it did not send and adds it next time
+    error_feedback_decay: float = 1.0  # β in [0, 1]: e ← β·e + Δ before compressing (1 = plain error feedback)
+    topk_mean: str = "all"  # top-k: each coordinate ÷ M (all) or ÷ the replicas that sent it (chosen)
     delay: int = 0  # τ: local steps a param sync's reduction overlaps before it lands (0 = blocking sync)
     alpha: float = 0.0  # α: when a delayed sync lands, θ_m ← α·θ_m + (1 − α)·θ_g (needs delay ≥ 1)
 
@@ -168,7 +170,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.reduce_dtype": DTYPES,
     "optim.name": ("adamw", "sgd"),
     "sync.method": ("average", "diloco"),
-    "sync.quantize": ("none", "int8", "int4"),
+    "sync.quantize": ("none", "int8", "int4", "int2"),
+    "sync.topk_mean": ("all", "chosen"),
     "compile.passes": ("ours", "inductor", "none"),
     "kernels.backend": ("auto", "triton", "torch"),
     "wandb.mode": ("offline", "online", "disabled"),

@@ -110,8 +110,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"sync.quant_block: int4 packs two values per byte, so expected an even block, got {s.quant_block}"
         )
+    if s.quantize == "int2" and s.quant_block % 4:
+        raise ConfigError(
+            f"sync.quant_block: int2 packs four values per byte, so expected a multiple of 4, got {s.quant_block}"
+        )
     if s.error_feedback and s.quantize == "none" and s.topk == 0:
-        raise ConfigError("sync.error_feedback: only for a lossy codec (sync.quantize int8/int4 or sync.topk > 0)")
+        raise ConfigError("sync.error_feedback: only for a lossy codec (sync.quantize int8/int4/int2 or sync.topk > 0)")
+    if not 0 <= s.error_feedback_decay <= 1:
+        raise ConfigError(f"sync.error_feedback_decay: expected a value in [0, 1], got {s.error_feedback_decay}")
+    if s.error_feedback_decay != 1 and not s.error_feedback:
+        raise ConfigError(
+            f"sync.error_feedback_decay: only used with sync.error_feedback=true, got {s.error_feedback_decay}"
+        )
+    if s.topk_mean != "all" and s.topk == 0:
+        raise ConfigError(f"sync.topk_mean: only used by top-k (sync.topk > 0), got {s.topk_mean!r}")
     if not 0 <= s.alpha <= 1:
         raise ConfigError(f"sync.alpha: expected a value in [0, 1], got {s.alpha}")
     if s.alpha > 0 and s.delay == 0:
@@ -148,11 +160,6 @@ def check_elastic(cfg: Config) -> None:
         raise ConfigError(f"elastic.min_replicas: expected at most mesh.sync={cfg.mesh.sync}, got {e.min_replicas}")
     if cfg.mesh.backend == "fake":
         raise ConfigError("elastic.enabled: mesh.backend=fake moves no data; an elastic run needs a real backend")
-    if s.error_feedback:
-        raise ConfigError(
-            "sync.error_feedback: a dropped elastic round would leave each replica's residual updated for a "
-            "message that was never applied; elastic runs refuse it"
-        )
     if cfg.run.resume not in ("auto", "never"):
         raise ConfigError(
             "run.resume: an elastic run's replicas resume together, each from its own checkpoint, so it takes "

@@ -5,16 +5,20 @@ replicas' mean (docs/design.md §2.5). n = the unit's held elements, M = replica
     none   fp32                    all-reduce (sum) ÷ M  2(M−1)/M · 4n
     int8   8-bit + fp32 scale/B    all-gather ×2         (M−1)·(n + 4⌈n/B⌉)
     int4   4-bit (2/byte) + scale  all-gather (packed)   (M−1)·(⌈n/2⌉ + 4⌈n/B⌉)
+    int2   2-bit (4/byte) + 2 fp32 levels/B  (packed)    (M−1)·(⌈n/4⌉ + 8⌈n/B⌉)
     top-k  per chunk of C: the k = ⌈ρC⌉ largest |x| as (index within the chunk, value), ties to
            the lowest index (a last chunk shorter than k sends all of its elements); values fp32,
-           int8 or int4 as above over the c = (⌈n/C⌉ − 1)·k + min(k, n − (⌈n/C⌉ − 1)·C) selected
-                                   all-gather (packed)   (M−1)·(c·b_idx + value bytes of c)
+           int8, int4 or int2 as above over the c = (⌈n/C⌉ − 1)·k + min(k, n − (⌈n/C⌉ − 1)·C) selected
+                                   all-gather (packed)   (M−1)·(⌈c·b/8⌉ + value bytes of c)
 
-b_idx is 1 byte for C ≤ 256, 2 for C ≤ 32768, else 4. Lossy codecs decode every replica's
-payload and average in fp32 (replicas summed in order m = 0..M−1, then ÷ M).
+Top-k indices are bit-packed, b = ⌈log₂ C⌉ bits each (12 for C = 4096), across the whole payload.
+Lossy codecs decode every replica's payload and sum in fp32 (replicas in order m = 0..M−1); the mean
+divides by M, or with `sync.topk_mean: chosen` each coordinate by the replicas that sent it (0 where
+none did).
 
-Error feedback (`sync.error_feedback`, lossy codecs): replica m keeps e_m (fp32, the unit's size)
-and sends C(Δ_m + e_m); then e_m ← (Δ_m + e_m) − D(C(Δ_m + e_m)), what it did not get across.
+Error feedback (`sync.error_feedback`, lossy codecs): replica m keeps e_m (fp32, the unit's size);
+e_m ← β·e_m + Δ_m (β = `sync.error_feedback_decay`, 1 by default), it sends C(e_m), then
+e_m ← e_m − D(C(e_m)), what it did not get across.
 
 A reduction is started (`start`, possibly async) and finished (`finish`: waited, the mean written
 into `red.delta`); what the codec keeps alive between the two lives in the `Reduction`.
@@ -30,8 +34,11 @@ import torch
 
 from hsdp.comm.transport import Transport, Work
 from hsdp.config.schema import ConfigError, SyncConfig
+from kernels.bitpack import index_bits, pack_bits, packed_nbytes, unpack_bits
 from kernels.quant import MAX_BLOCK, dequantize_mean, quantize_int8
+from kernels.quant2 import dequantize_int2_mean, quantize_int2
 from kernels.quant4 import dequantize_int4_mean, quantize_int4
+from kernels.sparse_decode import decode_topk_int2_add
 from kernels.topk import (
     MAX_CHUNK,
     scatter_add_chunks,
@@ -63,6 +70,16 @@ class Codec(Protocol):
     def finish(self, red: Reduction, transport: Transport) -> None: ...
 
 
+def _accumulate(delta: torch.Tensor, error: Optional[torch.Tensor], decay: float) -> torch.Tensor:
+    """x = β·e + Δ, what error feedback compresses (Δ alone without it); β = 1 skips the product, so
+    plain error feedback is what it always was (fl(1·e) = e)."""
+    if error is None:
+        return delta
+    if decay != 1.0:
+        error.mul_(decay)
+    return delta + error
+
+
 def _wait(red: Reduction) -> None:
     for work in red.works:
         work.wait()
@@ -92,13 +109,13 @@ class Int8Codec:
 
     lossless = False
 
-    def __init__(self, block: int) -> None:
-        self.block = block
+    def __init__(self, block: int, decay: float = 1.0) -> None:
+        self.block, self.decay = block, decay
 
     def start(
         self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
     ) -> Reduction:
-        x = delta if error is None else delta + error
+        x = _accumulate(delta, error, self.decay)
         q, scales = quantize_int8(x, self.block)
         if error is not None:  # e ← x − D(C(x))
             dequantize_mean(q.view(1, -1), scales.view(1, -1), self.block, error)
@@ -164,7 +181,7 @@ def _finish_gather(red: Reduction, transport: Transport) -> tuple[int, int, torc
 
 
 class _Values:
-    """Dense values (the whole Δ, or top-k's selected values): fp32, int8 or int4 + block scales."""
+    """Dense values (the whole Δ, or top-k's selected values): fp32, int8 or int4 + block scales, int2 + tables."""
 
     def __init__(self, quantize: str, block: int) -> None:
         self.quantize, self.block = quantize, block
@@ -175,6 +192,8 @@ class _Values:
             return [_Field(torch.int8, n), _Field(torch.float32, nb)]
         if self.quantize == "int4":
             return [_Field(torch.uint8, math.ceil(n / 2)), _Field(torch.float32, nb)]
+        if self.quantize == "int2":
+            return [_Field(torch.uint8, math.ceil(n / 4)), _Field(torch.float32, 2 * nb)]
         return [_Field(torch.float32, n)]
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -182,6 +201,8 @@ class _Values:
             return list(quantize_int8(x, self.block))
         if self.quantize == "int4":
             return list(quantize_int4(x, self.block))
+        if self.quantize == "int2":
+            return list(quantize_int2(x, self.block))
         return [x]
 
     def decode_mean(self, parts: list[torch.Tensor], M: int, out: torch.Tensor) -> None:
@@ -190,6 +211,8 @@ class _Values:
             dequantize_mean(parts[0], parts[1], self.block, out)
         elif self.quantize == "int4":
             dequantize_int4_mean(parts[0], parts[1], self.block, out)
+        elif self.quantize == "int2":
+            dequantize_int2_mean(parts[0], parts[1], self.block, out)
         else:
             torch.sum(parts[0], dim=0, out=out)  # fp32, replicas in order
             out.div_(M)
@@ -200,17 +223,17 @@ class _Values:
 
 
 class DenseLowBitCodec:
-    """int4: Δ_m as packed 4-bit values + fp32 block scales, one all-gather of the packed bytes."""
+    """int4 / int2: Δ_m as packed 4- or 2-bit values + their block scales or tables, one all-gather."""
 
     lossless = False
 
-    def __init__(self, quantize: str, block: int) -> None:
-        self.values = _Values(quantize, block)
+    def __init__(self, quantize: str, block: int, decay: float = 1.0) -> None:
+        self.values, self.decay = _Values(quantize, block), decay
 
     def start(
         self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
     ) -> Reduction:
-        x = delta if error is None else delta + error
+        x = _accumulate(delta, error, self.decay)
         parts = self.values.encode(x)
         if error is not None:  # e ← x − D(C(x))
             self.values.decode(parts, error)
@@ -229,13 +252,17 @@ class DenseLowBitCodec:
 
 
 class TopKCodec:
-    """Per chunk, the ⌈density·chunk⌉ largest |x| as (index within the chunk, value); values dense-coded."""
+    """Per chunk, the ⌈density·chunk⌉ largest |x| as (bit-packed index within the chunk, value); values
+    dense-coded. The mean divides each coordinate by M (`mean="all"`) or by the replicas that sent it."""
 
     lossless = False
 
-    def __init__(self, density: float, chunk: int, quantize: str, block: int) -> None:
+    def __init__(
+        self, density: float, chunk: int, quantize: str, block: int, decay: float = 1.0, mean: str = "all"
+    ) -> None:
         self.chunk, self.k = chunk, math.ceil(density * chunk)
-        self.values = _Values(quantize, block)
+        self.bits = index_bits(chunk)
+        self.values, self.decay, self.mean = _Values(quantize, block), decay, mean
 
     def selected(self, n: int) -> int:
         """c: how many (index, value) pairs one replica sends for a unit of n elements."""
@@ -243,21 +270,23 @@ class TopKCodec:
 
     def fields(self, n: int) -> list[_Field]:
         c = self.selected(n)
-        return [_Field(topk_index_dtype(self.chunk), c), *self.values.fields(c)]
+        return [_Field(torch.uint8, packed_nbytes(c, self.bits)), *self.values.fields(c)]
 
     def start(
         self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
     ) -> Reduction:
         if error is None:
             idx, vals = topk_select(delta, self.chunk, self.k)
-        else:  # error ← (Δ + e) with the selected positions zeroed
+        else:  # error ← (β·e + Δ) with the selected positions zeroed
+            if self.decay != 1.0:
+                error.mul_(self.decay)
             idx, vals = topk_error_feedback(delta, error, self.chunk, self.k)
         parts = self.values.encode(vals)
         if error is not None and self.values.quantize != "none":  # … and what quantizing them lost
             decoded = torch.empty_like(vals)
             self.values.decode(parts, decoded)
             scatter_add_chunks(idx, vals - decoded, self.chunk, self.k, error)
-        return _start_gather(delta, [idx, *parts], transport, async_op)
+        return _start_gather(delta, [pack_bits(idx, self.bits), *parts], transport, async_op)
 
     def finish(self, red: Reduction, transport: Transport) -> None:
         if red.done:
@@ -265,23 +294,39 @@ class TopKCodec:
         M, n, rows = _finish_gather(red, transport)
         fields = self.fields(n)
         red.delta.zero_()
-        vals = torch.empty(self.selected(n), dtype=torch.float32, device=red.delta.device)
-        for m in range(M):  # replicas in order, then ÷ M
-            idx, *parts = _unpack(rows[m], fields)
+        c = self.selected(n)
+        vals = torch.empty(c, dtype=torch.float32, device=red.delta.device)
+        idx = torch.empty(c, dtype=topk_index_dtype(self.chunk), device=red.delta.device)
+        senders = torch.zeros_like(red.delta) if self.mean == "chosen" else None
+        ones = torch.ones_like(vals) if senders is not None else None
+        fused = self.values.quantize == "int2" and self.bits > 0  # SparseLoCo's payload: one launch per replica
+        for m in range(M):  # replicas in order, then ÷ M (or ÷ how many sent each coordinate)
+            packed_idx, *parts = _unpack(rows[m], fields)
+            if fused:  # unpack + dequantize + scatter-add (+ count) in one kernel, the same sums
+                block = self.values.block
+                decode_topk_int2_add(packed_idx, *parts, self.bits, self.chunk, self.k, block, red.delta, senders)
+                continue
+            unpack_bits(packed_idx, self.bits, idx)
             self.values.decode(parts, vals)
             scatter_add_chunks(idx, vals, self.chunk, self.k, red.delta)
-        red.delta.div_(M)
+            if senders is not None:
+                scatter_add_chunks(idx, ones, self.chunk, self.k, senders)
+        if senders is None:
+            red.delta.div_(M)
+        else:  # a coordinate nobody sent is 0 / 1 = 0
+            red.delta.div_(senders.clamp_(min=1.0))
         red.buffers, red.done = (), True
 
 
 def build_codec(cfg: SyncConfig) -> Codec:
     """The codec `sync.quantize` / `sync.topk` name."""
+    decay = cfg.error_feedback_decay
     if cfg.topk > 0:
-        return TopKCodec(cfg.topk, cfg.topk_chunk, cfg.quantize, cfg.quant_block)
+        return TopKCodec(cfg.topk, cfg.topk_chunk, cfg.quantize, cfg.quant_block, decay, cfg.topk_mean)
     if cfg.quantize == "int8":
-        return Int8Codec(cfg.quant_block)
-    if cfg.quantize == "int4":
-        return DenseLowBitCodec("int4", cfg.quant_block)
+        return Int8Codec(cfg.quant_block, decay)
+    if cfg.quantize in ("int4", "int2"):
+        return DenseLowBitCodec(cfg.quantize, cfg.quant_block, decay)
     return Fp32Codec()
 
 

@@ -120,6 +120,7 @@ class SyncPolicy:
         self.state = SyncState(held, self.fragments)  # θ_g, b, e and the syncs in flight: what a checkpoint keeps
         self.landed: list[int] = []  # fragments whose sync landed in the last after_step / finish
         self.dropped = 0  # rounds that did not commit (an elastic replica failed during them): not applied
+        self.residual_before: dict[int, torch.Tensor] = {}  # elastic + error feedback: see settle_residuals
         if cfg.warmup_steps == 0:
             self.start_global_copy()
 
@@ -227,6 +228,7 @@ class SyncPolicy:
             for red in sync.reductions:
                 self.codec.finish(red, self.transport)
         commit = self.transport.commit_round()
+        self.settle_residuals(commit)
         for sync in syncs:
             if commit:
                 for u, red in zip(self.fragments[sync.fragment], sync.reductions):
@@ -247,7 +249,22 @@ class SyncPolicy:
         delta = torch.empty_like(held)
         compute_delta(self.state.outer[u].global_params, held, delta)
         error = self.state.error_of(u) if self.cfg.error_feedback else None
+        self.keep_residual(u)
         return self.codec.start(delta, self.transport, async_op, error=error)
+
+    # ---- error feedback on a transport that may fail (elastic, docs/design.md §11): a residual changes only
+    # in a round that committed and counted this replica's part; otherwise it is put back as it was.
+    def keep_residual(self, u: int) -> None:
+        """Before the codec updates unit u's residual in a round that may not count: keep a copy."""
+        if self.transport.may_fail and self.state.error[u] is not None:
+            self.residual_before[u] = self.state.error[u].clone()
+
+    def settle_residuals(self, committed: bool) -> None:
+        """After a round's commit: put the kept residuals back unless the round applied this replica's part."""
+        if self.residual_before and not (committed and self.transport.counted):
+            for u, before in self.residual_before.items():
+                self.state.error[u].copy_(before)
+        self.residual_before.clear()
 
     def apply(self, u: int, mean: torch.Tensor) -> None:
         """Unit u's landed round: θ_m ← the mean (plain average), or θ_g ← outer step with the mean Δ and

@@ -57,6 +57,9 @@ class HealState:
     def full_state(self) -> dict[str, Any]:
         # Copies: they are sent from another thread while this replica trains on.
         policy = copy.deepcopy(self.engine.policy.state_dict())
+        # Error-feedback residuals are each replica's own: a healed replica starts from zero (docs/design.md §11).
+        policy["buffers"]["error"] = [None] * len(policy["buffers"]["error"])
+        policy["meta"]["error_units"] = []
         thetas = self._global_params(policy)
         return {
             # A unit whose params are θ_g (just after its sync) is not sent twice: a fifth less behind a slow link.

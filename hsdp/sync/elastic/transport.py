@@ -79,6 +79,7 @@ class FTTransport:
         self.dropped: list[bool] = []  # per round: it did not commit
         self._round_start = 0.0
         self.open = False  # a round has begun and not been committed (e.g. one a healed replica joined)
+        self.counted = True  # this replica's part counts in the current round (set at begin_round)
 
     @property
     def size(self) -> int:
@@ -114,7 +115,8 @@ class FTTransport:
         """Which of the round's replicas count in its means: each says whether it spectates (one float each,
         all-gathered). Only this replica knows it is spectating (hsdp/sync/elastic/join.py)."""
         n = self.size
-        mine = torch.tensor([0.0 if self.spectating() else 1.0])
+        self.counted = not self.spectating()
+        mine = torch.tensor([1.0 if self.counted else 0.0])
         if n == 1:
             return [0]  # alone (a spectator's peer died: its zero part stands, the round changes nothing)
         flags = torch.zeros(n)
