@@ -218,3 +218,10 @@ def assert_prefetch(run: RunResult, k: int) -> None:
     for g in run.summary["compiled"]:
         if g["graph"] == "forward":
             assert g["max_full_params_alive"] <= k + 1
+
+
+def as_ctrl_c_reaches_it() -> None:
+    """preexec_fn: the child starts with SIGINT at its default, as a terminal's foreground job does. The test
+    process may itself ignore SIGINT (run as a script's background job, `cmd &`, which POSIX starts with
+    SIGINT ignored), and a child inherits that, so a Ctrl-C test must not depend on how pytest was started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

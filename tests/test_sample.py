@@ -21,7 +21,7 @@ from hsdp.model import GPT
 from hsdp.prepare import main as prepare_main
 from hsdp.run.checkpoint import latest_checkpoint, read_saved_config
 from hsdp.sample import main
-from tests.helpers import QUIET_ENV, REPO, run_train
+from tests.helpers import QUIET_ENV, REPO, as_ctrl_c_reaches_it, run_train
 
 TINY = [
     "model.arch=llama",
@@ -147,13 +147,14 @@ def test_ctrl_c_keeps_the_text_so_far(byte_run: Path, capsys, monkeypatch) -> No
 def test_sigint_mid_stream(byte_run: Path) -> None:
     """A real Ctrl-C (SIGINT) while printing: text already on stdout, exit 130, no traceback."""
     cmd = [sys.executable, "-m", "hsdp.sample", str(byte_run), "--tokens", "1000000", "--device", "cpu"]
+    env = {**os.environ, **QUIET_ENV}
     proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **QUIET_ENV}
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=as_ctrl_c_reaches_it
     )
     try:
         first = proc.stdout.read(20)  # streamed: arrives long before a million tokens are done
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()

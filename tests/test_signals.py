@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUIET_ENV, REPO, SMALL
+from tests.helpers import QUIET_ENV, REPO, SMALL, as_ctrl_c_reaches_it
 
 MARK_ENV = "HSDP_TEST_RUN_MARK"
 START_TIMEOUT_S = 150  # until the first metrics line (a fresh launcher and its zygote importing torch, busy box)
-STOP_TIMEOUT_S = 120  # hang guard: the launcher gives workers 3 s after SIGTERM, then kills them
+STOP_TIMEOUT_S = 60  # hang guard: the launcher gives workers 3 s after SIGTERM, then kills them
 GONE_TIMEOUT_S = 60  # hang guard: until no process of the run is left
 
 
@@ -77,7 +77,7 @@ class Run:
         cmd = [sys.executable, str(REPO / "train.py"), *[a for o in overrides for a in ("--set", o)]]
         env = {**os.environ, **QUIET_ENV, MARK_ENV: self.mark}
         # A script's background job (`cmd &`) starts with SIGINT ignored; reproduce that.
-        preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+        preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else as_ctrl_c_reaches_it
         self.proc = subprocess.Popen(
             cmd,
             cwd=REPO,
