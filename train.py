@@ -72,7 +72,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     train_s = carried["train_time_s"] + sum(run.step_times)  # the steps counted in run.tokens
     memory = StepMemoryProbe(mesh.device, at=min(run.start_step + 2, cfg.run.steps - 1))  # past compile and warm-up
 
-    for step in range(run.start_step, cfg.run.steps):  # batches and LR are functions of the step
+    for step in members.steps(run.start_step, cfg.run.steps):  # batches and LR are functions of the step
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, cfg.run.steps)
         set_lr(optimizer, lr)

@@ -2,6 +2,7 @@
 
     python -m hsdp.slowlink --rate 20mbit[,100mbit,...] [--delay-ms 5] [--config C] [--set k=v ...]
                             --runs NAME=override,override ... [--out DIR] [--plot] [--kill 1@0.3]
+                            [--partition 1@0.3:20] [--slow 1:3]
     python -m hsdp.slowlink configs/ablations/slowlink.yaml [--only run,run] [--rate ...] [--plot]
     python -m hsdp.slowlink SPEC --no-run --plot   # tables and plots again from the outputs (no root needed)
     python -m hsdp.slowlink --cleanup        # remove namespaces left by a slowlink that was SIGKILLed
@@ -46,6 +47,18 @@ def parse_args(argv: Optional[list[str]]) -> LinkOptions:
         metavar="REPLICA@STEP",
         help="in every elastic run, SIGKILL replica REPLICA's node at its step STEP (< 1: that fraction of "
         "run.steps) and start a replacement after elastic.restart_delay_s (a run's own `kill:` wins)",
+    )
+    p.add_argument(
+        "--partition",
+        metavar="REPLICA@AT:SECONDS",
+        help="in every elastic run, take replica REPLICA's link down once it logs step AT (< 1: that fraction of "
+        "run.steps) for SECONDS, every process alive (a run's own `partition:` wins)",
+    )
+    p.add_argument(
+        "--slow",
+        metavar="REPLICA:FACTOR",
+        help="in every run, replica REPLICA's node trains FACTOR× slower (--set run.slowdown=FACTOR on its "
+        "node only; a run's own `slow:` wins)",
     )
     p.add_argument("--plot", action="store_true", help="also write PNGs (needs matplotlib: pip install -e .[plot])")
     p.add_argument(

@@ -31,8 +31,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+from hsdp.bench.faults import Partition
 from hsdp.bench.job import Job
 from hsdp.bench.netns import namespace_pids
 from hsdp.config.schema import Config, ConfigError
@@ -83,6 +84,9 @@ class ElasticJob(Job):
     killed_at: Optional[float] = None  # monotonic time of the kill
     replacement_due: Optional[float] = None
     stale: set[int] = field(default_factory=set)  # indices into procs of killed nodes
+    partition: Optional[Partition] = None
+    started_at: float = 0.0  # monotonic time of start()
+    cut: dict[str, Any] = field(default_factory=dict)  # what happened around the partition (slowlink.json)
 
     @property
     def lighthouse_addr(self) -> str:
@@ -99,7 +103,7 @@ class ElasticJob(Job):
             *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{a}:{self.port}", "--local-addr", a),
             *("--rdzv-id", f"{self.link.prefix}-{self.port}-{m}", "--rdzv-conf", "is_host=1"),
             *("--monitor-interval", "0.5"),
-            *self.target,
+            *self.node_target(m),
             *("--set", f"elastic.replica={m}", "--set", f"elastic.lighthouse={self.lighthouse_addr}"),
         ]
 
@@ -108,6 +112,7 @@ class ElasticJob(Job):
         # The benchmark's own run folder (always run.overwrite=true): remove it here, so that neither the
         # wait for node 0's config.yaml nor the kill's step watch reads a previous run's files.
         shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+        self.started_at = time.monotonic()
         self._start_lighthouse()
         for m in range(self.link.replicas):
             self.procs.append(self._start_node(m))
@@ -164,7 +169,9 @@ class ElasticJob(Job):
         print(f"[slowlink] killed replica {m}'s node at its step {self._logged_step(m)}", flush=True)
 
     def on_tick(self) -> None:
-        """Kill the node once its replica logs the kill step; start its replacement when due."""
+        """Kill the node once its replica logs the kill step; start its replacement when due; cut and restore
+        a partitioned replica's link."""
+        self._partition_tick()
         if self.kill and self.killed_at is None and self._logged_step(self.kill.replica) >= self.kill.step:
             self._kill_node()
         if self.replacement_due is not None and time.monotonic() >= self.replacement_due:
@@ -175,6 +182,41 @@ class ElasticJob(Job):
                 self.procs[m] = self._start_node(m, generation=1)
                 self.stale.discard(m)
 
+    def _partition_tick(self) -> None:
+        """Cut the partitioned replica's link once it logs the step; restore it `seconds` later. The steps
+        every replica has logged at both moments are recorded (the survivors' steps during the cut)."""
+        p, now = self.partition, time.monotonic()
+        if p is None or "restored_s" in self.cut:
+            return
+        if "cut_s" not in self.cut and self._logged_step(p.replica) >= p.step:
+            self.link.cut(p.replica)
+            steps = [self._logged_step(m) for m in range(self.link.replicas)]
+            self.cut.update(cut_s=round(now - self.started_at, 3), steps_at_cut=steps)
+            print(
+                f"[slowlink] cut replica {p.replica}'s link at its step {steps[p.replica]} for {p.seconds:g} s",
+                flush=True,
+            )
+        elif "cut_s" in self.cut and now - self.started_at >= self.cut["cut_s"] + p.seconds:
+            self._restore_link()
+
+    def _restore_link(self) -> None:
+        """The partitioned replica's link back up (also when the run ends during the cut: the network is
+        reused by the next run at this rate)."""
+        if self.partition is None or "cut_s" not in self.cut or "restored_s" in self.cut:
+            return
+        self.link.restore(self.partition.replica)
+        steps = [self._logged_step(m) for m in range(self.link.replicas)]
+        self.cut.update(restored_s=round(time.monotonic() - self.started_at, 3), steps_at_restore=steps)
+        print(f"[slowlink] restored replica {self.partition.replica}'s link (steps logged: {steps})", flush=True)
+
+    def faults(self) -> dict[str, Any]:
+        out = super().faults()
+        if self.kill:
+            out["kill"] = {"replica": self.kill.replica, "step": self.kill.step, "done": self.killed_at is not None}
+        if self.partition:
+            out["partition"] = {**self.partition.to_json(), **self.cut}
+        return out
+
     def current_nodes(self) -> list[subprocess.Popen]:
         return [p for i, p in enumerate(self.procs) if i not in self.stale]
 
@@ -184,12 +226,14 @@ class ElasticJob(Job):
     def wait(self, timeout_s: float) -> int:
         """`Job.wait`, then the lighthouse stopped and summary.json merged from the replicas' summaries."""
         rc = super().wait(timeout_s)
+        self._restore_link()
         self._stop_lighthouse()
         self._write_summary()
         return rc
 
     def stop(self, grace_s: float = 10.0) -> None:
         super().stop(grace_s)
+        self._restore_link()
         self._stop_lighthouse()
 
     def _stop_lighthouse(self) -> None:

@@ -24,7 +24,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
+from hsdp.bench.faults import Slow
 from hsdp.bench.netns import SlowLink
 from hsdp.bench.spec import REPO
 
@@ -43,6 +45,7 @@ class Job:
     name: str
     rdzv_timeout_s: int = 120
     procs: list[subprocess.Popen] = field(default_factory=list)
+    slow: Optional[Slow] = None  # one replica's node trains slower (hsdp.bench.faults)
 
     def node_command(self, m: int) -> list[str]:
         link, timeout = self.link, self.rdzv_timeout_s
@@ -56,8 +59,17 @@ class Job:
             *("--rdzv-id", f"{link.prefix}-{self.port}"),
             *("--rdzv-conf", f"is_host={int(m == 0)},join_timeout={timeout},read_timeout={timeout}"),
             *("--local-addr", link.addrs[m], "--max-restarts", "0", "--monitor-interval", "0.5"),
-            *self.target,
+            *self.node_target(m),
         ]
+
+    def node_target(self, m: int) -> list[str]:
+        """What node m's torchrun runs: the target, plus run.slowdown on the slow replica's node only."""
+        slow = self.slow is not None and self.slow.replica == m
+        return [*self.target, *(("--set", self.slow.override()) if slow else ())]
+
+    def faults(self) -> dict[str, Any]:
+        """The faults injected into this run, as slowlink.json records them."""
+        return {"slow": self.slow.to_json()} if self.slow else {}
 
     def node_env(self, m: int) -> dict[str, str]:
         return {

@@ -194,6 +194,17 @@ class SlowLink:
         """`tc qdisc show` of replica 0's veth (for the log)."""
         return run_tool(["tc", "-n", self.namespaces[0], "qdisc", "show", "dev", self.ifnames[0]]).stdout.strip()
 
+    # -- faults
+    def cut(self, m: int) -> None:
+        """Replica m's link goes down (a partition): its veth end is set down and the other end loses its
+        carrier, so no packet crosses either way (new connections from m fail at once: its route to the others
+        goes with the link). Its own address stays, so its processes still reach each other."""
+        run_tool(["ip", "-n", self.namespaces[m], "link", "set", self.ifnames[m], "down"])
+
+    def restore(self, m: int) -> None:
+        """Replica m's link back up after `cut`: its qdiscs stayed, and the kernel puts its route back."""
+        run_tool(["ip", "-n", self.namespaces[m], "link", "set", self.ifnames[m], "up"])
+
     # -- tear down
     def stop_processes(self, grace_s: float = 5.0) -> int:
         """SIGTERM, then SIGKILL, every process still inside our namespaces (all started by us)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from hsdp.bench.elastic import Kill
+from hsdp.bench.faults import Partition, Slow
 from hsdp.bench.netns import MAX_REPLICAS
 from hsdp.bench.spec import REPO, LinkRunSpec, SweepSpec, load_link_spec, load_sweep, parse_rate, parse_runs_arg
 from hsdp.config.schema import Config, ConfigError
@@ -99,6 +100,8 @@ class LinkOptions:
     probe_reps: int = 3
     no_probe: bool = False
     kill: Optional[str] = None  # REPLICA@STEP for every elastic run (a run's own `kill` wins)
+    partition: Optional[str] = None  # REPLICA@AT:SECONDS for every elastic run (a run's own `partition` wins)
+    slow: Optional[str] = None  # REPLICA:FACTOR for every run (a run's own `slow` wins)
     plot: bool = False
     no_run: bool = False
     cleanup: bool = False
@@ -120,6 +123,8 @@ class LinkPlan:
     out_dir: Path  # run.out_dir (absolute)
     mesh: tuple[int, int] = (0, 0)  # (M, S) of the base config with the shared overrides
     kills: dict[str, Kill] = field(default_factory=dict)  # elastic runs whose node is killed
+    partitions: dict[str, Partition] = field(default_factory=dict)  # elastic runs whose replica is cut off
+    slows: dict[str, Slow] = field(default_factory=dict)  # runs with a slow replica
 
 
 def make_plan(opts: LinkOptions) -> LinkPlan:
@@ -176,6 +181,16 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
         kill = runs[run].kill or (opts.kill if c.elastic.enabled else None)
         if kill:
             plan.kills[run] = Kill.parse(kill, c, f"runs.{run}.kill" if runs[run].kill else "--kill")
+        cut = runs[run].partition or (opts.partition if c.elastic.enabled else None)
+        if cut:
+            what = f"runs.{run}.partition" if runs[run].partition else "--partition"
+            plan.partitions[run] = Partition.parse(cut, c, what)
+        slow = runs[run].slow or opts.slow
+        if slow:
+            what = f"runs.{run}.slow" if runs[run].slow else "--slow"
+            plan.slows[run] = Slow.parse(slow, c.mesh.sync, what)
+            # the node's config with it, checked now (run.slowdown's own rules, hsdp/config/validate.py)
+            load_checked_config(base, [*overrides(plan, run, label), plan.slows[run].override()])
         if (c.mesh.sync, c.mesh.shard) != plan.mesh:
             raise ConfigError(
                 f"runs.{run}: mesh {c.mesh.sync}x{c.mesh.shard} differs from the base's "
@@ -183,6 +198,8 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
             )
     if opts.kill and not plan.kills:
         raise ConfigError("--kill: no run is elastic (elastic.enabled=true); a kill would end every replica")
+    if opts.partition and not plan.partitions:
+        raise ConfigError("--partition: no run is elastic (elastic.enabled=true); a cut would end every replica")
     if not 2 <= plan.mesh[0] <= MAX_REPLICAS:
         raise ConfigError(f"mesh.sync: slowlink needs 2..{MAX_REPLICAS} replicas, got {plan.mesh[0]}")
     return plan

@@ -133,6 +133,7 @@ class Measured:
     cmd_wall_s: Optional[float] = None
     returncode: Optional[int] = None  # 124: timed out
     link_bytes: Optional[int] = None  # what the replicas' veths sent during the run
+    faults: Optional[dict[str, Any]] = None  # the faults injected (hsdp.bench.faults, elastic.py): when, steps
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> Measured:

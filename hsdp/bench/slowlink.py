@@ -20,6 +20,9 @@ Spec file (all keys but `runs` optional; the command line's flags override it):
       hsdp: []                               # at every rate
       diloco-h32-int8: [sync.warmup_steps=0, sync.every=32, sync.method=diloco, sync.quantize=int8]
       int8-delay-unshaped: {set: [sync.delay=1, ...], rates: [unshaped]}   # only at these rates
+      elastic-cut: {set: [elastic.enabled=true, ...], partition: 1@0.3:20}   # replica 1's link down 20 s
+      elastic-slow: {set: [elastic.enabled=true, ...], slow: "1:3"}         # replica 1's node 3x slower
+      (and `kill: 1@0.3`: replica 1's node SIGKILLed; hsdp/bench/elastic.py, hsdp/bench/faults.py)
 
 Outputs: run folders `<run.out_dir>/<name>-<run>-<rate>/` (train.py's usual config.yaml,
 metrics.jsonl, summary.json), node logs in `<out>/logs/`, and in `<out>` (default
@@ -118,9 +121,11 @@ def make_job(plan: LinkPlan, run: str, label: str, link: SlowLink, args: list[st
     """The run's job across `link`: one torchrun world over all nodes, or an elastic run's replicas."""
     S, name, logs = plan.mesh[1], f"{run}-{label}", plan.out / "logs"
     cfg = load_checked_config(plan.base, overrides(plan, run, label))
+    slow = plan.slows.get(run)
     if not cfg.elastic.enabled:
-        return Job(link, S, args, port, logs, name, rdzv_s)
-    return ElasticJob(link, S, args, port, logs, name, rdzv_s, cfg=cfg, kill=plan.kills.get(run))
+        return Job(link, S, args, port, logs, name, rdzv_s, slow=slow)
+    kill, cut = plan.kills.get(run), plan.partitions.get(run)
+    return ElasticJob(link, S, args, port, logs, name, rdzv_s, slow=slow, cfg=cfg, kill=kill, partition=cut)
 
 
 def run_at_rate(
@@ -156,7 +161,7 @@ def run_at_rate(
         job = make_job(plan, run, label, link, args, port, opts.rdzv_timeout_s)
         job.start()
         rc = job.wait(plan.timeout_s)
-        measured = Measured(time.perf_counter() - t0, rc, sum(link.tx_bytes()) - sum(before))
+        measured = Measured(time.perf_counter() - t0, rc, sum(link.tx_bytes()) - sum(before), job.faults() or None)
         if rc != 0:
             why = "timed out" if rc == TIMED_OUT else f"exit {rc}"
             print(f"[slowlink] {run} @ {label} {why}; logs:\n{job.log_tail()}", file=sys.stderr, flush=True)

@@ -38,6 +38,8 @@ class LinkRunSpec(NamedTuple):
     overrides: list[str]
     rates: Optional[list[str]] = None
     kill: Optional[str] = None
+    partition: Optional[str] = None  # REPLICA@AT:SECONDS (hsdp.bench.faults.Partition)
+    slow: Optional[str] = None  # REPLICA:FACTOR (hsdp.bench.faults.Slow)
 
 
 @dataclass
@@ -139,14 +141,18 @@ def load_link_spec(path: str) -> LinkSpec:
     parsed = {}
     for run, entry in runs.items():
         if isinstance(entry, dict):
-            bad = [k for k in entry if k not in ("set", "rates", "kill")]
+            keys = ("set", "rates", "kill", "partition", "slow")
+            bad = [k for k in entry if k not in keys]
             if bad:
-                raise ConfigError(f"runs.{run}: {path}: unknown keys {bad} (expected: set, rates, kill)")
-            rates, kill = entry.get("rates"), entry.get("kill")
+                raise ConfigError(f"runs.{run}: {path}: unknown keys {bad} (expected: {', '.join(keys)})")
+            rates = entry.get("rates")
+            kill, partition, slow = (None if entry.get(k) is None else str(entry[k]) for k in keys[2:])
             parsed[str(run)] = LinkRunSpec(
                 str_list(path, f"runs.{run}.set", entry.get("set")),
                 None if rates is None else [str(r) for r in rates],
-                None if kill is None else str(kill),
+                kill,
+                partition,
+                slow,
             )
         else:
             parsed[str(run)] = LinkRunSpec(str_list(path, f"runs.{run}", entry))

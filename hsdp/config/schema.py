@@ -134,6 +134,7 @@ class ElasticConfig:
     restart_delay_s: float = 1.0  # wait before restarting a failed replica (a crash loop does not spin)
     replica: int = -1  # under torchrun: this machine's replica (0..mesh.sync-1); the local launcher numbers them
     timeout_s: float = 10.0  # failure detection: a sync's collectives and quorum give up on a silent peer after this
+    partition_timeout_s: float = 120.0  # no quorum this long (cut off, lighthouse lost): the replica fails
 
 
 @dataclass

@@ -48,7 +48,14 @@ NON_NEGATIVE = [
     "elastic.max_restarts",
     "elastic.restart_delay_s",
 ]
-POSITIVE = ["optim.lr", "optim.eps", "mesh.timeout_s", "sync.outer_lr", "elastic.timeout_s"]
+POSITIVE = [
+    "optim.lr",
+    "optim.eps",
+    "mesh.timeout_s",
+    "sync.outer_lr",
+    "elastic.timeout_s",
+    "elastic.partition_timeout_s",
+]
 
 
 def _get(cfg: Config, key: str) -> Any:

@@ -293,6 +293,12 @@ def merge_replica_summaries(
         "replica_restarts": {str(m): n for m, n in restarts.items()},
         "heals": sum(s.get("heals", 0) for s in summaries.values()),
         "dropped_syncs": {str(m): s.get("dropped_syncs", 0) for m, s in summaries.items()},
+        # cuts (a partition, a lost lighthouse; docs/design.md §11): per replica, its rejoins (healed mid-run
+        # after a cut), the time it was paused at its sync for them, and the rounds whose quorum failed outright
+        **{
+            key: {str(m): s.get(key, 0) for m, s in summaries.items()}
+            for key in ("rejoins", "rejoin_paused_s", "quorum_failures", "quorum_failed_s")
+        },
         # the time a replica that never failed lost to its peers' failures (max over such replicas)
         "survivor_lost_s": max(
             (s.get("elastic_lost_s", 0.0) for m, s in summaries.items() if not failures[m]),

@@ -12,6 +12,7 @@ the worker (hsdp/run/elastic.py; under torchrun `enter_torchrun_replica`'s resul
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -43,6 +44,10 @@ class Membership(Protocol):
 
     def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
         """Meet the other replicas before the first step; returns the step to train from."""
+
+    def steps(self, start: int, end: int) -> Iterator[int]:
+        """The steps this rank trains, from `start` to before `end`: one after another, except that an elastic
+        replica that was cut off and rejoined continues at the step it healed to (later than the next)."""
 
     def before_sync(self, step: int) -> None:
         """After `step`'s update, before its param sync."""
@@ -80,6 +85,9 @@ class LocalMembership:
 
     def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
         return start_step
+
+    def steps(self, start: int, end: int) -> Iterator[int]:
+        return iter(range(start, end))
 
     def before_sync(self, step: int) -> None:
         pass

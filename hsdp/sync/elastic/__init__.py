@@ -9,5 +9,6 @@ collectives among them. One job per module:
     heal.py         HealState: what a rejoining replica copies from a live peer, and its snapshot server
     join.py         the first quorum of a replica, and the out-of-band catch-up of one healed at a param sync
     manager.py      the torchft Manager of a rank (lighthouse, timeouts) and the address peers reach it at
+    rejoin.py       Rejoin: a replica cut off mid-run (its link, the lighthouse) that gets a quorum again heals
     membership.py   ElasticMembership: the above as this rank's `Membership` (hsdp/sync/membership.py)
 """

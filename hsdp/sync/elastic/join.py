@@ -73,7 +73,7 @@ class Join:
         self.heal.training = True
         return step
 
-    def catch_up(self, policy: Any) -> int:
+    def catch_up(self, policy: Any, spectated: bool = False) -> int:
         """Heal out of band, from the peers' param-sync round this replica was just healed into (begun after
         their step t); returns the step to train from.
 
@@ -84,6 +84,7 @@ class Join:
         3. Spectate the peers' next round: its mean Δ takes this replica's θ_g and momentum exactly where
            the peers' are, and its params to θ_g (τ = 0, or α = 0), then train on with everyone.
         If the peers reached that next round first, they healed this replica again there: start over.
+        `spectated`: step 1 is done already (a replica that rejoined after a cut ran it as its own sync).
         """
         cfg, heal = self.cfg, self.heal
         last = cfg.run.steps - 1
@@ -91,7 +92,9 @@ class Join:
         while True:
             url, t = heal.offer
             heal.offer = None
-            self._spectate(policy, t)
+            if not spectated:
+                self._spectate(policy, t)
+            spectated = False
             at = min(t + cfg.sync.delay, last)  # the round lands τ steps after it began (or at the end)
             heal.load_full(heal.fetch(url, at, cfg.mesh.timeout_s, self.timeout))
             following = next((s for s in range(at + 1, cfg.run.steps) if fragments_due(s, cfg.sync)), None)

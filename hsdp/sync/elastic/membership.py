@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from hsdp.config.schema import Config
 from hsdp.sync.elastic.heal import HealState
 from hsdp.sync.elastic.join import Join
 from hsdp.sync.elastic.manager import build_manager
+from hsdp.sync.elastic.rejoin import Rejoin
 from hsdp.sync.elastic.transport import FTTransport, lost_in_touched_steps
 
 
@@ -37,8 +39,15 @@ class ElasticMembership:
 
     def _transport(self, comm: Comm, shard_rank: int) -> FTTransport:
         manager, pg = build_manager(self.cfg, self.replica, shard_rank, self.cfg.mesh.shard, self.lighthouse, self.heal)
-        self.transport = FTTransport(manager, pg, comm, spectating=lambda: self.heal.spectating)
+        self.transport = FTTransport(
+            manager,
+            pg,
+            comm,
+            spectating=lambda: self.heal.spectating,
+            partition_timeout_s=self.cfg.elastic.partition_timeout_s,
+        )
         self.joining = Join(self.cfg, self.replica, self.restart, self.transport, self.heal)
+        self.rejoin = Rejoin(self.joining, self.heal)  # after a cut: heal and continue at the peers' step
         return self.transport
 
     def logs(self, mesh: Mesh) -> bool:
@@ -48,10 +57,14 @@ class ElasticMembership:
         """Meet the live replicas: a restarted replica heals from one and continues at its step."""
         return self.joining.join(engine, optimizer, start_step)
 
+    def steps(self, start: int, end: int) -> Iterator[int]:
+        return self.rejoin.steps(start, end)
+
     def before_sync(self, step: int) -> None:
         self.heal.step = step  # what a peer healing at this step's sync gets
 
     def after_sync(self, step: int) -> None:
+        self.rejoin.after_sync(step, self.heal.engine.policy)  # cut off, and healed in this round: catch up
         self.heal.serve(step, self.transport, self.joining.timeout)
         t, first = self.transport, self._rounds_seen
         self.step_held.append(len(t.touched) > first)
@@ -87,6 +100,7 @@ class ElasticMembership:
             # what agreeing on a quorum costs per round (each grad-sync step is one round)
             "quorum_median_s": round(statistics.median(t.quorum_waits), 4) if t.quorum_waits else None,
             "join_s": round(self.joining.joined_s, 3),
+            **self.rejoin.stats(),  # cut off mid-run (a partition, a lost lighthouse): rejoins, pauses
         }
 
     def shutdown(self) -> None:

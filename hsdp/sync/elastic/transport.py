@@ -47,11 +47,17 @@ class _Guarded:
         self.work = None
 
 
+class PartitionTimeout(RuntimeError):
+    """This replica got no quorum for longer than elastic.partition_timeout_s (its link stayed cut, or the
+    lighthouse stayed down): it ends with this one line, and its launcher restarts it like any failure."""
+
+
 class FTTransport:
     """The sync collectives among the live replicas' ranks of one shard position, through torchft.
 
     `spectating()`: whether this replica spectates (asked at each round's start and collective: its heal
-    state knows). `clock` (seconds, monotonic) times the quorum waits and dropped rounds; tests pass a fake.
+    state knows). `clock` (seconds, monotonic) times the quorum waits, dropped rounds and cuts; tests pass a
+    fake. `partition_timeout_s`: how long a round's quorum may keep failing before PartitionTimeout.
     """
 
     may_fail = True
@@ -63,8 +69,15 @@ class FTTransport:
         comm: Comm,
         spectating: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.perf_counter,
+        partition_timeout_s: float = 120.0,
     ) -> None:
         self.manager, self.pg, self.comm, self.clock = manager, pg, comm, clock
+        self.partition_timeout_s = partition_timeout_s
+        # Rounds whose quorum failed at first (the lighthouse unreachable, or no quorum within the manager's
+        # quorum timeout), and the time until one answered. A shorter cut shows as a long quorum wait only.
+        self.quorum_failures = 0
+        self.quorum_failed_s = 0.0
+        self.pause_retry_s = 0.5  # between quorum attempts while cut off
         self.spectating = spectating
         self.rounds = 0
         self.participants: Optional[int] = None  # the last round's contributors (quorum less spectators)
@@ -100,7 +113,7 @@ class FTTransport:
             return
         self.open = True
         t0 = self.clock()
-        self.manager.start_quorum()
+        self._quorum_or_pause()
         self._round_start = self.clock()  # the quorum's wait is counted in quorum_waits, not twice
         self.quorum_waits.append(self._round_start - t0)
         self._contributors = self._agree_contributors()
@@ -110,6 +123,43 @@ class FTTransport:
         self.touched.append(changed or self.participants < size or self._last_dropped)
         self._last_size, self._last_dropped = size, False
         self.rounds += 1
+
+    def _quorum_or_pause(self) -> None:
+        """manager.start_quorum(), retried while it fails: this replica pauses at its sync while it is cut off
+        (its link down, or the lighthouse gone) and goes on once a quorum answers again. At the first failure
+        torchft's step is set to 0: this replica's own state is then as stale as the rounds the others
+        committed without it, so the quorum that answers next heals it from a live replica (if every replica
+        was cut off, the lighthouse lost, they are all at 0 and none heals). PartitionTimeout (one line) once
+        the failures have lasted partition_timeout_s."""
+        first: Optional[float] = None
+        while True:
+            try:
+                self.manager.start_quorum()
+                break
+            except Exception as e:  # the lighthouse unreachable, or no quorum within the manager's timeout
+                now = self.clock()
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                if first is None:
+                    first, self.quorum_failures = now, self.quorum_failures + 1
+                    self.manager.load_state_dict({**self.manager.state_dict(), "step": 0})
+                    print(
+                        f"elastic: no quorum ({why}); paused at this sync, retrying for up to "
+                        f"elastic.partition_timeout_s={self.partition_timeout_s:g} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                if now - first >= self.partition_timeout_s:
+                    bound = f"elastic.partition_timeout_s={self.partition_timeout_s:g}"
+                    raise PartitionTimeout(
+                        f"no quorum for {now - first:.0f} s ({bound}): this replica is cut off from the lighthouse "
+                        f"and the other replicas; last error: {why}"
+                    ) from None
+                # torchft keeps the failed quorum's future and re-raises its error at the next start_quorum
+                self.manager._quorum_future = None
+                time.sleep(self.pause_retry_s)
+        if first is not None:
+            self.quorum_failed_s += self.clock() - first
+            print(f"elastic: a quorum again after {self.clock() - first:.1f} s", file=sys.stderr, flush=True)
 
     def _agree_contributors(self) -> list[int]:
         """Which of the round's replicas count in its means: each says whether it spectates (one float each,
