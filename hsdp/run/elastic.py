@@ -94,6 +94,16 @@ def check_lighthouse_reachable(cfg: Config) -> None:
         ) from None
 
 
+def lighthouse_answers(cfg: Config) -> bool:
+    """Whether elastic.lighthouse (a lighthouse started on its own) accepts a connection; True without one
+    (the launcher's own lighthouse lives as long as the launcher)."""
+    try:
+        check_lighthouse_reachable(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
 def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
     """The lighthouse's join and heartbeat timeouts (ms).
 
@@ -132,6 +142,7 @@ class ElasticLaunch:
         self.replicas = [Replica(m) for m in range(cfg.mesh.sync)]
         self.owner: dict[int, int] = {}  # worker index -> replica (current generation only)
         self.ended = False  # the launch is over (its workers stopped): no pid is live
+        self.lighthouse_lost = False  # elastic.lighthouse stopped answering: every replica is given up
 
     def start(self, m: int) -> None:
         r = self.replicas[m]
@@ -161,8 +172,16 @@ class ElasticLaunch:
         r.fatal = last.split(":", 1)[0] in ONE_LINE_ERRORS
         if r.fatal:
             r.failures[-1] = last.split(": ", 1)[-1]  # its message is the whole story (as the plain launcher's)
-        if r.fatal or r.restarts >= self.cfg.elastic.max_restarts:
+        if r.fatal or r.restarts >= self.cfg.elastic.max_restarts or self.lighthouse_lost:
             r.given_up = True
+        elif not lighthouse_answers(self.cfg):
+            # Its lighthouse (one started on its own) is gone: a restart would wait elastic.partition_timeout_s
+            # for a quorum and fail again, replica after replica. Give up on all of them; the others fail the
+            # same way once their own bound passes (their checkpoints stay as they were last written).
+            self.lighthouse_lost = True
+            for x in self.replicas:
+                if not x.done or x is r:
+                    x.given_up, x.restart_at = True, None
         elif not any(x.training for x in self.replicas):
             # Nobody to heal from (every other replica finished, failed or waits for its own restart): a restart
             # would find no live replica and fail again, spending every restart. Give up on all that wait.
@@ -217,6 +236,13 @@ class ElasticLaunch:
         if not lost:
             return None
         r = lost[0]
+        if self.lighthouse_lost:
+            return (
+                f"the lighthouse at {self.cfg.elastic.lighthouse} stopped answering: replicas given up after "
+                f"elastic.partition_timeout_s={self.cfg.elastic.partition_timeout_s:g} s without a quorum "
+                f"(last: {next(x for x in reversed(lost) if x.failures).failures[-1]}); each replica's last "
+                "checkpoint is kept (run.resume=auto continues once a lighthouse runs there again)"
+            )
         ok = [str(x.index) for x in self.replicas if not x.given_up]
         others = f"; replica{'s' if len(ok) > 1 else ''} {', '.join(ok)} finished" if ok else ""
         if not r.failures:  # given up while waiting for its restart: the replica that failed last left it alone

@@ -1,11 +1,12 @@
 """Rejoin: a replica that was cut off (a partition, a lost lighthouse) and got a quorum again, mid-run.
 
-FTTransport pauses a replica at its sync while no quorum answers (transport.py `_quorum_or_pause`) and lowers
-its torchft step, so the quorum that answers once the link is back heals it from a live replica, inside the
-round this replica began as its own sync. At a param sync that heal is out of band (an offer, heal.py): the
-round runs with this replica spectating, and what is left is done here, after it, as a restarted replica
-does it (join.py `catch_up`): fetch the peer's state, spectate the peers' next round, and continue at their
-step, later than this replica's own next one (the training loop takes it from `steps`). docs/design.md §11.
+FTTransport pauses a replica at its sync while no quorum answers (transport.py `_quorum_or_pause`). The
+others committed rounds without it meanwhile, so its torchft step is behind theirs and the quorum that
+answers once the link is back heals it from a live replica, inside the round this replica began as its own
+sync. At a param sync that heal is out of band (an offer, heal.py): the round runs with this replica
+spectating, and what is left is done here, after it, as a restarted replica does it (join.py `catch_up`):
+fetch the peer's state, spectate the peers' next round, and continue at their step, later than this
+replica's own next one (the training loop takes it from `steps`). docs/design.md §11.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -126,22 +127,25 @@ class FTTransport:
 
     def _quorum_or_pause(self) -> None:
         """manager.start_quorum(), retried while it fails: this replica pauses at its sync while it is cut off
-        (its link down, or the lighthouse gone) and goes on once a quorum answers again. At the first failure
-        torchft's step is set to 0: this replica's own state is then as stale as the rounds the others
-        committed without it, so the quorum that answers next heals it from a live replica (if every replica
-        was cut off, the lighthouse lost, they are all at 0 and none heals). PartitionTimeout (one line) once
-        the failures have lasted partition_timeout_s."""
+        (its link down, or the lighthouse gone) and goes on once a quorum answers again. Nothing else is
+        needed for the heal: if the others committed rounds without it, its torchft step is behind theirs and
+        the quorum that answers heals it from a live replica (rejoin.py finishes that heal); if they did not,
+        they wait at the same sync. PartitionTimeout (one line) once the failures have lasted
+        partition_timeout_s (a retry waits at most what is left of it)."""
         first: Optional[float] = None
         while True:
             try:
-                self.manager.start_quorum()
+                if first is None:
+                    self.manager.start_quorum()
+                else:
+                    left = self.partition_timeout_s - (self.clock() - first)
+                    self.manager.start_quorum(timeout=timedelta(seconds=max(1.0, min(left, self._quorum_timeout_s()))))
                 break
             except Exception as e:  # the lighthouse unreachable, or no quorum within the manager's timeout
                 now = self.clock()
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
                 if first is None:
                     first, self.quorum_failures = now, self.quorum_failures + 1
-                    self.manager.load_state_dict({**self.manager.state_dict(), "step": 0})
                     print(
                         f"elastic: no quorum ({why}); paused at this sync, retrying for up to "
                         f"elastic.partition_timeout_s={self.partition_timeout_s:g} s",
@@ -160,6 +164,11 @@ class FTTransport:
         if first is not None:
             self.quorum_failed_s += self.clock() - first
             print(f"elastic: a quorum again after {self.clock() - first:.1f} s", file=sys.stderr, flush=True)
+
+    def _quorum_timeout_s(self) -> float:
+        """torchft's own bound on one quorum (the manager's quorum_timeout; manager.py sets it)."""
+        timeout = getattr(self.manager, "_quorum_timeout", None)
+        return timeout.total_seconds() if timeout is not None else self.partition_timeout_s
 
     def _agree_contributors(self) -> list[int]:
         """Which of the round's replicas count in its means: each says whether it spectates (one float each,

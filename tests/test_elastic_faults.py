@@ -1,0 +1,275 @@
+"""Elastic faults a WAN has (docs/design.md §11, Partitions): a replica's link cut while every process lives,
+and the lighthouse lost and restarted at the same address.
+
+One real run (2 replicas × 1 shard, the tiny model, DiLoCo every 8 steps) across the slow-link benchmark's
+network namespaces (hsdp.bench.netns; needs root and iproute2, as CI here has): the faults are driven by
+the steps the replicas log, not by time, and every check counts events (steps logged, quorum sizes, rejoins).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from hsdp.bench import netns
+from hsdp.bench.elastic import ElasticJob
+from hsdp.bench.faults import Partition, Slow
+from hsdp.bench.plan import LinkOptions, make_plan
+from hsdp.comm.groups import Comm
+from hsdp.config.loader import load_config
+from hsdp.config.schema import ConfigError
+from hsdp.run.elastic import ElasticLaunch
+from hsdp.run.zygote import Exit
+from hsdp.sync.elastic.transport import Done, FTTransport, PartitionTimeout
+from hsdp.sync.schedule import fragments_due
+
+REPO = Path(__file__).resolve().parents[1]
+needs_netns = pytest.mark.skipif(netns.missing_requirements() is not None, reason=netns.missing_requirements() or "")
+
+STEPS = 160
+CUT_AT = 12  # replica 1's link goes down once it logged this step (after the round of step 7)
+RESTORE_AT = 24  # and comes back once replica 0 logged this one (it ran the rounds of steps 15, 23 alone)
+LIGHTHOUSE_AFTER = 40  # the lighthouse is killed once replica 1 logged this step (so: after its rejoin)
+OVERRIDES = [
+    "mesh.sync=2",
+    "mesh.shard=1",
+    f"run.steps={STEPS}",
+    "run.log_every=1",
+    "run.eval_every=0",
+    "run.save_model=true",
+    "wandb.mode=disabled",
+    "mesh.timeout_s=20",  # also torchft's quorum timeout: a quorum begun while the lighthouse was down waits it out
+    "sync.warmup_steps=0",
+    "sync.every=8",
+    "sync.method=diloco",
+    "elastic.enabled=true",
+    "elastic.timeout_s=2",
+    "elastic.partition_timeout_s=60",
+]
+
+
+class ScriptedFaults(ElasticJob):
+    """The elastic job with its faults driven by logged steps: replica 1's link cut at CUT_AT and restored at
+    replica 0's RESTORE_AT; then the lighthouse killed, and started again at the same address once both
+    replicas logged the step before the next sync (both are then waiting for that sync's quorum)."""
+
+    events: list[str]
+    lighthouse_back_at: int = -1
+
+    def on_tick(self) -> None:
+        super().on_tick()
+        last = [self._logged_step(m) for m in range(2)]
+        events = self.events
+        if not events and last[1] >= CUT_AT:
+            self.link.cut(1)
+            events.append("cut")
+        elif events == ["cut"] and last[0] >= RESTORE_AT:
+            self.link.restore(1)
+            events.append("restored")
+        elif events == ["cut", "restored"] and last[1] >= LIGHTHOUSE_AFTER:
+            self._stop_lighthouse()
+            # the sync both replicas wait at: the next one after either's last logged step
+            self.lighthouse_back_at = next(s for s in range(max(last) + 1, STEPS) if fragments_due(s, self.cfg.sync))
+            events.append("lighthouse killed")
+        elif events[-1:] == ["lighthouse killed"] and min(last) >= self.lighthouse_back_at - 1:
+            self._start_lighthouse()
+            events.append("lighthouse restarted")
+
+
+def _records(run_dir: Path, m: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / f"metrics.replica{m}.jsonl").read_text().splitlines()]
+
+
+def _runs_of(values: list) -> list:
+    """[2, 2, 1, 1, 2] -> [2, 1, 2]"""
+    return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
+
+
+@needs_netns
+def test_a_cut_replica_rejoins_and_a_restarted_lighthouse_lets_the_run_finish(tmp_path: Path) -> None:
+    """Replica 1's link is cut: replica 0 logs every step through the cut with quorum 1; the cut-off replica
+    pauses at its sync, and when the link is back it rejoins in place (no restart): healed from replica 0,
+    it continues at replica 0's step (its metrics skip the steps it missed) and both sync again (quorum 2).
+    Then the lighthouse is killed and started again at the same address: both replicas go on. Exit 0, the
+    final params equal, every sync round of the schedule held by replica 0, no namespace left."""
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [*OVERRIDES, f"run.out_dir={tmp_path}", "run.name=faults"])
+    target = [str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny.yaml")]
+    for o in [*OVERRIDES, f"run.out_dir={tmp_path}", "run.name=faults"]:
+        target += ["--set", o]
+    link = netns.SlowLink(2, None)
+    job = ScriptedFaults(link, 1, target, 29471, tmp_path / "logs", "faults", 60, cfg=cfg)
+    job.events = []
+    try:
+        link.up()
+        job.start()
+        rc = job.wait(timeout_s=300)  # the hang guard
+    finally:
+        job.stop(grace_s=3)
+        left = link.down()
+    logs = "\n".join(p.read_text(errors="replace")[-2500:] for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert rc == 0, logs
+    assert job.events == ["cut", "restored", "lighthouse killed", "lighthouse restarted"]
+    assert left == [] and not [ns for ns in netns.list_namespaces() if ns.startswith(link.prefix)]
+
+    run_dir = tmp_path / "faults"
+    r0, r1 = _records(run_dir, 0), _records(run_dir, 1)
+    assert [r["step"] for r in r0] == list(range(STEPS))  # replica 0 never stopped
+    assert _runs_of([r["replicas"] for r in r0]) == [2, 1, 2], [r["replicas"] for r in r0]
+    alone = [r["step"] for r in r0 if r["replicas"] == 1 and r["synced"]]
+    assert len(alone) >= 2 and alone[0] > CUT_AT  # it synced alone (at least the rounds of steps 15 and 23)
+    steps1 = [r["step"] for r in r1]
+    gap = [(a, b) for a, b in zip(steps1, steps1[1:]) if b != a + 1]
+    assert len(gap) == 1 and gap[0][0] >= CUT_AT and gap[0][1] > RESTORE_AT, gap  # paused, then the peers' step
+    assert steps1[-1] == STEPS - 1
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rejoins"] == {"0": 0, "1": 1} and summary["replica_failures"] == 0, summary
+    # every sync of the schedule held by replica 0, none dropped (the cut fell between rounds)
+    assert [r["step"] for r in r0 if r["synced"]] == [s for s in range(STEPS) if fragments_due(s, cfg.sync)]
+    assert summary["dropped_syncs"] == {"0": 0, "1": 0}, summary
+    a, b = torch.load(run_dir / "model.replica0.pt"), torch.load(run_dir / "model.replica1.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_partition_and_slow_are_checked_before_anything_runs(tmp_path: Path) -> None:
+    """`--partition REPLICA@AT:SECONDS` / `partition:` (elastic runs, replica 1..M-1, AT before run.steps) and
+    `--slow REPLICA:FACTOR` / `slow:` (FACTOR >= 1): a bad value is one ConfigError naming the key, at plan time;
+    a slow replica's node alone gets run.slowdown."""
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ["elastic.enabled=true", "sync.warmup_steps=0"])
+    assert Partition.parse("1@0.5:20", cfg, "--partition") == Partition(1, cfg.run.steps // 2, 20.0)
+    assert Partition.parse("1@7:2.5", cfg, "--partition") == Partition(1, 7, 2.5)
+    for text, why in [("1@3", "REPLICA@AT:SECONDS"), ("1@3:0", "REPLICA@AT:SECONDS"), ("x@3:2", "REPLICA@AT"),
+                      ("0@3:5", "replica 0"), (f"1@{cfg.run.steps}:5", "before run.steps")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=why):
+            Partition.parse(text, cfg, "--partition")
+    plain = load_config(str(REPO / "configs" / "tiny.yaml"), [])
+    with pytest.raises(ConfigError, match="runs.x.partition: a partition needs an elastic run"):
+        Partition.parse("1@3:5", plain, "runs.x.partition")
+    assert Slow.parse("1:3", 2, "--slow") == Slow(1, 3.0)
+    for text, why in [("1", "REPLICA:FACTOR"), ("1:0.5", "FACTOR >= 1"), ("2:3", "replica 2"), ("a:2", "REPLICA")]:
+        with pytest.raises(ConfigError, match=why):
+            Slow.parse(text, 2, "--slow")
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "base: tiny.yaml\nrates: [20mbit]\nruns:\n  plain: []\n"
+        "  el: {set: [elastic.enabled=true, sync.warmup_steps=0], partition: '1@0.5:20'}\n"
+    )
+    (tmp_path / "tiny.yaml").write_text((REPO / "configs" / "tiny.yaml").read_text())
+    plan = make_plan(LinkOptions(spec=str(spec), shared=[f"run.out_dir={tmp_path}"]))
+    assert plan.partitions == {"el": Partition(1, cfg.run.steps // 2, 20.0)}
+    with pytest.raises(ConfigError, match="--partition: no run is elastic"):
+        make_plan(LinkOptions(rate="20mbit", runs=["plain="], partition="1@3:5", shared=[f"run.out_dir={tmp_path}"]))
+    with pytest.raises(ConfigError, match="--slow: expected REPLICA:FACTOR"):
+        make_plan(LinkOptions(rate="20mbit", runs=["plain="], slow="1", shared=[f"run.out_dir={tmp_path}"]))
+    job = ElasticJob(netns.SlowLink(2, None), 1, ["train.py"], 1, tmp_path, "x", slow=Slow(1, 3.0), cfg=cfg)
+    assert job.node_target(0) == ["train.py"] and job.node_target(1) == ["train.py", "--set", "run.slowdown=3"]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _UnreachableManager:
+    """torchft's Manager whose quorum fails `failures` times (each after `wait_s` on `clock`), then answers."""
+
+    def __init__(self, clock: _Clock, failures: int, wait_s: float = 7.0) -> None:
+        self.clock, self.failures, self.wait_s = clock, failures, wait_s
+        self.attempts: list[Optional[float]] = []  # each attempt's timeout (None: torchft's own)
+        self._quorum_future = "failed"  # what torchft keeps of a failed quorum (re-raised unless cleared)
+        self._quorum_timeout = timedelta(seconds=30)
+
+    def start_quorum(self, timeout: Optional[timedelta] = None) -> None:
+        self.attempts.append(None if timeout is None else timeout.total_seconds())
+        self._quorum_future = None
+        if len(self.attempts) <= self.failures:
+            self.clock.now += self.wait_s if timeout is None else min(self.wait_s, timeout.total_seconds())
+            raise TimeoutError("lighthouse quorum timed out")
+
+    def num_participants(self) -> int:
+        return 2
+
+    def errored(self) -> None:
+        return None
+
+
+class _Flags:
+    def allgather(self, outs, inps, opts):
+        for chunk in outs[0]:
+            chunk.fill_(1.0)
+        return Done()
+
+
+def _transport(manager: _UnreachableManager, clock: _Clock, bound: float) -> FTTransport:
+    t = FTTransport(manager, _Flags(), Comm({}), clock=clock, partition_timeout_s=bound)
+    t.pause_retry_s = 0.0
+    return t
+
+
+def test_a_replica_without_quorum_pauses_and_ends_with_one_line_after_the_bound(capsys) -> None:
+    """Quorum attempts that fail (a cut link, a dead lighthouse) are retried, each waiting at most what is left
+    of elastic.partition_timeout_s; a quorum within it resumes the round (counted: one failure, its time);
+    none within it is PartitionTimeout, one line naming the key. Times are the fake clock's."""
+    clock = _Clock()
+    manager = _UnreachableManager(clock, failures=3)
+    t = _transport(manager, clock, bound=60)
+    t.begin_round()
+    assert t.open and t.participants == 2 and len(manager.attempts) == 4
+    assert manager.attempts[0] is None and all(a is not None and a <= 30 for a in manager.attempts[1:])
+    assert t.quorum_failures == 1 and t.quorum_failed_s == 14.0  # from the first failure: two more attempts
+    assert "paused at this sync" in capsys.readouterr().err
+
+    clock = _Clock()
+    manager = _UnreachableManager(clock, failures=10**6)
+    t = _transport(manager, clock, bound=60)
+    with pytest.raises(PartitionTimeout) as e:
+        t.begin_round()
+    assert "elastic.partition_timeout_s=60" in str(e.value) and "\n" not in str(e.value)
+    assert clock.now <= 7 + 60 + 1  # the first attempt, then retries bounded by what was left (>= 1 s each)
+
+
+class _Workers:
+    pids = {0: 100, 1: 101}
+
+    def send_signal(self, sig, indices) -> None:
+        pass
+
+
+def test_the_launcher_gives_up_every_replica_when_its_lighthouse_is_gone(tmp_path: Path) -> None:
+    """A replica that failed while elastic.lighthouse (started on its own) refuses connections is not restarted
+    (it would wait out the bound again): every replica is given up and the outcome is one line naming the
+    lighthouse; with the lighthouse answering, the same failure is restarted."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    overrides = ["elastic.enabled=true", "mesh.sync=2", "mesh.shard=1", "elastic.timeout_s=1"]
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [*overrides, f"elastic.lighthouse=http://127.0.0.1:{port}"])
+    cfg.run.out_dir, cfg.run.name = str(tmp_path), "lost"
+    (tmp_path / "lost").mkdir()
+    run = ElasticLaunch(cfg, _Workers(), lambda m, restarts: [m])
+    run.start(0)
+    run.start(1)
+    run.on_exit(Exit(1, 1, "PartitionTimeout: no quorum for 120 s"))
+    assert run.lighthouse_lost and all(r.given_up for r in run.replicas)
+    line = run.outcome()
+    assert f"the lighthouse at http://127.0.0.1:{port} stopped answering" in line and "\n" not in line
+
+    with socket.socket() as server:  # now it answers: the failure is restarted as usual
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        cfg.elastic.lighthouse = f"http://127.0.0.1:{server.getsockname()[1]}"
+        run = ElasticLaunch(cfg, _Workers(), lambda m, restarts: [m])
+        run.start(0)
+        run.start(1)
+        run.on_exit(Exit(1, 1, "PartitionTimeout: no quorum for 120 s"))
+        assert not run.lighthouse_lost and run.replicas[1].restart_at is not None
