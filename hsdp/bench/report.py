@@ -190,6 +190,32 @@ def crossover_table(plan: LinkPlan, cross: Mapping[str, Crossovers]) -> list[str
     return lines
 
 
+def fault_lines(runs: Sequence[LinkRun]) -> list[str]:
+    """One line per run with injected faults: what was injected, when (the steps every replica had logged),
+    and what the elastic run's summary counted (rejoins, dropped syncs, failures)."""
+    lines = []
+    for r in runs:
+        f = r.measured.faults
+        if not f:
+            continue
+        parts = []
+        if "partition" in f:
+            p = f["partition"]
+            parts.append(
+                f"replica {p['replica']}'s link down at its step {p['step']} for {p['seconds']:g} s "
+                f"(steps logged at the cut {p.get('steps_at_cut', '–')}, "
+                f"at the restore {p.get('steps_at_restore', '–')})"
+            )
+        if "kill" in f:
+            parts.append(f"replica {f['kill']['replica']}'s node killed at its step {f['kill']['step']}")
+        if "slow" in f:
+            parts.append(f"replica {f['slow']['replica']}'s node {f['slow']['factor']:g}× slower")
+        s = r.record.summary if r.record else {}
+        counted = [f"{k} {s[k]}" for k in ("rejoins", "dropped_syncs", "replica_failures", "heals") if k in s]
+        lines.append(f"- {r.run} @ {r.rate}: {'; '.join(parts)}" + (f"; {', '.join(counted)}" if counted else ""))
+    return ["", "Faults injected:", "", *lines] if lines else []
+
+
 def link_tables(
     plan: LinkPlan,
     runs: Sequence[LinkRun],
@@ -198,7 +224,7 @@ def link_tables(
     cross: Mapping[str, Crossovers],
 ) -> str:
     """slowlink.md: the runs, then (where there are any) the probes, the sync-time check and the crossovers."""
-    lines = runs_table(plan, runs, assessed)
+    lines = runs_table(plan, runs, assessed) + fault_lines(runs)
     if probes:
         lines += probes_table(probes)
     checked = [(r, assessed[(r.run, r.rate)]) for r in runs if r.ok and assessed[(r.run, r.rate)].sync_expected_s]
