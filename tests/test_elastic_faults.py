@@ -130,6 +130,8 @@ def test_a_cut_replica_rejoins_and_a_restarted_lighthouse_lets_the_run_finish(tm
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rejoins"] == {"0": 0, "1": 1} and summary["replica_failures"] == 0, summary
+    s0 = json.loads((run_dir / "summary.replica0.json").read_text())
+    assert summary["survivor_touched_rounds"] == s0["elastic_touched_rounds"]  # the cut-off replica is no survivor
     # every sync of the schedule held by replica 0, none dropped (the cut fell between rounds)
     assert [r["step"] for r in r0 if r["synced"]] == [s for s in range(STEPS) if fragments_due(s, cfg.sync)]
     assert summary["dropped_syncs"] == {"0": 0, "1": 0}, summary

@@ -282,8 +282,9 @@ def merge_replica_summaries(
                                  last metrics record; a restarted one's every life once)
     train_time_s, wall_time_s    the longest replica's (they train side by side)
     tokens_per_s                 tokens / train_time_s (mfu scaled with it)
-    survivor_lost_s              the most a replica that never failed lost to its peers' failures (its
-                                 failure-touched steps' excess over its usual sync step, `elastic_lost_s`)
+    survivor_lost_s              the most a replica that never failed nor was cut off (no rejoin) lost to
+                                 its peers' failures (its failure-touched steps' excess over its usual sync
+                                 step, `elastic_lost_s`; a cut-off replica's own pause is not a survivor's loss)
 
     The other fields are the first finished replica's, plus the launcher's failure and restart counts.
     """
@@ -295,6 +296,10 @@ def merge_replica_summaries(
     if not summaries:
         return
     first = summaries[min(summaries)]
+
+    def survived(m: int, s: dict) -> bool:
+        return not failures[m] and not s.get("rejoins")
+
     trained = 0
     for m in failures:  # a replica without a summary (given up) trained what its last record says
         own = summaries[m] if m in summaries else (last_record(run_dir / f"metrics.replica{m}.jsonl") or {})
@@ -325,14 +330,14 @@ def merge_replica_summaries(
             key: {str(m): s.get(key, 0) for m, s in summaries.items()}
             for key in ("rejoins", "rejoin_paused_s", "quorum_failures", "quorum_failed_s")
         },
-        # the time a replica that never failed lost to its peers' failures (max over such replicas)
+        # the time a replica that never failed nor was cut off lost to its peers' failures (max over them)
         "survivor_lost_s": max(
-            (s.get("elastic_lost_s", 0.0) for m, s in summaries.items() if not failures[m]),
+            (s.get("elastic_lost_s", 0.0) for m, s in summaries.items() if survived(m, s)),
             default=None,
         ),
         # how many of its rounds a failure touched (a count: what survivor_lost_s is spent in)
         "survivor_touched_rounds": max(
-            (s.get("elastic_touched_rounds", 0) for m, s in summaries.items() if not failures[m]),
+            (s.get("elastic_touched_rounds", 0) for m, s in summaries.items() if survived(m, s)),
             default=None,
         ),
     }
