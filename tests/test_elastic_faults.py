@@ -35,7 +35,7 @@ needs_netns = pytest.mark.skipif(netns.missing_requirements() is not None, reaso
 STEPS = 160
 CUT_AT = 12  # replica 1's link goes down once it logged this step (after the round of step 7)
 RESTORE_AT = 24  # and comes back once replica 0 logged this one (it ran the rounds of steps 15, 23 alone)
-LIGHTHOUSE_AFTER = 40  # the lighthouse is killed once replica 1 logged this step (so: after its rejoin)
+LIGHTHOUSE_AFTER = 40  # the lighthouse is killed once both replicas logged this step or later (after the rejoin)
 OVERRIDES = [
     "mesh.sync=2",
     "mesh.shard=1",
@@ -44,7 +44,9 @@ OVERRIDES = [
     "run.eval_every=0",
     "run.save_model=true",
     "wandb.mode=disabled",
-    "mesh.timeout_s=20",  # also torchft's quorum timeout: a quorum begun while the lighthouse was down waits it out
+    # The fresh join's wait for the other replica's start (20 s was too short once on a box at load 20), and
+    # torchft's quorum timeout, which the first quorum after the lighthouse's restart waits out (≈ 30 s here).
+    "mesh.timeout_s=30",
     "sync.warmup_steps=0",
     "sync.every=8",
     "sync.method=diloco",
@@ -56,8 +58,11 @@ OVERRIDES = [
 
 class ScriptedFaults(ElasticJob):
     """The elastic job with its faults driven by logged steps: replica 1's link cut at CUT_AT and restored at
-    replica 0's RESTORE_AT; then the lighthouse killed, and started again at the same address once both
-    replicas logged the step before the next sync (both are then waiting for that sync's quorum)."""
+    replica 0's RESTORE_AT; then, just after a sync both replicas held, the lighthouse killed, and started
+    again at the same address once replica 0 logged two more steps (its heartbeats failed meanwhile), before
+    their next sync. That sync's first quorum attempt still waits out torchft's quorum timeout (mesh.timeout_s
+    here) and its retry reaches the restarted lighthouse (docs/results/elastic.md); the pause's bound is tested
+    on a fake clock below."""
 
     events: list[str]
     lighthouse_back_at: int = -1
@@ -72,12 +77,12 @@ class ScriptedFaults(ElasticJob):
         elif events == ["cut"] and last[0] >= RESTORE_AT:
             self.link.restore(1)
             events.append("restored")
-        elif events == ["cut", "restored"] and last[1] >= LIGHTHOUSE_AFTER:
-            self._stop_lighthouse()
-            # the sync both replicas wait at: the next one after either's last logged step
-            self.lighthouse_back_at = next(s for s in range(max(last) + 1, STEPS) if fragments_due(s, self.cfg.sync))
-            events.append("lighthouse killed")
-        elif events[-1:] == ["lighthouse killed"] and min(last) >= self.lighthouse_back_at - 1:
+        elif events == ["cut", "restored"] and min(last) >= LIGHTHOUSE_AFTER and last[0] == last[1]:
+            if fragments_due(last[0] - 1, self.cfg.sync):  # both just past a sync: the next is 7 steps away
+                self._stop_lighthouse()
+                self.lighthouse_back_at = last[0] + 2
+                events.append("lighthouse killed")
+        elif events[-1:] == ["lighthouse killed"] and last[0] >= self.lighthouse_back_at:
             self._start_lighthouse()
             events.append("lighthouse restarted")
 
@@ -96,7 +101,8 @@ def test_a_cut_replica_rejoins_and_a_restarted_lighthouse_lets_the_run_finish(tm
     """Replica 1's link is cut: replica 0 logs every step through the cut with quorum 1; the cut-off replica
     pauses at its sync, and when the link is back it rejoins in place (no restart): healed from replica 0,
     it continues at replica 0's step (its metrics skip the steps it missed) and both sync again (quorum 2).
-    Then the lighthouse is killed and started again at the same address: both replicas go on. Exit 0, the
+    Then the lighthouse is killed and started again at the same address between two syncs: both replicas
+    go on. Exit 0, the
     final params equal, every sync round of the schedule held by replica 0, no namespace left."""
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [*OVERRIDES, f"run.out_dir={tmp_path}", "run.name=faults"])
     target = [str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny.yaml")]
