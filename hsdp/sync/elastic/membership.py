@@ -49,7 +49,7 @@ class ElasticMembership:
         return self.joining.join(engine, optimizer, start_step)
 
     def before_sync(self, step: int) -> None:
-        self.heal.step = step  # what a peer healing at this step's sync gets
+        self.heal.at_step(step)  # what a peer healing at this step's sync gets, and the pace it keeps up with
 
     def after_sync(self, step: int) -> None:
         self.heal.serve(step, self.transport, self.joining.timeout)
@@ -78,6 +78,11 @@ class ElasticMembership:
             "heal_fetches": self.heal.fetches,  # peers' states fetched out of band
             "heal_fetch_s": round(self.heal.fetch_s, 3),
             "spectated_rounds": self.joining.spectated,
+            # healed out of band: the steps of that period it did not train, the step whose round it first
+            # counted in, and how often its heal began again (the serving peer died before the fetch)
+            "heal_skipped_steps": self.joining.skipped,
+            "heal_contributes_from": self.joining.contributes_from,
+            "heal_retries": self.joining.retries,
             "sync_rounds": t.rounds,
             "dropped_syncs": self.heal.engine.policy.dropped,
             "elastic_touched_rounds": t.touched_rounds(),
