@@ -145,4 +145,4 @@ def steps_behind(lag_s: float, pace_s: Optional[float], period: int) -> int:
     the rest, which is what a spectated round would cost them too); none skipped without a pace."""
     if not pace_s or pace_s <= 0:
         return 0
-    return min(math.ceil(lag_s / pace_s), period - 1)
+    return min(math.floor(lag_s / pace_s + 0.5), period - 1)  # the nearest whole step
