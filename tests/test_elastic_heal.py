@@ -125,3 +125,24 @@ def test_replicas_end_equal_after_the_last_sync_with_fragments_and_error_feedbac
         residuals = torch.load(markers / name)
         assert all(e is None or not e.any() for e in residuals), name
     assert any(e is not None and e.any() for e in states[1]["error"])
+
+
+def test_steps_behind_is_the_fetch_over_the_peers_pace_leaving_one_step() -> None:
+    """k = min(round(ℓ / p), n − a − 1), 0 without a pace (docs/design.md §11, Heal in the same period)."""
+    from hsdp.sync.elastic.join import steps_behind
+
+    assert steps_behind(5.5, 0.4, 32) == 14  # the slow-link benchmark's fetch at its step time
+    assert steps_behind(0.01, 0.2, 2) == 0  # a local fetch: under half a step
+    assert steps_behind(60.0, 0.4, 32) == 31  # a fetch past the period: one step left to train
+    assert steps_behind(5.5, None, 32) == 0  # the peer had no pace yet
+
+
+def test_a_replica_healed_again_mid_training_ends_with_one_line() -> None:
+    """A quorum that heals a training replica again (it fell a round behind its peers) ends it, for the
+    launcher to restart and heal whole, instead of spectating on with a stale θ_g."""
+    from hsdp.sync.elastic.membership import ElasticMembership
+
+    members = ElasticMembership(load_config(str(REPO / "configs/tiny.yaml"), OVERRIDES), 1, 0, "http://x:1")
+    members.heal.offer = ("http://peer/checkpoint/", 9, 0.2)
+    with pytest.raises(RuntimeError, match="replica 1 fell a sync round behind the others"):
+        members.after_sync(11)

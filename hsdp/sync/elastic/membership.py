@@ -52,6 +52,11 @@ class ElasticMembership:
         self.heal.at_step(step)  # what a peer healing at this step's sync gets, and the pace it keeps up with
 
     def after_sync(self, step: int) -> None:
+        if self.heal.offer is not None:  # its peers' quorum healed it again: it fell a round behind them
+            raise RuntimeError(
+                f"replica {self.replica} fell a sync round behind the others (healed again after step {step}); "
+                "a restart heals it from a live replica"
+            )
         self.heal.serve(step, self.transport, self.joining.timeout)
         t, first = self.transport, self._rounds_seen
         self.step_held.append(len(t.touched) > first)
