@@ -47,7 +47,7 @@ ELASTIC = [
 # step KILL_STEP and is killed; the survivors sync alone (after step 7); its restart joins once they did,
 # and they wait for it before step HOLD_STEP's sync. With a sync every 4 steps it heals at the round after
 # step 15 at the latest, spectates that round (a replica healed at a param sync spectates one), trains the
-# rest of that period and syncs with everyone from step 19 on.
+# last step of that period (the harness makes one of its ranks a period behind) and syncs with everyone.
 KILL_STEP, HOLD_STEP, KILL_RUN_STEPS = 5, 12, 24
 KILL = ["sync.every=4", "elastic.restart_delay_s=0.5"]
 
@@ -161,6 +161,7 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
     else:  # healed at a param sync: out of band, spectating one round, counted from the next
         assert restarted["spectated_rounds"] == 1 and restarted["heal_fetches"] == 1, restarted
         first = restarted["heal_contributes_from"]
+        assert next(r for r in _records(run_dir, 1) if r["step"] > KILL_STEP)["step"] == first, restarted
         assert next(r for r in _records(run_dir, 1) if r["step"] >= first)["replicas"] == n, restarted
     # what the survivors lost, counted: no dropped round, and at most three rounds the failure touched
     assert all(summary["dropped_syncs"][str(m)] == 0 for m in range(n) if m != 1), summary["dropped_syncs"]

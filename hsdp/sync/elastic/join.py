@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from hsdp.config.schema import Config
 from hsdp.sync.elastic.heal import HealState, PeerGone
@@ -100,10 +101,15 @@ class Join:
             self._spectate(policy, t)
             at = min(t + cfg.sync.delay, last)  # the round lands τ steps after it began (or at the end)
             closed = time.perf_counter()
+            gone = None
             try:
                 state = heal.fetch(url, at, cfg.mesh.timeout_s, self.timeout)
             except PeerGone as e:
-                print(f"elastic: replica {self.replica}: {e}; healing again at the next round", file=sys.stderr)
+                gone = e
+            # The replica's ranks heal again together, or none does (the peer may have died between their fetches).
+            if self._replica_max(gone is not None):
+                why = gone or "the replica serving another of its ranks is gone"
+                print(f"elastic: replica {self.replica}: {why}; healing again at the next round", file=sys.stderr)
                 self._heal_again()
                 continue
             heal.load_full(state)
@@ -112,9 +118,16 @@ class Join:
         following = next((s for s in range(at + 1, cfg.run.steps) if fragments_due(s, cfg.sync)), None)
         if following is None:  # the peers sync no more: train on alone to the end, as they do
             return at + 1
-        self.skipped = steps_behind(time.perf_counter() - closed, pace, following - at)
+        # Every rank of the replica trains the same steps (their shard collectives pair up): the largest lag's.
+        self.skipped = self._replica_max(steps_behind(time.perf_counter() - closed, pace, following - at))
         self.contributes_from = following
         return at + 1 + self.skipped
+
+    def _replica_max(self, value: int) -> int:
+        """The largest `value` among this replica's ranks (its shard group, in its own world)."""
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.heal.engine.units[0].held_flat.device)
+        self.transport.comm.all_reduce(t, "shard", op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def _heal_again(self) -> None:
         """The peer serving this replica's state died: set its torchft step back, so the next round's quorum
