@@ -9,7 +9,10 @@ these wrap ElasticMembership's methods):
 - REPLICA's first start stops after KILL_STEP (it waits, heartbeating, in step KILL_STEP+1's after_sync
   until it is killed), so it takes part in no round past KILL_STEP+1 however late the kill comes;
 - its restart waits until replica 0 has logged a sync without it before it joins (the survivors' short
-  round comes first), then leaves a marker per shard rank in MARKERS once its manager heartbeats;
+  round comes first), then leaves a marker per shard rank in MARKERS once its manager heartbeats; healed
+  at a param sync, its last shard rank reads its peer's pace as 1 µs a step (a whole period behind) and the
+  others read the real one: the replica's ranks must agree to skip the most steps (join.py), train one step
+  and count in the next round;
 - every other replica waits before step HOLD_STEP's sync until that marker is there: from then on the
   lighthouse holds each quorum for the restarted replica, so it is back, heals and trains before the end.
 """
@@ -24,8 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch.distributed as dist  # noqa: E402
+
 import train  # noqa: E402
 from hsdp.config.schema import Config  # noqa: E402
+from hsdp.sync.elastic.heal import HealState  # noqa: E402
 from hsdp.sync.elastic.membership import ElasticMembership  # noqa: E402
 from hsdp.sync.membership import ReplicaSeat  # noqa: E402
 
@@ -50,6 +56,7 @@ def _synced_without_a_replica(metrics: Path, replicas: int) -> bool:
 def kill_order_worker(replica: int, kill_step: int, hold_step: int, markers: str, cfg: Config, seat: ReplicaSeat):
     """train.train_worker with the waits above (by `seat`: which replica this worker is, which start of it)."""
     marker_dir = Path(markers)
+    load_state_dict = HealState.load_state_dict
     build_mesh, before_sync, after_sync = (
         ElasticMembership.build_mesh,
         ElasticMembership.before_sync,
@@ -73,7 +80,13 @@ def kill_order_worker(replica: int, kill_step: int, hold_step: int, markers: str
             (marker_dir / f"rank{mesh.shard_rank}").touch()
             return mesh
 
+        def load_state_dict_last_rank_far_behind(self: HealState, state: dict) -> None:
+            if "step_s" in state and dist.get_rank() == cfg.mesh.shard - 1:
+                state = {**state, "step_s": 1e-6}  # its peer's pace says it is a whole period behind
+            load_state_dict(self, state)
+
         ElasticMembership.build_mesh = build_mesh_after_a_short_sync
+        HealState.load_state_dict = load_state_dict_last_rank_far_behind
     else:  # a survivor: before step hold_step's sync, wait until the restarted replica heartbeats
 
         def build_mesh_noting_rank(self: ElasticMembership, device):

@@ -46,8 +46,8 @@ ELASTIC = [
 # The kill cases (tests/elastic_kill_train.py orders them by events, not by time): replica 1 stops after
 # step KILL_STEP and is killed; the survivors sync alone (after step 7); its restart joins once they did,
 # and they wait for it before step HOLD_STEP's sync. With a sync every 4 steps it heals at the round after
-# step 15 at the latest, spectates that round and the next (a replica healed at a param sync spectates two)
-# and trains from step 20 at the latest to the end, syncing with everyone after step 23.
+# step 15 at the latest, spectates that round (a replica healed at a param sync spectates one), trains the
+# last step of that period (the harness makes one of its ranks a period behind) and syncs with everyone.
 KILL_STEP, HOLD_STEP, KILL_RUN_STEPS = 5, 12, 24
 KILL = ["sync.every=4", "elastic.restart_delay_s=0.5"]
 
@@ -158,8 +158,11 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
     restarted = json.loads((run_dir / "summary.replica1.json").read_text())
     if "warmup" in " ".join(extra):  # healed inside a grad-sync round
         assert restarted["spectated_rounds"] == 0 and restarted["heal_fetches"] == 0, restarted
-    else:  # healed at a param sync: out of band, spectating two rounds
-        assert restarted["spectated_rounds"] == 2 and restarted["heal_fetches"] == 1, restarted
+    else:  # healed at a param sync: out of band, spectating one round, counted from the next
+        assert restarted["spectated_rounds"] == 1 and restarted["heal_fetches"] == 1, restarted
+        first = restarted["heal_contributes_from"]
+        assert next(r for r in _records(run_dir, 1) if r["step"] > KILL_STEP)["step"] == first, restarted
+        assert next(r for r in _records(run_dir, 1) if r["step"] >= first)["replicas"] == n, restarted
     # what the survivors lost, counted: no dropped round, and at most three rounds the failure touched
     assert all(summary["dropped_syncs"][str(m)] == 0 for m in range(n) if m != 1), summary["dropped_syncs"]
     assert 1 <= summary["survivor_touched_rounds"] <= 3, summary["survivor_touched_rounds"]

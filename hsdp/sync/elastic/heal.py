@@ -9,7 +9,9 @@ own rank, so both are right once the step is.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
+from collections import deque
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -23,7 +25,8 @@ class HealState:
     In a param-sync round it crosses outside it, so the live replicas never wait for it behind a slow
     link: torchft's heal carries only where to fetch it (`offer`); the peer serves its state once that
     round has closed (`serve`, from its own snapshot server, while it trains on) and the rejoining
-    replica fetches it (`fetch`) and spectates the peers' next round to catch up (join.py).
+    replica fetches it (`fetch`) and trains the rest of the period to contribute to the peers' next round
+    (join.py).
     """
 
     def __init__(self) -> None:
@@ -34,7 +37,8 @@ class HealState:
         self.training = False  # past the join: a peer healing now catches up out of band
         self.healed_to: Optional[int] = None  # set when a peer's state (or its offer) was loaded
         self.peer_joining = False  # the state came from a peer in its own join round (a resume: it was ahead)
-        self.offer: Optional[tuple[str, int]] = None  # (a peer's snapshot address, the step its round began after)
+        # (a peer's snapshot address, the step its round began after, the peer's median step time or None)
+        self.offer: Optional[tuple[str, int, Optional[float]]] = None
         # Healed out of band and not caught up yet: this replica spectates its rounds (FTTransport asks). Set
         # with the offer, inside the quorum, so the round the offer came in already counts it out.
         self.spectating = False
@@ -43,6 +47,18 @@ class HealState:
         self.heals = 0
         self.fetches = 0  # peers' states fetched out of band
         self.fetch_s = 0.0  # wall time fetching them
+        self._step_clock: deque[float] = deque(maxlen=9)  # when the last steps reached their sync (pace)
+
+    def at_step(self, step: int) -> None:
+        """`step` finished its update and is about to sync: what a peer healing at its sync gets, and when
+        (the pace a healing peer keeps up with)."""
+        self.step = step
+        self._step_clock.append(time.perf_counter())
+
+    def pace(self) -> Optional[float]:
+        """This replica's median step time over its last steps (None before two)."""
+        t = list(self._step_clock)
+        return statistics.median(b - a for a, b in zip(t, t[1:])) if len(t) > 1 else None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state for a peer healing in the round begun after `step` (torchft's quorum thread
@@ -52,7 +68,7 @@ class HealState:
             # step is one): the state crosses inside the round.
             return self.full_state()
         self.asked_at = self.step
-        return {"step": self.step, "snapshot": self.snapshots.address()}
+        return {"step": self.step, "snapshot": self.snapshots.address(), "step_s": self.pace()}
 
     def full_state(self) -> dict[str, Any]:
         # Copies: they are sent from another thread while this replica trains on.
@@ -76,7 +92,7 @@ class HealState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A peer's state, or its offer to serve it (torchft calls this on the training thread, in begin_round)."""
         if "snapshot" in state:
-            self.offer = (state["snapshot"], int(state["step"]))
+            self.offer = (state["snapshot"], int(state["step"]), state.get("step_s"))
             self.healed_to = int(state["step"])
             self.spectating = True
             return
@@ -120,6 +136,24 @@ class HealState:
                 self.fetches += 1
                 return state
             except Exception as e:  # 400: still serving an older state; a refused or cut connection
+                if _refused(e):  # its server listened from its start: refused means the peer is gone
+                    raise PeerGone(f"the replica serving its state at {url} is gone ({e})") from e
                 if time.perf_counter() - t0 > wait_s:
                     raise RuntimeError(f"no state of step {step} from {url} within {wait_s:g} s: {e}") from e
                 time.sleep(0.05)
+
+
+class PeerGone(RuntimeError):
+    """The peer a replica was healing from died before its state was fetched (join.py heals again)."""
+
+
+def _refused(e: BaseException) -> bool:
+    """Whether `e` (urllib's URLError wraps the socket's error in `reason`) is a refused connection."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        reason = getattr(e, "reason", None)
+        e = reason if isinstance(reason, BaseException) else (e.__cause__ or e.__context__)
+    return False

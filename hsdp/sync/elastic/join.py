@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from hsdp.config.schema import Config
-from hsdp.sync.elastic.heal import HealState
+from hsdp.sync.elastic.heal import HealState, PeerGone
 from hsdp.sync.elastic.transport import FTTransport
 from hsdp.sync.schedule import fragments_due
 
@@ -22,6 +25,9 @@ class Join:
         self.transport, self.heal = transport, heal
         self.timeout = timedelta(seconds=cfg.elastic.timeout_s)
         self.spectated = 0  # rounds this replica took part in without counting (catching up after a heal)
+        self.skipped = 0  # steps of the heal's period not trained (the peers trained them while the state crossed)
+        self.contributes_from: Optional[int] = None  # the step whose round a healed replica first counts in
+        self.retries = 0  # heals begun again because the serving peer died before its state was fetched
         self.joined_s = 0.0
 
     def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
@@ -80,38 +86,64 @@ class Join:
         1. Spectate that round: take part in its collectives with a part that does not count (the peers
            need every quorum member in them), keep nothing.
         2. Fetch the peer's state after that round while the peers train on (the slow part behind a slow
-           link: nobody waits for it) and load it: params, inner optimizer, θ_g, outer momentum, step.
-        3. Spectate the peers' next round: its mean Δ takes this replica's θ_g and momentum exactly where
-           the peers' are, and its params to θ_g (τ = 0, or α = 0), then train on with everyone.
-        If the peers reached that next round first, they healed this replica again there: start over.
+           link) and load it: params, inner optimizer, θ_g, outer momentum, step.
+        3. Train the rest of the period from there and contribute to the peers' next round like any of
+           them: the steps the peers trained while the state crossed (the fetch's time over the peer's pace,
+           sent with its offer) are skipped, so the peers do not wait for this replica at that round.
+        If the peer died before its state was fetched, this replica heals again at the next round.
         `spectated`: step 1 is done already (a replica that rejoined after a cut ran it as its own sync).
         """
         cfg, heal = self.cfg, self.heal
         last = cfg.run.steps - 1
         policy.start_global_copy()  # a θ_g for the first round's Δ (not counted, and replaced in step 2)
         while True:
-            url, t = heal.offer
+            url, t, pace = heal.offer
             heal.offer = None
             if not spectated:
                 self._spectate(policy, t)
             spectated = False
             at = min(t + cfg.sync.delay, last)  # the round lands τ steps after it began (or at the end)
-            heal.load_full(heal.fetch(url, at, cfg.mesh.timeout_s, self.timeout))
-            following = next((s for s in range(at + 1, cfg.run.steps) if fragments_due(s, cfg.sync)), None)
-            if following is None:  # the peers sync no more: train on alone to the end, as they do
-                break
-            # From here this replica can be a heal source itself (another replica restarted meanwhile): it
-            # offers the round it is in and, once that round has closed, serves its state after it.
-            heal.training, heal.step = True, following
-            self.transport.begin_round()
-            if heal.offer is not None:
+            closed = time.perf_counter()
+            gone = None
+            try:
+                state = heal.fetch(url, at, cfg.mesh.timeout_s, self.timeout)
+            except PeerGone as e:
+                gone = e
+            # The replica's ranks heal again together, or none does (the peer may have died between their fetches).
+            if self._replica_max(gone is not None):
+                why = gone or "the replica serving another of its ranks is gone"
+                print(f"elastic: replica {self.replica}: {why}; healing again at the next round", file=sys.stderr)
+                self._heal_again()
                 continue
-            self._spectate(policy, following)
-            heal.step = min(following + cfg.sync.delay, last)
-            heal.serve(heal.step, self.transport, self.timeout)
+            heal.load_full(state)
             break
         heal.spectating = False
-        return heal.step + 1
+        following = next((s for s in range(at + 1, cfg.run.steps) if fragments_due(s, cfg.sync)), None)
+        if following is None:  # the peers sync no more: train on alone to the end, as they do
+            return at + 1
+        # Every rank of the replica trains the same steps (their shard collectives pair up): the largest lag's.
+        self.skipped = self._replica_max(steps_behind(time.perf_counter() - closed, pace, following - at))
+        self.contributes_from = following
+        return at + 1 + self.skipped
+
+    def _replica_max(self, value: int) -> int:
+        """The largest `value` among this replica's ranks (its shard group, in its own world)."""
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.heal.engine.units[0].held_flat.device)
+        self.transport.comm.all_reduce(t, "shard", op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _heal_again(self) -> None:
+        """The peer serving this replica's state died: set its torchft step back, so the next round's quorum
+        heals it again from a live peer (begun here; its offer is what catch_up continues with)."""
+        manager = self.transport.manager
+        manager.load_state_dict({**manager.state_dict(), "step": 0})
+        self.heal.healed_to = None
+        self.transport.begin_round()
+        self.retries += 1
+        if self.heal.offer is None:
+            raise RuntimeError(
+                f"replica {self.replica} lost the replica it was healing from and found no other to heal from"
+            )
 
     def _spectate(self, policy: Any, step: int) -> None:
         """The peers' round begun after `step` (already begun here), run through to its land."""
@@ -120,3 +152,13 @@ class Join:
         else:
             self.transport.commit_round()
         self.spectated += 1
+
+
+def steps_behind(lag_s: float, pace_s: Optional[float], period: int) -> int:
+    """How many of the `period` steps up to the peers' next round a healed replica skips: the steps the peers
+    trained (at `pace_s` a step) in the `lag_s` it spent fetching its state, so both reach that round
+    together. At least one step is left to train (a fetch longer than the period makes the peers wait for
+    the rest, which is what a spectated round would cost them too); none skipped without a pace."""
+    if not pace_s or pace_s <= 0:
+        return 0
+    return min(math.floor(lag_s / pace_s + 0.5), period - 1)  # the nearest whole step

@@ -61,10 +61,13 @@ class ElasticMembership:
         return self.rejoin.steps(start, end)
 
     def before_sync(self, step: int) -> None:
-        self.heal.step = step  # what a peer healing at this step's sync gets
+        self.heal.at_step(step)  # what a peer healing at this step's sync gets, and the pace it keeps up with
 
     def after_sync(self, step: int) -> None:
-        self.rejoin.after_sync(step, self.heal.engine.policy)  # cut off, and healed in this round: catch up
+        # Its peers' quorum healed it while training (cut off and back, or a round behind them): the round it
+        # began as its own sync ran with it spectating; finish the heal in place (rejoin.py) and continue at
+        # the step it healed to, instead of a restart.
+        self.rejoin.after_sync(step, self.heal.engine.policy)
         self.heal.serve(step, self.transport, self.joining.timeout)
         t, first = self.transport, self._rounds_seen
         self.step_held.append(len(t.touched) > first)
@@ -91,6 +94,11 @@ class ElasticMembership:
             "heal_fetches": self.heal.fetches,  # peers' states fetched out of band
             "heal_fetch_s": round(self.heal.fetch_s, 3),
             "spectated_rounds": self.joining.spectated,
+            # healed out of band: the steps of that period it did not train, the step whose round it first
+            # counted in, and how often its heal began again (the serving peer died before the fetch)
+            "heal_skipped_steps": self.joining.skipped,
+            "heal_contributes_from": self.joining.contributes_from,
+            "heal_retries": self.joining.retries,
             "sync_rounds": t.rounds,
             "dropped_syncs": self.heal.engine.policy.dropped,
             "elastic_touched_rounds": t.touched_rounds(),

@@ -5,8 +5,9 @@ others committed rounds without it meanwhile, so its torchft step is behind thei
 answers once the link is back heals it from a live replica, inside the round this replica began as its own
 sync. At a param sync that heal is out of band (an offer, heal.py): the round runs with this replica
 spectating, and what is left is done here, after it, as a restarted replica does it (join.py `catch_up`):
-fetch the peer's state, spectate the peers' next round, and continue at their step, later than this
-replica's own next one (the training loop takes it from `steps`). docs/design.md §11.
+fetch the peer's state and continue at the step it leads to, later than this replica's own next one (the
+training loop takes it from `steps`). The same holds for a replica that fell a round behind its peers
+(its heal was slower than their period). docs/design.md §11.1.
 """
 
 from __future__ import annotations
