@@ -1,0 +1,132 @@
+"""What one slow replica costs the others: the same elastic run undisturbed, with replica 1 slowed, and slowed
+with the round bound (elastic.round_timeout_s), back to back so the three share the machine's load.
+
+    python scripts/elastic_straggler.py [--config configs/tiny.yaml] [--slowdown 3] [--bound 0.5]
+                                        [--out runs/elastic-straggler] [--set key=value ...]
+    python scripts/elastic_straggler.py train REPLICA FACTOR [train.py arguments ...]
+
+The second form is train.py with run.slowdown=FACTOR for replica REPLICA only (the local launcher gives
+every replica one config; the slow-link benchmark's `--slow` does the same per node). Prints one markdown
+table: replica 0's mean and median step, ÷ undisturbed, rounds that counted replica 1 out as late, the
+steps replica 1 skipped to keep the bound, the quorum sizes replica 0 logged, final losses, and whether
+the replicas' final params are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULTS = [
+    "elastic.enabled=true",
+    "elastic.timeout_s=5",
+    "mesh.sync=2",
+    "mesh.shard=1",
+    "sync.warmup_steps=0",
+    "sync.every=8",
+    "sync.method=diloco",
+    "run.steps=96",
+    "run.eval_every=0",
+    "run.log_every=1",
+    "run.save_model=true",
+    "run.overwrite=true",
+    "wandb.mode=disabled",
+]
+
+
+def slow_replica_worker(replica: int, factor: float, cfg, seat=None) -> None:
+    """train.train_worker, with run.slowdown=`factor` if this worker belongs to replica `replica`."""
+    import train
+
+    if seat is not None and seat.replica == replica:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, slowdown=factor))
+    train.train_worker(cfg, seat)
+
+
+def slow_train(argv: list[str]) -> int:
+    """train.py whose replica `argv[0]` runs `argv[1]`× slower (run.slowdown for that replica only)."""
+    sys.path.insert(0, str(REPO))
+    import train
+
+    worker = functools.partial(slow_replica_worker, int(argv[0]), float(argv[1]))
+    return train.main(argv[2:], worker=worker)
+
+
+def run(config: str, run_dir: Path, overrides: list[str], slowdown: float) -> None:
+    """One elastic run of train.py, replica 1 slowed by `slowdown` (1: undisturbed)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "train", "1", str(slowdown), "--config", config]
+    for o in [*DEFAULTS, *overrides, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]:
+        cmd += ["--set", o]
+    env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"train.py failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+
+
+def report(run_dir: Path) -> dict:
+    import torch
+
+    records = [json.loads(line) for line in (run_dir / "metrics.replica0.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in records[1:]]  # the first step carries the start-up
+    fast = json.loads((run_dir / "summary.replica0.json").read_text())
+    slow = json.loads((run_dir / "summary.replica1.json").read_text())
+    params = [torch.load(run_dir / f"model.replica{m}.pt") for m in (0, 1)]
+    seen = [r["replicas"] for r in records]
+    quorum = [q for i, q in enumerate(seen) if i == 0 or q != seen[i - 1]]
+    return {
+        "mean": statistics.mean(times),
+        "median": statistics.median(times),
+        "late": fast.get("late_rounds", 0),
+        "rounds": fast["sync_rounds"],
+        "cut": slow.get("cut_steps", 0),
+        "quorum": "→".join(map(str, quorum)) if len(quorum) < 8 else f"{quorum[0]}, then 1 and 2 mixed",
+        "loss": (fast["final_loss"], slow["final_loss"]),
+        "equal": all(torch.equal(params[0][k], params[1][k]) for k in params[0]),
+    }
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["train"]:
+        return slow_train(sys.argv[2:])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(REPO / "configs/tiny.yaml"))
+    p.add_argument("--slowdown", type=float, default=3.0)
+    p.add_argument("--bound", type=float, default=0.5, help="elastic.round_timeout_s of the bounded run")
+    p.add_argument("--out", default="runs/elastic-straggler")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args()
+    out = Path(args.out)
+    runs = [
+        ("undisturbed", 1.0, []),
+        (f"replica 1 {args.slowdown:g}× slower", args.slowdown, []),
+        (f"… with round_timeout_s={args.bound:g}", args.slowdown, [f"elastic.round_timeout_s={args.bound}"]),
+    ]
+    rows = []
+    for i, (name, slowdown, extra) in enumerate(runs):
+        run(args.config, out / f"run{i}", [*args.set, *extra], slowdown)
+        rows.append((name, report(out / f"run{i}")))
+    base = rows[0][1]["mean"]
+    print(
+        "| run | replica 0 mean step | ÷ undisturbed | median | late rounds / rounds | replica 1 skipped steps "
+        "| quorum sizes (replica 0) | final loss (0, 1) | replicas bitwise equal |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|---|---|")
+    for name, r in rows:
+        print(
+            f"| {name} | {r['mean']:.3f} s | {r['mean'] / base:.2f}× | {r['median']:.3f} s "
+            f"| {r['late']} / {r['rounds']} "
+            f"| {r['cut']} | {r['quorum']} | {r['loss'][0]:.4f}, {r['loss'][1]:.4f} | {'yes' if r['equal'] else 'no'} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
