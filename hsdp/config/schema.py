@@ -135,9 +135,7 @@ class ElasticConfig:
     restart_delay_s: float = 1.0  # wait before restarting a failed replica (a crash loop does not spin)
     replica: int = -1  # under torchrun: this machine's replica (0..mesh.sync-1); the local launcher numbers them
     timeout_s: float = 10.0  # failure detection: a sync's collectives and quorum give up on a silent peer after this
-    # straggler bound: a param-sync round counts the replicas in within this of the first; slower ones cut their
-    # period short to keep it (0 = off: every round waits for every replica)
-    round_timeout_s: float = 0.0
+    round_timeout_s: float = 0.0  # straggler bound (s): rounds count who is in within it; slower ones cut (0 = off)
 
 
 @dataclass
