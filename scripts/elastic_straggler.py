@@ -7,9 +7,9 @@ with the round bound (elastic.round_timeout_s), back to back so the three share 
 
 The second form is train.py with run.slowdown=FACTOR for replica REPLICA only (the local launcher gives
 every replica one config; the slow-link benchmark's `--slow` does the same per node). Prints one markdown
-table: replica 0's mean and median step, ÷ undisturbed, rounds that counted replica 1 out as late, the
-steps replica 1 skipped to keep the bound, the quorum sizes replica 0 logged, final losses, and whether
-the replicas' final params are bitwise equal.
+table: replica 0's mean and median time per step it trained (first step left out), ÷ undisturbed, the
+rounds that counted a replica out as late, the steps each replica skipped to keep the bound, the quorum
+sizes replica 0 logged, final losses, and whether the replicas' final params are bitwise equal.
 """
 
 from __future__ import annotations
@@ -75,8 +75,15 @@ def report(run_dir: Path) -> dict:
     import torch
 
     records = [json.loads(line) for line in (run_dir / "metrics.replica0.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in records[1:]]  # the first step carries the start-up
     fast = json.loads((run_dir / "summary.replica0.json").read_text())
+    # Replica 0's steps it trained (a step it cut takes no time and would flatter the mean), less the first
+    # (it carries the start-up): their time includes every wait at a round.
+    cut = {
+        r["step"]
+        for i, r in enumerate(records)
+        if r.get("cut_steps", 0) > (records[i - 1] if i else {}).get("cut_steps", 0)
+    }
+    times = [r["step_time_s"] for r in records[1:] if r["step"] not in cut]
     slow = json.loads((run_dir / "summary.replica1.json").read_text())
     params = [torch.load(run_dir / f"model.replica{m}.pt") for m in (0, 1)]
     seen = [r["replicas"] for r in records]
@@ -87,6 +94,7 @@ def report(run_dir: Path) -> dict:
         "late": fast.get("late_rounds", 0),
         "rounds": fast["sync_rounds"],
         "cut": slow.get("cut_steps", 0),
+        "fast_cut": fast.get("cut_steps", 0),
         "quorum": "→".join(map(str, quorum)) if len(quorum) < 8 else f"{quorum[0]}, then 1 and 2 mixed",
         "loss": (fast["final_loss"], slow["final_loss"]),
         "equal": all(torch.equal(params[0][k], params[1][k]) for k in params[0]),
@@ -115,16 +123,23 @@ def main() -> int:
         rows.append((name, report(out / f"run{i}")))
     base = rows[0][1]["mean"]
     print(
-        "| run | replica 0 mean step | ÷ undisturbed | median | late rounds / rounds | replica 1 skipped steps "
+        "| run | replica 0 mean step | ÷ undisturbed | median | late rounds / rounds | skipped steps (0, 1) "
         "| quorum sizes (replica 0) | final loss (0, 1) | replicas bitwise equal |"
     )
     print("|---|---:|---:|---:|---:|---:|---|---|---|")
     for name, r in rows:
-        print(
-            f"| {name} | {r['mean']:.3f} s | {r['mean'] / base:.2f}× | {r['median']:.3f} s "
-            f"| {r['late']} / {r['rounds']} "
-            f"| {r['cut']} | {r['quorum']} | {r['loss'][0]:.4f}, {r['loss'][1]:.4f} | {'yes' if r['equal'] else 'no'} |"
-        )
+        cells = [
+            name,
+            f"{r['mean']:.3f} s",
+            f"{r['mean'] / base:.2f}×",
+            f"{r['median']:.3f} s",
+            f"{r['late']} / {r['rounds']}",
+            f"{r['fast_cut']}, {r['cut']}",
+            r["quorum"],
+            f"{r['loss'][0]:.4f}, {r['loss'][1]:.4f}",
+            "yes" if r["equal"] else "no",
+        ]
+        print("| " + " | ".join(cells) + " |")
     return 0
 
 
