@@ -34,35 +34,37 @@ class _Clock:
 
 
 def test_the_bound_counts_out_late_replicas_and_cuts_against_the_pace() -> None:
-    """Late = work beyond the reference (the first arrival, or the last pace if later) + the bound; the pace
-    is the fastest full period; a local step that would end past met + pace + 3/4 bound is cut."""
+    """Late = work beyond the reference's (the first full period's, else the first arrival's) + the bound; the
+    pace is that full period; a local step that would end past met + pace + 3/4 bound is cut, except by the
+    replica that set the pace."""
     clock = _Clock()
     b = RoundBound(0.5, clock)
-    assert b.contributors([True, True], [NOT_TIMED, NOT_TIMED], [True, True]) == [0, 1]  # the join: not timed
+    assert b.contributors([True, True], [NOT_TIMED, NOT_TIMED], [True, True], me=1) == [0, 1]  # the join
     b.armed = True
     assert b.work() == NOT_TIMED  # no meeting yet
     b.met()  # the replicas met at 0
     clock.now = 1.0
     assert b.work() == 1.0
     # replica 1 arrives 2 s after replica 0: late; a spectator (replica 2) never counts
-    assert b.contributors([True, True, False], [1.0, 3.0, 1.0], [True, True, True]) == [0]
-    assert (b.late_rounds, b.pace) == (1, 1.0)
-    b.met()
-    clock.now = 10.0
-    # replica 1 cut its period and arrived first: replica 0, near its pace, is not late for it; a cut period
-    # is no pace, so the pace is replica 0's full one
-    assert b.contributors([True, True], [1.2, 0.4], [True, False]) == [0, 1]
+    assert b.contributors([True, True, False], [1.0, 3.0, 1.0], [True, True, True], me=1) == [0]
+    assert (b.late_rounds, b.pace, b.leads) == (1, 1.0, False)
+    # replica 1 cut its period and arrived first: the reference is replica 0's full period, not it
+    assert b.contributors([True, True], [1.2, 0.4], [True, False], me=1) == [0, 1]
     assert (b.late_rounds, b.pace) == (1, 1.2)
-    assert b.contributors([True, True], [1.0, 1.6], [True, False]) == [0, 1]  # 1.6 ≤ max(1.0, 1.2) + 0.5
-    assert b.contributors([True, True], [1.0, 1.6], [True, False]) == [0]  # now the pace is 1.0: 1.6 > 1.5
+    assert b.contributors([True, True], [1.0, 1.6], [True, False], me=1) == [0]  # 1.6 > 1.0 + 0.5
     assert (b.late_rounds, b.pace) == (2, 1.0)
+    assert b.contributors([True, True], [0.9, 1.3], [False, False], me=1) == [0, 1]  # no full period: the first
+    assert b.pace == 1.0  # and no new pace
     # the deadline: met + pace + 0.375; a 0.2 s step started at met + 1.1 would end at 1.3 ≤ 1.375, at 1.2 not
+    clock.now = 10.0
     b.met()
     b.trained(0.2)
     clock.now = 10.0 + 1.1
     assert not b.past_deadline()
     clock.now = 10.0 + 1.2
     assert b.past_deadline()
+    b.contributors([True, True], [1.0, 3.0], [True, True], me=0)  # now this replica set the pace
+    assert b.leads and not b.past_deadline()  # whoever waits, waits for it: it never cuts
     assert not RoundBound(0.0, clock).past_deadline()  # off: never cuts
 
 

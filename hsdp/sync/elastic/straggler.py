@@ -6,14 +6,15 @@ the bound is kept by the replicas themselves, in two parts:
 
     who counts   each round's first collective carries every replica's *work*: the time from the replicas'
                  last meeting (the end of that collective in the previous round, one instant for all) to its
-                 arrival at this round. A replica whose work exceeds the first one's by more than the bound is
-                 late: its part is dropped from the round's means (as a spectator's) and it adopts the result.
-                 The first arrival is the reference, or the last round's pace if later.
+                 arrival at this round. A replica whose work exceeds the reference's (the first arrival among
+                 the replicas that did a full period: the pace-setter) by more than the bound is late: its
+                 part is dropped from the round's means (as a spectator's) and it adopts the result.
     not waiting  a replica cuts its period short: before each local step it checks whether that step would
                  end past its deadline, the last meeting + the fastest replica's last full period (its *pace*)
                  + 3/4 of the bound; if so it skips the period's remaining steps (no forward, backward or
                  update: their batches are not seen) and goes to the round, arriving within the bound with
                  the steps it did. So a fast replica waits at most about 3/4 of the bound for a slow one.
+                 The pace-setter never cuts: nobody would wait less for it.
 
 Everything here is per rank (one shard position's rounds); the training loop agrees the cut over the
 replica's own ranks (ElasticMembership.cut), so a replica's ranks skip the same steps.
@@ -42,10 +43,11 @@ class RoundBound:
         self.met_at: Optional[float] = None  # end of the last round's first collective, on this rank's clock
         self.pace: Optional[float] = None  # the fastest replica's work in the last round where one did a full period
         self.cut_this_period = False  # this replica skipped steps since the last meeting (its work is not a pace)
+        self.leads = False  # this replica set the pace: it never cuts (whoever waits, waits for it)
         self.late_rounds = 0  # param rounds in which some replica was counted out as late
         self.own_late_rounds = 0  # ... this one
         self.cut_steps = 0  # local steps this replica skipped to keep the bound
-        self.works: list[float] = []  # per bounded round: the first arrival's work (for the logs)
+        self.works: list[float] = []  # per bounded round: the reference arrival's work
         self._step_times: list[float] = []  # this replica's recent trained steps (for the deadline check)
 
     @property
@@ -58,25 +60,25 @@ class RoundBound:
             return NOT_TIMED
         return self.clock() - self.met_at
 
-    def contributors(self, counted: list[bool], works: list[float], full: list[bool]) -> list[int]:
-        """The replicas (quorum ranks) whose parts count: not spectating, and in within the bound of the first.
+    def contributors(self, counted: list[bool], works: list[float], full: list[bool], me: int) -> list[int]:
+        """The replicas (quorum ranks) whose parts count: not spectating, and in within the bound of the
+        reference arrival. `full`: each did its whole period (did not cut it); `me`: this replica's rank.
 
-        Every replica computes this from the same gathered values, so all agree. `full`: each did its whole
-        period (did not cut it), so its work is a pace for the next deadline."""
+        Every replica computes this from the same gathered values, so all agree. The reference is the first
+        arrival among the replicas that did a full period (the round's pace; a replica that cut its period may
+        arrive before the pace-setter, which must not be late for being on time), else the first one."""
         present = [i for i, c in enumerate(counted) if c]
         if not self.enabled or not present or any(works[i] == NOT_TIMED for i in present):
             return present
-        # The reference arrival: the first one, or the last round's pace if that is later (a replica that cut
-        # its period may arrive before the pace-setter, which must not be late for being on time).
-        first = min(works[i] for i in present)
-        ref = first if self.pace is None else max(first, self.pace)
-        keep = [i for i in present if works[i] <= ref + self.bound_s]
-        self.works.append(first)
+        paced = [i for i in present if full[i]]
+        leader = min(paced or present, key=lambda i: works[i])
+        keep = [i for i in present if works[i] <= works[leader] + self.bound_s]
+        self.works.append(works[leader])
         if len(keep) < len(present):
             self.late_rounds += 1
-        paces = [works[i] for i in present if full[i]]
-        if paces:
-            self.pace = min(paces)
+        if paced:
+            self.pace = works[leader]
+            self.leads = leader == me
         return keep
 
     def met(self) -> None:
@@ -90,7 +92,7 @@ class RoundBound:
 
     def past_deadline(self) -> bool:
         """Whether a local step started now would end after this replica's deadline for the next round."""
-        if not self.enabled or self.pace is None or self.met_at is None or not self._step_times:
+        if not self.enabled or self.leads or self.pace is None or self.met_at is None or not self._step_times:
             return False
         deadline = self.met_at + self.pace + DEADLINE_SHARE * self.bound_s
         return self.clock() + statistics.median(self._step_times) > deadline

@@ -131,9 +131,12 @@ class FTTransport:
         if self.manager.errored():  # the round is lost already: count everyone, its result is never applied
             return list(range(n))
         self.bound.met()
+        if not self.bound.enabled:
+            return [i for i in range(n) if rows[i, 0] > 0]
         present = [bool(c > 0) for c in rows[:, 0]]
-        keep = self.bound.contributors(present, rows[:, 1].tolist(), (rows[:, 2] > 0).tolist())
-        if self.counted and len(keep) < sum(present) and self.manager.participating_rank() not in keep:
+        me = self.manager.participating_rank()
+        keep = self.bound.contributors(present, rows[:, 1].tolist(), (rows[:, 2] > 0).tolist(), me)
+        if self.counted and me not in keep:
             # late (elastic.round_timeout_s): its part is dropped, as a spectator's, and it adopts the result
             self.counted = False
             self.bound.own_late_rounds += 1
