@@ -2,7 +2,7 @@
 with the round bound (elastic.round_timeout_s), back to back so the three share the machine's load.
 
     python scripts/elastic_straggler.py [--config configs/tiny.yaml] [--slowdown 3] [--bound 0.5]
-                                        [--out runs/elastic-straggler] [--set key=value ...]
+                                        [--repeat N] [--out runs/elastic-straggler] [--set key=value ...]
     python scripts/elastic_straggler.py train REPLICA FACTOR [train.py arguments ...]
 
 The second form is train.py with run.slowdown=FACTOR for replica REPLICA only (the local launcher gives
@@ -109,6 +109,7 @@ def main() -> int:
     p.add_argument("--slowdown", type=float, default=3.0)
     p.add_argument("--bound", type=float, default=0.5, help="elastic.round_timeout_s of the bounded run")
     p.add_argument("--out", default="runs/elastic-straggler")
+    p.add_argument("--repeat", type=int, default=1, help="the three runs this many times, interleaved")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
     out = Path(args.out)
@@ -117,21 +118,26 @@ def main() -> int:
         (f"replica 1 {args.slowdown:g}× slower", args.slowdown, []),
         (f"… with round_timeout_s={args.bound:g}", args.slowdown, [f"elastic.round_timeout_s={args.bound}"]),
     ]
-    rows = []
-    for i, (name, slowdown, extra) in enumerate(runs):
-        run(args.config, out / f"run{i}", [*args.set, *extra], slowdown)
-        rows.append((name, report(out / f"run{i}")))
-    base = rows[0][1]["mean"]
+    rows, ratios = [], {name: [] for name, _, _ in runs}
+    for k in range(args.repeat):  # interleaved, so a change in the machine's load hits all three alike
+        base = None
+        for i, (name, slowdown, extra) in enumerate(runs):
+            run_dir = out / f"repeat{k}" / f"run{i}"
+            run(args.config, run_dir, [*args.set, *extra], slowdown)
+            r = report(run_dir)
+            base = base or r["mean"]
+            ratios[name].append(r["mean"] / base)
+            rows.append((name if args.repeat == 1 else f"{name} (#{k + 1})", r, r["mean"] / base))
     print(
         "| run | replica 0 mean step | ÷ undisturbed | median | late rounds / rounds | skipped steps (0, 1) "
         "| quorum sizes (replica 0) | final loss (0, 1) | replicas bitwise equal |"
     )
     print("|---|---:|---:|---:|---:|---:|---|---|---|")
-    for name, r in rows:
+    for name, r, ratio in rows:
         cells = [
             name,
             f"{r['mean']:.3f} s",
-            f"{r['mean'] / base:.2f}×",
+            f"{ratio:.2f}×",
             f"{r['median']:.3f} s",
             f"{r['late']} / {r['rounds']}",
             f"{r['fast_cut']}, {r['cut']}",
@@ -140,6 +146,11 @@ def main() -> int:
             "yes" if r["equal"] else "no",
         ]
         print("| " + " | ".join(cells) + " |")
+    if args.repeat > 1:
+        print(
+            "\nmedian ÷ undisturbed over the repeats: "
+            + ", ".join(f"{name}: {statistics.median(v):.2f}×" for name, v in ratios.items())
+        )
     return 0
 
 
