@@ -77,7 +77,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, cfg.run.steps)
         # A replica too slow for elastic.round_timeout_s skips the rest of its period (no batch, no update)
-        # and goes on to the sync, arriving within the bound (docs/design.md §11 Stragglers).
+        # and goes on to the sync, arriving within the bound (docs/design.md §11.1).
         cut = members.cut(step, last_trained_s)
         if not cut:
             set_lr(optimizer, lr)

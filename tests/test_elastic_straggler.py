@@ -1,4 +1,4 @@
-"""The straggler bound (elastic.round_timeout_s, docs/design.md §11 Stragglers) and run.slowdown.
+"""The straggler bound (elastic.round_timeout_s, docs/design.md §11.1) and run.slowdown.
 
 The rule on a fake clock (who counts, the pace, the deadline), the transport dropping a late replica's part,
 one real elastic run with replica 1 ten times slower, and the config refusals. No wall-clock assertion:

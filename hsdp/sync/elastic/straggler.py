@@ -1,6 +1,6 @@
 """RoundBound: the straggler bound of an elastic run's param-sync rounds (elastic.round_timeout_s).
 
-docs/design.md §11 "Stragglers". torchft's lighthouse cannot commit a round without a replica that still
+docs/design.md §11.1 (Stragglers). torchft's lighthouse cannot commit a round without a replica that still
 heartbeats when there are two (its split-brain rule wants more than half of the heartbeating replicas), so
 the bound is kept by the replicas themselves, in two parts:
 
@@ -22,7 +22,6 @@ replica's own ranks (ElasticMembership.cut), so a replica's ranks skip the same 
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Optional
@@ -95,4 +94,6 @@ class RoundBound:
         if not self.enabled or self.leads or self.pace is None or self.met_at is None or not self._step_times:
             return False
         deadline = self.met_at + self.pace + DEADLINE_SHARE * self.bound_s
-        return self.clock() + statistics.median(self._step_times) > deadline
+        # The longest recent step, not a typical one: overrating it costs only this replica's idle time at the
+        # quorum; underrating it makes the others wait for the rest of its step (and it arrives late).
+        return self.clock() + max(self._step_times) > deadline
