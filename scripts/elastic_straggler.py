@@ -7,9 +7,11 @@ with the round bound (elastic.round_timeout_s), back to back so the three share 
 
 The second form is train.py with run.slowdown=FACTOR for replica REPLICA only (the local launcher gives
 every replica one config; the slow-link benchmark's `--slow` does the same per node). Prints one markdown
-table: replica 0's mean and median time per step it trained (first step left out), ÷ undisturbed, the
-rounds that counted a replica out as late, the steps each replica skipped to keep the bound, the quorum
-sizes replica 0 logged, final losses, and whether the replicas' final params are bitwise equal.
+table: replica 0's mean and median time per step it trained (first step left out), ÷ undisturbed, mean ÷
+median (what the rounds' waits add to its usual step: a figure the machine's load, which changes between
+runs on a shared box, affects less), the rounds that counted a replica out as late, the steps each replica
+trained, the quorum sizes replica 0 logged, the final val loss (after the last sync, the same for both)
+and whether the replicas' final params are bitwise equal.
 """
 
 from __future__ import annotations
@@ -93,10 +95,9 @@ def report(run_dir: Path) -> dict:
         "median": statistics.median(times),
         "late": fast.get("late_rounds", 0),
         "rounds": fast["sync_rounds"],
-        "cut": slow.get("cut_steps", 0),
-        "fast_cut": fast.get("cut_steps", 0),
         "quorum": "→".join(map(str, quorum)) if len(quorum) < 8 else f"{quorum[0]}, then 1 and 2 mixed",
-        "loss": (fast["final_loss"], slow["final_loss"]),
+        "val_loss": fast["final_val_loss"],  # after the last sync: the replicas' params are θ_g (equal)
+        "trained": (len(records) - fast.get("cut_steps", 0), len(records) - slow.get("cut_steps", 0)),
         "equal": all(torch.equal(params[0][k], params[1][k]) for k in params[0]),
     }
 
@@ -129,24 +130,33 @@ def main() -> int:
             ratios[name].append(r["mean"] / base)
             rows.append((name if args.repeat == 1 else f"{name} (#{k + 1})", r, r["mean"] / base))
     print(
-        "| run | replica 0 mean step | ÷ undisturbed | median | late rounds / rounds | skipped steps (0, 1) "
-        "| quorum sizes (replica 0) | final loss (0, 1) | replicas bitwise equal |"
+        "| run | replica 0 mean step | ÷ undisturbed | its median step | mean ÷ median | late rounds / rounds "
+        "| steps trained (0, 1) | quorum sizes (replica 0) | final val loss | replicas bitwise equal |"
     )
-    print("|---|---:|---:|---:|---:|---:|---|---|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
     for name, r, ratio in rows:
         cells = [
             name,
             f"{r['mean']:.3f} s",
             f"{ratio:.2f}×",
             f"{r['median']:.3f} s",
+            f"{r['mean'] / r['median']:.2f}",
             f"{r['late']} / {r['rounds']}",
-            f"{r['fast_cut']}, {r['cut']}",
+            f"{r['trained'][0]}, {r['trained'][1]}",
             r["quorum"],
-            f"{r['loss'][0]:.4f}, {r['loss'][1]:.4f}",
+            f"{r['val_loss']:.4f}",
             "yes" if r["equal"] else "no",
         ]
         print("| " + " | ".join(cells) + " |")
     if args.repeat > 1:
+        norm = {name: [] for name in ratios}
+        for name, r, _ in rows:
+            norm[name.rsplit(" (#", 1)[0]].append(r["mean"] / r["median"])
+        base = statistics.median(norm[runs[0][0]])
+        print(
+            "median over the repeats of mean ÷ median step, ÷ the undisturbed run's: "
+            + ", ".join(f"{name}: {statistics.median(v) / base:.2f}×" for name, v in norm.items())
+        )
         print(
             "\nmedian ÷ undisturbed over the repeats: "
             + ", ".join(f"{name}: {statistics.median(v):.2f}×" for name, v in ratios.items())

@@ -49,12 +49,14 @@ def test_the_bound_counts_out_late_replicas_and_cuts_against_the_pace() -> None:
     assert b.contributors([True, True, False], [1.0, 3.0, 1.0], [True, True, True], me=1) == [0]
     assert (b.late_rounds, b.pace, b.leads) == (1, 1.0, False)
     # replica 1 cut its period and arrived first: the reference is replica 0's full period, not it
-    assert b.contributors([True, True], [1.2, 0.4], [True, False], me=1) == [0, 1]
-    assert (b.late_rounds, b.pace) == (1, 1.2)
+    assert b.contributors([True, True], [1.6, 0.4], [True, False], me=1) == [0, 1]
+    assert (b.late_rounds, b.pace) == (1, 1.0)  # the pace: the fastest of the recent rounds' references
     assert b.contributors([True, True], [1.0, 1.6], [True, False], me=1) == [0]  # 1.6 > 1.0 + 0.5
-    assert (b.late_rounds, b.pace) == (2, 1.0)
+    assert (b.late_rounds, b.paces) == (2, [1.0, 1.6, 1.0])
     assert b.contributors([True, True], [0.9, 1.3], [False, False], me=1) == [0, 1]  # no full period: the first
-    assert b.pace == 1.0  # and no new pace
+    assert b.paces == [1.0, 1.6, 1.0]  # and no new pace
+    assert b.contributors([True, True], [1.5, 1.5], [True, True], me=1) == [0, 1]
+    assert b.paces == [1.6, 1.0, 1.5]  # the last three
     # the deadline: met + pace + 0.375; a 0.2 s step started at met + 1.1 would end at 1.3 ≤ 1.375, at 1.2 not
     clock.now = 10.0
     b.met()
@@ -63,6 +65,10 @@ def test_the_bound_counts_out_late_replicas_and_cuts_against_the_pace() -> None:
     assert not b.past_deadline()
     clock.now = 10.0 + 1.2
     assert b.past_deadline()
+    for _ in range(3):  # three meetings without a trained step: the estimate aged out, the next step is trained
+        b.met()
+    clock.now += 5.0
+    assert not b.past_deadline()
     b.contributors([True, True], [1.0, 3.0], [True, True], me=0)  # now this replica set the pace
     assert b.leads and not b.past_deadline()  # whoever waits, waits for it: it never cuts
     assert not RoundBound(0.0, clock).past_deadline()  # off: never cuts

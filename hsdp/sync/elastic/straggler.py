@@ -10,7 +10,7 @@ the bound is kept by the replicas themselves, in two parts:
                  the replicas that did a full period: the pace-setter) by more than the bound is late: its
                  part is dropped from the round's means (as a spectator's) and it adopts the result.
     not waiting  a replica cuts its period short: before each local step it checks whether that step would
-                 end past its deadline, the last meeting + the fastest replica's last full period (its *pace*)
+                 end past its deadline, the last meeting + the fastest recent full period (the *pace*)
                  + 3/4 of the bound; if so it skips the period's remaining steps (no forward, backward or
                  update: their batches are not seen) and goes to the round, arriving within the bound with
                  the steps it did. So a fast replica waits at most about 3/4 of the bound for a slow one.
@@ -31,6 +31,9 @@ NOT_TIMED = -1.0  # a work not compared: a round the bound does not apply to, or
 # the error of its step-time estimate, so a replica that cut is not late, and the pace-setter's own jitter
 # up to this share does not make it cut (it would lose steps for nothing).
 DEADLINE_SHARE = 0.75
+# How many recent periods the pace and the step estimate look back: the machine's load changes, and a stale
+# estimate must age out (a replica whose every step was cut would never measure a step again).
+RECENT_PERIODS = 3
 
 
 class RoundBound:
@@ -40,14 +43,21 @@ class RoundBound:
         self.bound_s, self.clock = bound_s, clock
         self.armed = False  # the round about to begin is a param-sync round (set around the loop's end_step)
         self.met_at: Optional[float] = None  # end of the last round's first collective, on this rank's clock
-        self.pace: Optional[float] = None  # the fastest replica's work in the last round where one did a full period
+        self.paces: list[float] = []  # the reference works of the recent rounds where some replica did a full period
         self.cut_this_period = False  # this replica skipped steps since the last meeting (its work is not a pace)
         self.leads = False  # this replica set the pace: it never cuts (whoever waits, waits for it)
         self.late_rounds = 0  # param rounds in which some replica was counted out as late
         self.own_late_rounds = 0  # ... this one
         self.cut_steps = 0  # local steps this replica skipped to keep the bound
         self.works: list[float] = []  # per bounded round: the reference arrival's work
-        self._step_times: list[float] = []  # this replica's recent trained steps (for the deadline check)
+        self.meetings = 0
+        self._step_times: list[tuple[int, float]] = []  # (meeting, seconds) of this replica's trained steps
+
+    @property
+    def pace(self) -> Optional[float]:
+        """The fastest recent full period (the smallest of the recent rounds' references: if the load changes,
+        the deadline follows the faster periods, where a late replica would cost the others most)."""
+        return min(self.paces) if self.paces else None
 
     @property
     def enabled(self) -> bool:
@@ -76,7 +86,7 @@ class RoundBound:
         if len(keep) < len(present):
             self.late_rounds += 1
         if paced:
-            self.pace = works[leader]
+            self.paces = [*self.paces[1 - RECENT_PERIODS :], works[leader]]
             self.leads = leader == me
         return keep
 
@@ -84,16 +94,18 @@ class RoundBound:
         """The round's first collective ended: the replicas' common instant the next works are measured from."""
         self.met_at = self.clock()
         self.cut_this_period = False
+        self.meetings += 1
 
     def trained(self, seconds: float) -> None:
         """A local step this replica trained took `seconds` (its sync included): what the next one may take."""
-        self._step_times = [*self._step_times[-4:], seconds]
+        self._step_times = [*self._step_times[-4:], (self.meetings, seconds)]
 
     def past_deadline(self) -> bool:
         """Whether a local step started now would end after this replica's deadline for the next round."""
-        if not self.enabled or self.leads or self.pace is None or self.met_at is None or not self._step_times:
-            return False
+        recent = [t for m, t in self._step_times if m > self.meetings - RECENT_PERIODS]
+        if not self.enabled or self.leads or self.pace is None or self.met_at is None or not recent:
+            return False  # no recent step measured: this one is trained (and measured)
         deadline = self.met_at + self.pace + DEADLINE_SHARE * self.bound_s
         # The longest recent step, not a typical one: overrating it costs only this replica's idle time at the
         # quorum; underrating it makes the others wait for the rest of its step (and it arrives late).
-        return self.clock() + max(self._step_times) > deadline
+        return self.clock() + max(recent) > deadline
