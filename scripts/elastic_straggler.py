@@ -2,7 +2,7 @@
 with the round bound (elastic.round_timeout_s), back to back so the three share the machine's load.
 
     python scripts/elastic_straggler.py [--config configs/tiny.yaml] [--slowdown 3] [--bound 0.5]
-                                        [--repeat N] [--out runs/elastic-straggler] [--set key=value ...]
+                                        [--repeat N] [--report-only] [--out DIR] [--set key=value ...]
     python scripts/elastic_straggler.py train REPLICA FACTOR [train.py arguments ...]
 
 The second form is train.py with run.slowdown=FACTOR for replica REPLICA only (the local launcher gives
@@ -112,6 +112,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/elastic-straggler")
     p.add_argument("--repeat", type=int, default=1, help="the three runs this many times, interleaved")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--report-only", action="store_true", help="print the table of the runs already in --out")
     args = p.parse_args()
     out = Path(args.out)
     runs = [
@@ -119,28 +120,32 @@ def main() -> int:
         (f"replica 1 {args.slowdown:g}× slower", args.slowdown, []),
         (f"… with round_timeout_s={args.bound:g}", args.slowdown, [f"elastic.round_timeout_s={args.bound}"]),
     ]
-    rows, ratios = [], {name: [] for name, _, _ in runs}
+    rows = []  # (name, repeat, report)
     for k in range(args.repeat):  # interleaved, so a change in the machine's load hits all three alike
-        base = None
         for i, (name, slowdown, extra) in enumerate(runs):
             run_dir = out / f"repeat{k}" / f"run{i}"
-            run(args.config, run_dir, [*args.set, *extra], slowdown)
-            r = report(run_dir)
-            base = base or r["mean"]
-            ratios[name].append(r["mean"] / base)
-            rows.append((name if args.repeat == 1 else f"{name} (#{k + 1})", r, r["mean"] / base))
+            if not args.report_only:
+                run(args.config, run_dir, [*args.set, *extra], slowdown)
+            rows.append((name, k, report(run_dir)))
+    # Each run against the undisturbed run of its own repeat (the load of the same minutes): its mean step, and
+    # its mean ÷ median step (what the rounds' waits add to its usual step, which the load changes less).
+    base = {k: r for name, k, r in rows if name == runs[0][0]}
+    ratio = {(name, k): r["mean"] / base[k]["mean"] for name, k, r in rows}
+    waits = {(name, k): (r["mean"] / r["median"]) / (base[k]["mean"] / base[k]["median"]) for name, k, r in rows}
     print(
-        "| run | replica 0 mean step | ÷ undisturbed | its median step | mean ÷ median | late rounds / rounds "
-        "| steps trained (0, 1) | quorum sizes (replica 0) | final val loss | replicas bitwise equal |"
+        "| run | replica 0 mean step | ÷ undisturbed | its median step | mean ÷ median | ÷ undisturbed's "
+        "| late rounds / rounds | steps trained (0, 1) | quorum sizes (replica 0) | final val loss "
+        "| replicas bitwise equal |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
-    for name, r, ratio in rows:
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
+    for name, k, r in rows:
         cells = [
-            name,
+            name if args.repeat == 1 else f"{name} (#{k + 1})",
             f"{r['mean']:.3f} s",
-            f"{ratio:.2f}×",
+            f"{ratio[name, k]:.2f}×",
             f"{r['median']:.3f} s",
             f"{r['mean'] / r['median']:.2f}",
+            f"{waits[name, k]:.2f}×",
             f"{r['late']} / {r['rounds']}",
             f"{r['trained'][0]}, {r['trained'][1]}",
             r["quorum"],
@@ -149,18 +154,12 @@ def main() -> int:
         ]
         print("| " + " | ".join(cells) + " |")
     if args.repeat > 1:
-        norm = {name: [] for name in ratios}
-        for name, r, _ in rows:
-            norm[name.rsplit(" (#", 1)[0]].append(r["mean"] / r["median"])
-        base = statistics.median(norm[runs[0][0]])
-        print(
-            "median over the repeats of mean ÷ median step, ÷ the undisturbed run's: "
-            + ", ".join(f"{name}: {statistics.median(v) / base:.2f}×" for name, v in norm.items())
-        )
-        print(
-            "\nmedian ÷ undisturbed over the repeats: "
-            + ", ".join(f"{name}: {statistics.median(v):.2f}×" for name, v in ratios.items())
-        )
+        for what, values in (("mean step", ratio), ("mean ÷ median step", waits)):
+            per_run = [
+                f"{name}: {statistics.median(v for (n, _), v in values.items() if n == name):.2f}×"
+                for name, _, _ in runs[1:]
+            ]
+            print(f"\nmedian over the repeats of the {what} ÷ the undisturbed run's: " + ", ".join(per_run))
     return 0
 
 
