@@ -44,6 +44,10 @@ class Membership(Protocol):
     def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
         """Meet the other replicas before the first step; returns the step to train from."""
 
+    def cut(self, step: int, last_step_s: Optional[float]) -> bool:
+        """Whether to skip `step`'s training (forward, backward, update) and go on to its sync: a slow replica
+        keeping elastic.round_timeout_s (`last_step_s`: the previous step's time if it trained, else None)."""
+
     def before_sync(self, step: int) -> None:
         """After `step`'s update, before its param sync."""
 
@@ -80,6 +84,9 @@ class LocalMembership:
 
     def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
         return start_step
+
+    def cut(self, step: int, last_step_s: Optional[float]) -> bool:
+        return False  # every rank trains every step
 
     def before_sync(self, step: int) -> None:
         pass
