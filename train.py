@@ -72,19 +72,25 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     train_s = carried["train_time_s"] + sum(run.step_times)  # the steps counted in run.tokens
     memory = StepMemoryProbe(mesh.device, at=min(run.start_step + 2, cfg.run.steps - 1))  # past compile and warm-up
 
+    last_trained_s: Optional[float] = None
     for step in members.steps(run.start_step, cfg.run.steps):  # batches and LR are functions of the step
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, cfg.run.steps)
-        set_lr(optimizer, lr)
-        engine.begin_step(step)  # the sync policy: are grads averaged across replicas this step?
-        with memory.step(step):  # one step's forward+backward is profiled for its tensor memory
-            step_loss = engine.forward_backward(micro_batches(data, step, cfg.optim.grad_accum, mesh.device))
-        update = engine.commit_grads()  # False: the step's grad round across replicas failed; it is dropped whole
-        grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
-        check_finite(step, float(step_loss), float(grad_norm), mesh.rank, checkpoints.last_good)  # or Diverged
-        if update:
-            optimizer.step()
-        engine.zero_grad()
+        # A replica too slow for elastic.round_timeout_s skips the rest of its period (no batch, no update)
+        # and goes on to the sync, arriving within the bound (docs/design.md §11.1).
+        cut = members.cut(step, last_trained_s)
+        if not cut:
+            set_lr(optimizer, lr)
+            engine.begin_step(step)  # the sync policy: are grads averaged across replicas this step?
+            with memory.step(step):  # one step's forward+backward is profiled for its tensor memory
+                step_loss = engine.forward_backward(micro_batches(data, step, cfg.optim.grad_accum, mesh.device))
+            update = engine.commit_grads()  # False: the step's grad round across replicas failed; dropped whole
+            grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
+            check_finite(step, float(step_loss), float(grad_norm), mesh.rank, checkpoints.last_good)  # or Diverged
+            if update:
+                optimizer.step()
+            engine.zero_grad()
+            slow_down(cfg.run.slowdown, time.perf_counter() - t0)  # fault injection (benchmarks, tests)
         members.before_sync(step)  # what a peer healing at this step's sync gets
         synced = engine.end_step(step)  # the sync policy's param sync, if due after this step
         last = step == cfg.run.steps - 1
@@ -94,8 +100,11 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         run.step_times.append(time.perf_counter() - t0)
+        last_trained_s = None if cut else run.step_times[-1]
         train_s += run.step_times[-1]
         step_tokens, own_tokens = members.step_tokens(tokens_per_step)  # a given-up replica's are not counted
+        if cut:  # this replica trained no tokens (its peers count their own)
+            step_tokens, own_tokens = 0, 0
         run.tokens += step_tokens
         run.trained_tokens += own_tokens
 
@@ -165,6 +174,12 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             (cfg.run_dir / name).write_text(text)
     if cfg.run.save_model:  # after the summary, so its byte counts are the training traffic only
         save_replicas(cfg, engine, mesh)
+
+
+def slow_down(factor: float, step_s: float) -> None:
+    """run.slowdown: make this rank's step `factor`× as long as it took (`step_s`), by sleeping the rest."""
+    if factor > 1:
+        time.sleep((factor - 1) * step_s)
 
 
 def micro_batches(data: Data, step: int, accum: int, device: torch.device) -> list[Batch]:

@@ -57,6 +57,7 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch._inductor.async_compile:AsyncCompile", "reads TORCH_WARM_POOL (patch)"),
     Api("torch._C._distributed_c10d:_register_work", "a c10d work handed to the graph's wait_tensor"),
     Api("torch.distributed.distributed_c10d:_resolve_process_group", "a graph's group name → its group"),
+    Api("torch.distributed.distributed_c10d:_get_default_store", "one compile per machine (compile turns)"),
     Api("torch:ops._c10d_functional.all_gather_into_tensor.default", "the compiled graph's collectives"),
     Api("torch:ops._c10d_functional.reduce_scatter_tensor.default", "the compiled graph's collectives"),
     Api("torch:ops._c10d_functional.all_reduce.default", "the compiled graph's collectives"),
@@ -200,6 +201,13 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def default_store() -> dist.Store:
+    """The default process group's key-value store (the rendezvous's), for small out-of-band signals."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def register_fake_backend() -> None:

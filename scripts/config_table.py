@@ -44,6 +44,14 @@ MEANINGS: dict[str, str] = {
     "run.log_every": "steps between metric records (evals and the last step are always logged)",
     "run.eval_every": "steps between evals (0 = only at the end)",
     "run.eval_batches": "val batches per rank at each eval",
+    "run.slowdown": (
+        "fault injection (benchmarks, tests): after each trained step the rank sleeps (slowdown − 1) × that "
+        "step's time, so it runs slowdown× slower; >= 1"
+    ),
+    "elastic.round_timeout_s": (
+        "straggler bound (s): a param-sync round counts the replicas that arrive within this of the first; a "
+        "slower one cuts its period short to arrive in time (0 = off: every round waits for everyone)"
+    ),
     "model.vocab_size": (
         "vocabulary size (>= 256 for byte-level data; null: the size of the tokenizer.json "
         "beside data.path, tokens only)"

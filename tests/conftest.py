@@ -4,9 +4,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # torch.compile in tests: one compile worker per rank (2 cores), so ranks do not fight over the CPU.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-# Inductor's caches in a fresh folder per test process: a test's compile is cold unless an earlier
-# run of the same module compiled the same graph (tests of warm compiles rely on that), whatever
-# the machine's own cache holds.
+# Inductor's caches in one fresh folder per suite run (set here, before xdist starts its workers, who
+# inherit it): a compile is cold unless an earlier run in this suite compiled the same graph or kernels
+# (tests of warm compiles rely on that), whatever the machine's own cache holds.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
@@ -14,3 +14,27 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hsdp-inductor-")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+
+# The suite's longest modules, longest first (wall time of each alone on the 2-core box). xdist's
+# --dist loadfile hands out whole modules in collection order (pyproject's --no-loadscope-reorder:
+# xdist would otherwise start the modules with the most tests first, and a 5-minute module with
+# 14 tests last); starting the long ones first keeps one of them from being the run's tail.
+LONGEST_FIRST = (
+    "test_compile.py",
+    "test_elastic.py",
+    "test_compile_passes.py",
+    "test_never_lose.py",
+    "test_slowlink.py",
+    "test_checkpoint.py",
+    "test_llama.py",
+    "test_engine.py",
+    "test_compress.py",
+    "test_sparseloco.py",
+    "test_measures.py",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

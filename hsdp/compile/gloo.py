@@ -20,6 +20,10 @@ gloo's plain all-reduce, as eager does, and is left alone.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -29,13 +33,43 @@ from hsdp.torch_compat import register_cpu_collectives, register_work, resolve_p
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+_routed = False
+_on_issue: Optional[Callable[[], None]] = None  # called as the next collective is issued (hsdp/compile/turns.py)
+
+
 def route_functional_collectives_to_c10d() -> None:
     """Register the CPU kernels (once per process; later calls do nothing)."""
+    global _routed
     register_cpu_collectives(all_gather_into_tensor, reduce_scatter_tensor)
+    _routed = True
+
+
+def routed() -> bool:
+    """Whether this process's CPU graphs issue their collectives through the kernels below."""
+    return _routed
+
+
+@contextlib.contextmanager
+def on_next_collective(callback: Callable[[], None]) -> Iterator[None]:
+    """Inside the block, `callback()` once, as the first collective a graph issues starts (its code is running)."""
+    global _on_issue
+    _on_issue = callback
+    try:
+        yield
+    finally:
+        _on_issue = None
+
+
+def _issuing() -> None:
+    global _on_issue
+    if _on_issue is not None:
+        callback, _on_issue = _on_issue, None
+        callback()
 
 
 def all_gather_into_tensor(inp: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """`_c10d_functional.all_gather_into_tensor` on CPU: gloo's `_allgather_base`, async, work registered."""
+    _issuing()
     out = inp.new_empty((inp.shape[0] * group_size, *inp.shape[1:]))
     work = _all_gather_single(out, inp.contiguous(), group=resolve_process_group(group_name), async_op=True)
     register_work(out, work)
@@ -44,6 +78,7 @@ def all_gather_into_tensor(inp: torch.Tensor, group_size: int, group_name: str) 
 
 def reduce_scatter_tensor(inp: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
     """`_c10d_functional.reduce_scatter_tensor` on CPU: gloo's `_reduce_scatter_base`, async, work registered."""
+    _issuing()
     out = inp.new_empty((inp.shape[0] // group_size, *inp.shape[1:]))
     op = _REDUCE_OPS[reduce_op.lower()]
     work = _reduce_scatter_single(out, inp.contiguous(), op=op, group=resolve_process_group(group_name), async_op=True)

@@ -32,6 +32,7 @@ class RunConfig:
     checkpoint_every: int = 0  # steps between checkpoints (0 = off)
     resume: str = "auto"  # auto (latest checkpoint in the run folder, if any) | never | a checkpoint path
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones deleted after a new one is complete)
+    slowdown: float = 1.0  # fault injection: after each trained step, sleep (slowdown - 1) x its time (>= 1)
 
 
 @dataclass
@@ -135,6 +136,7 @@ class ElasticConfig:
     replica: int = -1  # under torchrun: this machine's replica (0..mesh.sync-1); the local launcher numbers them
     timeout_s: float = 10.0  # failure detection: a sync's collectives and quorum give up on a silent peer after this
     partition_timeout_s: float = 120.0  # no quorum this long (cut off, lighthouse lost): the replica fails
+    round_timeout_s: float = 0.0  # straggler bound (s): rounds count who is in within it; slower ones cut (0 = off)
 
 
 @dataclass

@@ -47,6 +47,7 @@ NON_NEGATIVE = [
     "compile.bucket_mb",
     "elastic.max_restarts",
     "elastic.restart_delay_s",
+    "elastic.round_timeout_s",
 ]
 POSITIVE = [
     "optim.lr",
@@ -149,6 +150,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sync.outer_momentum: expected a value in [0, 1), got {s.outer_momentum}")
     if cfg.sync.method == "average" and (cfg.sync.outer_lr is not None or cfg.sync.outer_momentum is not None):
         raise ConfigError("sync.outer_lr/outer_momentum: only used by sync.method=diloco, got method average")
+    if not cfg.run.slowdown >= 1:  # also refuses nan
+        raise ConfigError(f"run.slowdown: expected a factor >= 1 (1 = full speed), got {cfg.run.slowdown!r}")
+    if cfg.elastic.round_timeout_s > 0 and not cfg.elastic.enabled:
+        raise ConfigError(
+            f"elastic.round_timeout_s: bounds an elastic run's sync rounds, so needs elastic.enabled=true, "
+            f"got {cfg.elastic.round_timeout_s}"
+        )
     if cfg.elastic.enabled:
         check_elastic(cfg)
 

@@ -17,6 +17,7 @@ engine's bytes for any optim.grad_accum (up to 3 more graph pairs are compiled).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Optional
@@ -28,6 +29,7 @@ from hsdp.compile.census import CollectiveCensus
 from hsdp.compile.gloo import route_functional_collectives_to_c10d
 from hsdp.compile.graph import Groups, plan_buckets, sharded_loss
 from hsdp.compile.passes import CacheablePass, OurPasses, inductor_overlap_options, recompute_gathers, schedule_of_code
+from hsdp.compile.turns import CompileTurns
 from hsdp.config.schema import CompileConfig, Config
 from hsdp.engines.base import Batch
 from hsdp.engines.clock import CompileClock
@@ -62,6 +64,9 @@ class CompiledHSDPEngine(HSDPEngine):
         self.accs: Optional[list[torch.Tensor]] = None  # gradient-accumulation leaves (see _accumulators)
         self.generated_code: list[str] = []  # inductor's output code of every graph compiled, in order
         self.clock = CompileClock()
+        # One compile per machine: the shard group's first rank here compiles, the others load its graphs.
+        timeout = self.mesh.comm.timeout
+        self.turns = CompileTurns(groups["shard"], timeout.total_seconds() if timeout else 1800.0)
 
     @classmethod
     def config_kwargs(cls, cfg: Config) -> dict[str, Any]:
@@ -124,8 +129,10 @@ class CompiledHSDPEngine(HSDPEngine):
         fn = self._step_fn(variant)
         self.census.current = variant
         with self.clock.call(variant) as first, capture_output_code(self._on_code if first else None):
-            loss = fn(self.leaves, x, y, **kwargs) / n_micro
-            loss.backward()
+            with self.turns.first_call() if first else contextlib.nullcontext():
+                loss = fn(self.leaves, x, y, **kwargs) / n_micro
+            with self.turns.first_call() if first else contextlib.nullcontext():
+                loss.backward()  # its graph may compile now (AOTAutograd compiles it lazily where shapes are dynamic)
         self.census.current = None
         self._count_bytes(variant)
         return loss.detach()

@@ -110,7 +110,10 @@ def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
     heartbeat: a replica that stops heartbeating (dead) is out of the next quorum after elastic.timeout_s.
     join: how long a quorum waits for a replica that still heartbeats but has not asked yet (it is
     training towards the same round, or compiling its first step): mesh.timeout_s, the run's bound on
-    a stalled rank. Slowness is not a failure; only silence is.
+    a stalled rank. Slowness is not a failure; only silence is. Not the straggler bound either
+    (elastic.round_timeout_s): with two replicas torchft's lighthouse never forms a quorum without one that
+    heartbeats, and with more, one left out would heal a full state each time; the replicas keep that bound
+    themselves, all in every quorum (docs/design.md §11.1).
     """
     return int(cfg.mesh.timeout_s * 1000), int(cfg.elastic.timeout_s * 1000)
 

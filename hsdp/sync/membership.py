@@ -49,6 +49,10 @@ class Membership(Protocol):
         """The steps this rank trains, from `start` to before `end`: one after another, except that an elastic
         replica that was cut off and rejoined continues at the step it healed to (later than the next)."""
 
+    def cut(self, step: int, last_step_s: Optional[float]) -> bool:
+        """Whether to skip `step`'s training (forward, backward, update) and go on to its sync: a slow replica
+        keeping elastic.round_timeout_s (`last_step_s`: the previous step's time if it trained, else None)."""
+
     def before_sync(self, step: int) -> None:
         """After `step`'s update, before its param sync."""
 
@@ -88,6 +92,9 @@ class LocalMembership:
 
     def steps(self, start: int, end: int) -> Iterator[int]:
         return iter(range(start, end))
+
+    def cut(self, step: int, last_step_s: Optional[float]) -> bool:
+        return False  # every rank trains every step
 
     def before_sync(self, step: int) -> None:
         pass

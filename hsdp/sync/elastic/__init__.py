@@ -7,6 +7,7 @@ collectives among them. One job per module:
 
     transport.py    FTTransport: that group behind the policy's `Transport` (rounds, spectators, counts)
     heal.py         HealState: what a rejoining replica copies from a live peer, and its snapshot server
+    straggler.py    RoundBound: elastic.round_timeout_s (who counts in a round, when a slow replica cuts)
     join.py         the first quorum of a replica, and the out-of-band catch-up of one healed at a param sync
     manager.py      the torchft Manager of a rank (lighthouse, timeouts) and the address peers reach it at
     rejoin.py       Rejoin: a replica cut off mid-run (its link, the lighthouse) that gets a quorum again heals

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from hsdp.comm.groups import Comm
 from hsdp.comm.mesh import Mesh, build_elastic_mesh
@@ -15,7 +16,9 @@ from hsdp.sync.elastic.heal import HealState
 from hsdp.sync.elastic.join import Join
 from hsdp.sync.elastic.manager import build_manager
 from hsdp.sync.elastic.rejoin import Rejoin
+from hsdp.sync.elastic.straggler import RoundBound
 from hsdp.sync.elastic.transport import FTTransport, lost_in_touched_steps
+from hsdp.sync.schedule import fragments_due
 
 
 class ElasticMembership:
@@ -25,6 +28,9 @@ class ElasticMembership:
     def __init__(self, cfg: Config, replica: int, restart: int, lighthouse: str) -> None:
         self.cfg, self.replica, self.restart, self.lighthouse = cfg, replica, restart, lighthouse
         self.heal = HealState()
+        self.bound = RoundBound(cfg.elastic.round_timeout_s)  # the straggler bound (straggler.py)
+        self.mesh: Mesh = None
+        self._round_steps = [s for s in range(cfg.run.steps) if fragments_due(s, cfg.sync)]
         self.transport: FTTransport = None  # built with the mesh (its manager needs the replica's world)
         self.joining: Join = None
         self.metrics_suffix = f".replica{replica}"  # each replica writes its own metrics and summary
@@ -35,7 +41,10 @@ class ElasticMembership:
     def build_mesh(self, device: torch.device) -> Mesh:
         """The replica's own world as its mesh, with the torchft transport as its sync group."""
         c = self.cfg
-        return build_elastic_mesh(self.replica, c.mesh.sync, c.mesh.shard, device, c.mesh.timeout_s, self._transport)
+        self.mesh = build_elastic_mesh(
+            self.replica, c.mesh.sync, c.mesh.shard, device, c.mesh.timeout_s, self._transport
+        )
+        return self.mesh
 
     def _transport(self, comm: Comm, shard_rank: int) -> FTTransport:
         manager, pg = build_manager(self.cfg, self.replica, shard_rank, self.cfg.mesh.shard, self.lighthouse, self.heal)
@@ -45,6 +54,7 @@ class ElasticMembership:
             comm,
             spectating=lambda: self.heal.spectating,
             partition_timeout_s=self.cfg.elastic.partition_timeout_s,
+            bound=self.bound,
         )
         self.joining = Join(self.cfg, self.replica, self.restart, self.transport, self.heal)
         self.rejoin = Rejoin(self.joining, self.heal)  # after a cut: heal and continue at the peers' step
@@ -60,10 +70,31 @@ class ElasticMembership:
     def steps(self, start: int, end: int) -> Iterator[int]:
         return self.rejoin.steps(start, end)
 
+    def cut(self, step: int, last_step_s: Optional[float]) -> bool:
+        """Whether this replica skips `step`'s training to reach its next param round within the bound
+        (elastic.round_timeout_s; `last_step_s`: the previous step's time if it trained). Agreed over the
+        replica's ranks (any rank past its deadline cuts them all): they must skip the same steps."""
+        b = self.bound
+        if not b.enabled:
+            return False
+        if last_step_s is not None:
+            b.trained(last_step_s)
+        ahead = any(s >= step for s in self._round_steps)  # a round to go to (not the run's unsynced tail)
+        mine = ahead and not self.heal.engine.policy.grad_sync(step) and b.past_deadline()
+        flag = torch.tensor([1.0 if mine else 0.0])
+        self.mesh.comm.all_reduce(flag, "world", op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            b.cut_this_period = True
+            b.cut_steps += 1
+            return True
+        return False
+
     def before_sync(self, step: int) -> None:
         self.heal.at_step(step)  # what a peer healing at this step's sync gets, and the pace it keeps up with
+        self.bound.armed = True  # a round begun in this step's end_step is a param-sync round
 
     def after_sync(self, step: int) -> None:
+        self.bound.armed = False
         # Its peers' quorum healed it while training (cut off and back, or a round behind them): the round it
         # began as its own sync ran with it spectating; finish the heal in place (rejoin.py) and continue at
         # the step it healed to, instead of a restart.
@@ -82,7 +113,10 @@ class ElasticMembership:
         return counted * share, share
 
     def step_record(self) -> dict[str, Any]:
-        return {"replicas": self.transport.participants}  # the replicas counted in the last sync
+        record = {"replicas": self.transport.participants}  # the replicas counted in the last sync
+        if self.bound.enabled:
+            record["cut_steps"] = self.bound.cut_steps  # steps skipped so far to keep the round bound
+        return record
 
     def stats(self, step_times: list[float]) -> dict[str, Any]:
         """`step_times`: this process's steps' times (the last ones of the run's, aligned with its steps)."""
@@ -109,6 +143,11 @@ class ElasticMembership:
             "quorum_median_s": round(statistics.median(t.quorum_waits), 4) if t.quorum_waits else None,
             "join_s": round(self.joining.joined_s, 3),
             **self.rejoin.stats(),  # cut off mid-run (a partition, a lost lighthouse): rejoins, pauses
+            # the straggler bound (elastic.round_timeout_s): rounds that counted a late replica out, this
+            # replica's own late rounds, and the local steps it skipped to arrive within the bound
+            "late_rounds": self.bound.late_rounds,
+            "own_late_rounds": self.bound.own_late_rounds,
+            "cut_steps": self.bound.cut_steps,
         }
 
     def shutdown(self) -> None:

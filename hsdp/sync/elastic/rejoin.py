@@ -7,7 +7,7 @@ sync. At a param sync that heal is out of band (an offer, heal.py): the round ru
 spectating, and what is left is done here, after it, as a restarted replica does it (join.py `catch_up`):
 fetch the peer's state and continue at the step it leads to, later than this replica's own next one (the
 training loop takes it from `steps`). The same holds for a replica that fell a round behind its peers
-(its heal was slower than their period). docs/design.md §11.1.
+(its heal was slower than their period). docs/design.md §11.2.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from hsdp.comm.groups import Comm, ring_bytes_of
+from hsdp.sync.elastic.straggler import RoundBound
 
 
 class Done:
@@ -71,6 +72,7 @@ class FTTransport:
         spectating: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.perf_counter,
         partition_timeout_s: float = 120.0,
+        bound: Optional[RoundBound] = None,
     ) -> None:
         self.manager, self.pg, self.comm, self.clock = manager, pg, comm, clock
         self.partition_timeout_s = partition_timeout_s
@@ -80,6 +82,7 @@ class FTTransport:
         self.quorum_failed_s = 0.0
         self.pause_retry_s = 0.5  # between quorum attempts while cut off
         self.spectating = spectating
+        self.bound = bound or RoundBound(0.0)  # elastic.round_timeout_s: who counts in a param round (straggler.py)
         self.rounds = 0
         self.participants: Optional[int] = None  # the last round's contributors (quorum less spectators)
         self._contributors: list[int] = [0]
@@ -113,11 +116,12 @@ class FTTransport:
         if self.open:
             return
         self.open = True
+        work = self.bound.work()  # before the quorum: a late replica's wait for it is not work
         t0 = self.clock()
         self._quorum_or_pause()
         self._round_start = self.clock()  # the quorum's wait is counted in quorum_waits, not twice
         self.quorum_waits.append(self._round_start - t0)
-        self._contributors = self._agree_contributors()
+        self._contributors = self._agree_contributors(work)
         self.participants = len(self._contributors)
         size = self.size
         changed = self._last_size is not None and size != self._last_size
@@ -170,20 +174,32 @@ class FTTransport:
         timeout = getattr(self.manager, "_quorum_timeout", None)
         return timeout.total_seconds() if timeout is not None else self.partition_timeout_s
 
-    def _agree_contributors(self) -> list[int]:
-        """Which of the round's replicas count in its means: each says whether it spectates (one float each,
-        all-gathered). Only this replica knows it is spectating (hsdp/sync/elastic/join.py)."""
+    def _agree_contributors(self, work: float) -> list[int]:
+        """Which of the round's replicas count in its means: each says whether it spectates, its work since
+        the last meeting and whether that was a full period (three floats each, all-gathered). Only this
+        replica knows it is spectating (hsdp/sync/elastic/join.py); the bound counts late ones out too."""
         n = self.size
         self.counted = not self.spectating()
-        mine = torch.tensor([1.0 if self.counted else 0.0])
+        mine = torch.tensor([1.0 if self.counted else 0.0, work, 0.0 if self.bound.cut_this_period else 1.0])
         if n == 1:
+            self.bound.met()
             return [0]  # alone (a spectator's peer died: its zero part stands, the round changes nothing)
-        flags = torch.zeros(n)
+        rows = torch.zeros(n, 3)
         # Not counted in the sync bytes: control traffic, like the quorum's own messages.
-        self._guarded_all_gather(flags, mine).wait()
+        self._guarded_all_gather(rows.view(-1), mine).wait()
         if self.manager.errored():  # the round is lost already: count everyone, its result is never applied
             return list(range(n))
-        return [i for i in range(n) if flags[i] > 0]
+        self.bound.met()
+        if not self.bound.enabled:
+            return [i for i in range(n) if rows[i, 0] > 0]
+        present = [bool(c > 0) for c in rows[:, 0]]
+        me = self.manager.participating_rank()
+        keep = self.bound.contributors(present, rows[:, 1].tolist(), (rows[:, 2] > 0).tolist(), me)
+        if self.counted and me not in keep:
+            # late (elastic.round_timeout_s): its part is dropped, as a spectator's, and it adopts the result
+            self.counted = False
+            self.bound.own_late_rounds += 1
+        return keep
 
     def commit_round(self) -> bool:
         self.open = False
@@ -215,7 +231,7 @@ class FTTransport:
         return any(self.touched[first:]) or any(self.dropped[first:])
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool) -> Any:
-        if self.spectating():  # a spectator's part is zero (what torchft's allreduce does while healing)
+        if not self.counted:  # a spectator's or a late replica's part is zero (as torchft's allreduce while healing)
             t.zero_()
         self.comm.count("sync", "all_reduce", ring_bytes_of("all_reduce", self.size, t.numel() * t.element_size()))
         work = self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM)

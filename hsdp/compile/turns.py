@@ -1,0 +1,75 @@
+"""One compile per machine: the first rank of a shard group on a machine compiles each graph, the others load it.
+
+Why: every rank of a shard group traces the same graphs (same shapes, same group names), and ranks on
+one machine share inductor's cache folder. Compiling them all at once costs S times the CPU of one
+compile (on a 2-core box, four ranks each compiling for 30 s); when the first rank on the machine
+compiles while the others wait, they find its graphs in the FX graph cache and only trace and load
+(seconds). The others' wait is no loss: they could not run the step before the leader anyway (the
+graph's collectives need every rank).
+
+When is the leader's graph in the cache? Inductor writes the cache entry after it has generated and
+built the code, before the graph runs, so the leader posts "compiled" when its graph issues its first
+collective. That moment has a hook only where our kernels sit behind the graph's collectives (CPU,
+hsdp/compile/gloo.py); elsewhere (NCCL) every rank compiles at once, as torch does.
+
+A graph compiled with no collective in it (a shard group of 1) has no followers to wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from hsdp.compile import gloo
+from hsdp.torch_compat import default_store
+
+
+class CompileTurns:
+    """Orders the first call of each compiled graph among the ranks of `group` on this machine."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        hosts: list[Optional[str]] = [None] * group.size()
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        me = group.rank()
+        self.leader = hosts.index(hosts[me])  # the first rank of the group on this machine
+        self.followers = sum(1 for h in hosts if h == hosts[me]) - 1
+        self.is_leader = me == self.leader
+        self.prefix = f"hsdp/compile-turns/{group.group_name}/{self.leader}/"
+        self.timeout = timedelta(seconds=timeout_s)
+        self.graphs = 0  # first calls so far: the same count on every rank (they run the same steps)
+
+    @property
+    def active(self) -> bool:
+        """Whether any rank waits for another (ranks share a machine, and the leader can post)."""
+        return self.followers > 0 and gloo.routed()
+
+    @contextlib.contextmanager
+    def first_call(self) -> Iterator[None]:
+        """Around a graph's first call (its compile): the leader compiles and runs it; a follower waits
+        until the leader's graph runs (so it is in the cache), then loads it."""
+        if not self.active:
+            yield
+            return
+        key = f"{self.prefix}{self.graphs}"
+        self.graphs += 1
+        store = default_store()
+        if not self.is_leader:
+            store.wait([key], self.timeout)
+            yield
+            return
+        posted = False
+
+        def post() -> None:
+            nonlocal posted
+            if not posted:
+                posted = True
+                store.set(key, "compiled")
+
+        with gloo.on_next_collective(post):
+            yield
+        post()  # a graph without collectives: nothing waited on it to run
