@@ -24,6 +24,7 @@ LONGEST_FIRST = (
     "test_compile.py",
     "test_elastic.py",
     "test_compile_passes.py",
+    "test_elastic_faults.py",
     "test_never_lose.py",
     "test_slowlink.py",
     "test_checkpoint.py",
@@ -32,6 +33,8 @@ LONGEST_FIRST = (
     "test_compress.py",
     "test_sparseloco.py",
     "test_measures.py",
+    "test_elastic_straggler.py",
+    "test_elastic_heal.py",
 )
 
 
