@@ -25,13 +25,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hsdp.plan.__main__ as plan_cli
 from hsdp.comm.groups import Comm
 from hsdp.comm.transport import GroupTransport
 from hsdp.config.loader import load_config
 from hsdp.config.schema import SyncConfig
 from hsdp.plan.__main__ import main
 from hsdp.plan.calibrate import read_fake_run
-from hsdp.plan.model import Compute, Link, predict
+from hsdp.plan.collectives import measure_shard_collectives
+from hsdp.plan.model import Compute, Link, MeasuredIntra, predict
 from hsdp.plan.project import projected_compute
 from hsdp.plan.workload import Unit, Workload, build_workload, codec_messages
 from hsdp.sync.codec import build_codec
@@ -169,7 +171,8 @@ def test_schedule_bytes_equal_a_fake_runs_counted_bytes(fake_run: Path):
 
 
 def test_plan_reads_a_fake_run_and_prints_json(fake_run: Path, capsys):
-    assert main([str(fake_run / "config.yaml"), "--inter", "20mbit,1gbit", "--calibrate", str(fake_run), "--json"]) == 0
+    argv = [str(fake_run / "config.yaml"), "--inter", "20mbit,1gbit", "--calibrate", str(fake_run), "--json"]
+    assert main([*argv, "--intra", "free"]) == 0
     slow, fast = json.loads(capsys.readouterr().out)
     assert slow["rate_bps"] == 20e6 and fast["rate_bps"] == 1e9
     assert slow["compute_s"] == pytest.approx(fast["compute_s"])  # compute does not depend on the link
@@ -214,11 +217,75 @@ def test_bad_input_exits_2_with_one_line(fake_run: Path, tmp_path: Path, capsys)
 def test_bandwidth_for_a_utilization_reaches_it(fake_run: Path, capsys):
     """--for-utilization's rate gives that utilisation (±1%), with compute given as --compute-s."""
     config = str(fake_run / "config.yaml")
-    assert main([config, "--inter", "1gbit", "--compute-s", "0.1", "--for-utilization", "0.9"]) == 0
+    assert main([config, "--inter", "1gbit", "--compute-s", "0.1", "--intra", "free", "--for-utilization", "0.9"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 90% |"))
     value, unit = row.split("|")[2].split()
     bps = float(value) * {"kbit/s": 1e3, "Mbit/s": 1e6, "Gbit/s": 1e9}[unit]
-    assert main([config, "--inter", f"{bps / 1e6}mbit", "--compute-s", "0.1", "--json"]) == 0
+    assert main([config, "--inter", f"{bps / 1e6}mbit", "--compute-s", "0.1", "--intra", "free", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["compute_utilization"] == pytest.approx(0.9, abs=0.01)
     line = one_line_error(capsys, [config, "--inter", "1gbit", "--compute-s", "0.1", "--calibrate", str(fake_run)])
     assert "one source of compute" in line
+
+
+def test_measured_shard_collectives_are_used():
+    """Measured intra times replace the rate: on a CPU (shares_compute) every gather and reduce-scatter
+    of the step lands on the compute clock; off it, the prefetched gathers hide behind compute."""
+    units = tuple(Unit(held=1000, flops_share=1 / 3, embedding=i == 0) for i in range(3))
+    w = dataclasses.replace(one_unit_workload(3000, 2, SyncConfig(warmup_steps=0, every=4), 1), units=units, S=2)
+    took = {"all_gather": 0.010, "reduce_scatter": 0.003}
+    seen = []
+
+    def time_of(m) -> float:
+        seen.append(m)
+        return took[m.op]
+
+    free_inter, compute = Link(float("inf"), 0.0, None, 1.0), Compute(step_s=1.0)
+    step = lambda intra: predict(w, dataclasses.replace(free_inter, intra_measured=intra), compute, 8).step_time_s  # noqa: E731
+    assert step(None) == pytest.approx(1.0)
+    on_cpu = step(MeasuredIntra(time_of, shares_compute=True))
+    # forward gathers all 3 units, backward re-gathers the 2 non-embedding ones, each unit is reduce-scattered
+    assert on_cpu == pytest.approx(1.0 + 5 * took["all_gather"] + 3 * took["reduce_scatter"])
+    assert {m.op for m in seen} == set(took) and {m.nbytes for m in seen} == {1000 * 4}  # (S − 1)·held·4 bytes
+    beside = step(MeasuredIntra(time_of, shares_compute=False))
+    assert 1.0 < beside < on_cpu  # the first gather and the last reduce-scatter cannot be hidden
+
+
+def test_plan_times_the_shard_group_unless_intra_is_given(fake_run: Path, capsys, monkeypatch):
+    """The default intra link is the collectives timed on the mesh (an injected timing here), said in the
+    output; --intra RATE, --intra free and projections (--gpu) do not time it."""
+    calls = []
+
+    def fake_measure(cfg):
+        calls.append((cfg.mesh.sync, cfg.mesh.shard))
+        return MeasuredIntra(lambda m: 0.002, shares_compute=True, source="injected")
+
+    monkeypatch.setattr(plan_cli, "measure_shard_collectives", fake_measure)
+    config = str(fake_run / "config.yaml")
+    base = [config, "--inter", "1000000gbit", "--compute-s", "0.1", "--json"]
+    assert main(base) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert calls == [(2, 2)] and measured["intra"] == "measured: injected; on the cores that compute: not overlapped"
+    assert main([*base, "--intra", "free"]) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert free["intra"] == "free (--intra free)" and len(calls) == 1
+    units = len(build_workload(load_config(config)).units)
+    per_step = (3 * units - 1) * 0.002  # U gathers forward, U − 1 re-gathers backward, U reduce-scatters
+    assert measured["step_time_s"] - free["step_time_s"] == pytest.approx(per_step, rel=1e-6)
+    assert main([*base, "--intra", "10gbit"]) == 0
+    assert json.loads(capsys.readouterr().out)["intra"] == "rate: --intra 10gbit" and len(calls) == 1
+    assert main([config, "--inter", "1gbit", "--gpu", "H100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["intra"] == "free (projection)" and len(calls) == 1
+
+
+@pytest.mark.timeout(120)
+def test_shard_collectives_are_timed_on_a_real_gloo_group(fake_run: Path):
+    """A 1×2 mesh on loopback gloo times each distinct gather and reduce-scatter of the config's units."""
+    cfg = load_config(str(fake_run / "config.yaml"), ["mesh.sync=1"])
+    intra = measure_shard_collectives(cfg, reps=2)
+    w = build_workload(cfg)
+    wanted = {
+        (m.op, m.nbytes) for u in range(len(w.units)) for m in (w.gather_messages(u), w.reduce_scatter_message(u))
+    }
+    assert {(r["op"], r["nbytes"]) for r in intra.table["times"]} == wanted
+    assert intra.shares_compute and intra.table["backend"] == "gloo" and intra.table["mesh"] == [1, 2]
+    assert all(intra.time_of(w.gather_messages(u)) > 0 for u in range(len(w.units)))

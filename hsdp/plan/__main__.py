@@ -6,7 +6,9 @@
 
 Compute comes from a fake-backend run of the config (`--calibrate RUN_DIR`, else a few fake steps
 measured now) or, with `--gpu`/`--flops`, from FLOPs (hsdp.plan.project); communication from the
-engine's byte counts (hsdp.plan.workload) on the step model of hsdp.plan.model. Bad input exits 2
+engine's byte counts (hsdp.plan.workload) on the step model of hsdp.plan.model. The shard group's
+collectives, which a fake-backend run leaves out, are timed on this machine's mesh
+(hsdp.plan.collectives) when compute is measured here and `--intra` is not given. Bad input exits 2
 with one line, before any work.
 """
 
@@ -21,7 +23,8 @@ from hsdp.bench.spec import parse_rate
 from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
 from hsdp.plan.calibrate import SKIP, measure_fake_run, read_fake_run
-from hsdp.plan.model import FRAMING, Compute, Link, Prediction, predict
+from hsdp.plan.collectives import measure_shard_collectives
+from hsdp.plan.model import FRAMING, Compute, Link, MeasuredIntra, Prediction, predict
 from hsdp.plan.project import failure_cost, gpu_peak_flops, projected_compute
 from hsdp.plan.report import plot_utilization, rate_label, table
 from hsdp.plan.workload import Workload, build_workload
@@ -63,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--inter", required=True, help="each replica's link, comma-separated rates: 20mbit,10gbit")
     p.add_argument("--latency", type=float, default=0.0, metavar="MS", help="one-way inter-link latency (ms)")
-    p.add_argument("--intra", help="the shard group's rate per rank (default: free, as in the calibration)")
+    p.add_argument(
+        "--intra",
+        metavar="RATE|free",
+        help="the shard group's rate per rank, or free (default: its collectives timed on this machine's mesh "
+        "when compute is measured here; free for --gpu/--flops)",
+    )
     p.add_argument("--calibrate", metavar="RUN_DIR", help="a mesh.backend=fake run of the config")
     p.add_argument(
         "--compute-s",
@@ -97,7 +105,7 @@ class Plan:
         self.rates = parse_rates(a.inter, "--inter")
         if not a.latency >= 0:
             raise ConfigError(f"--latency: expected milliseconds >= 0, got {a.latency:g}")
-        self.intra = parse_rates(a.intra, "--intra")[0] if a.intra else None
+        self.intra = parse_rates(a.intra, "--intra")[0] if a.intra and a.intra != "free" else None
         if not 0 < a.mfu <= 1:
             raise ConfigError(f"--mfu: expected a fraction in (0, 1], got {a.mfu:g}")
         if not a.overhead >= 1:
@@ -126,6 +134,8 @@ class Plan:
         self.cfg: Config = load_config(a.config, self.overrides)
         self.args = a
         self.compute: Optional[Compute] = None
+        self.measured: Optional[MeasuredIntra] = None
+        self.intra_used = ""  # which intra link the model uses: measured, rate or free (said in the output)
         if a.calibrate:  # read (and check) it now: a wrong folder is bad input, found before any work
             self.compute = read_fake_run(a.calibrate, self.cfg)
         elif a.compute_s is not None:
@@ -135,7 +145,25 @@ class Plan:
         return build_workload(cfg or self.cfg, self.params)
 
     def link(self, bps: float) -> Link:
-        return Link(bps, self.args.latency / 1e3, self.intra, self.args.overhead)
+        return Link(bps, self.args.latency / 1e3, self.intra, self.args.overhead, self.measured)
+
+    def resolve_intra(self) -> str:
+        """`--intra` if given; else the shard group's collectives timed on this machine's mesh when the compute
+        is this machine's too (a fake-backend run leaves them out); else free. Which one, as a label."""
+        if not self.intra_used:
+            a = self.args
+            if self.intra is not None:
+                self.intra_used = f"rate: --intra {a.intra}"
+            elif a.intra == "free" or self.peak is not None or self.cfg.mesh.shard == 1:
+                why = "--intra free" if a.intra == "free" else "projection" if self.peak else "no shard group"
+                self.intra_used = f"free ({why})"
+            else:
+                M, S = self.cfg.mesh.sync, self.cfg.mesh.shard
+                print(f"[plan] timing the shard group's collectives on a {M}×{S} mesh", file=sys.stderr)
+                self.measured = measure_shard_collectives(self.cfg)
+                share = "; on the cores that compute: not overlapped" if self.measured.shares_compute else ""
+                self.intra_used = f"measured: {self.measured.source}{share}"
+        return self.intra_used
 
     def resolve_compute(self, w: Workload) -> Compute:
         if self.compute is None:
@@ -148,9 +176,11 @@ class Plan:
 
     def predict(self, w: Workload, bps: float) -> Prediction:
         compute = self.resolve_compute(w)
+        intra = self.resolve_intra()
         p = predict(w, self.link(bps), compute, self.cfg.run.steps, self.tokens)
         cost = failure_cost(w, self.link(bps), compute, self.cfg)
         p.extra = {
+            "intra": intra,
             "failure_survivor_lost_s": cost.survivor_lost_s,
             "failure_heal_s": cost.heal_s,
             "failure_heal_bytes_per_rank": cost.heal_bytes_per_rank,
@@ -213,6 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"compute: {plan.compute.step_s:.4g} s/step + {plan.compute.sync_s:.4g} s per param sync "
             f"({plan.compute.source})"
         )
+        print(f"intra (shard group): {plan.intra_used}")
         print(f"params {w.params:.4g}, units {len(w.units)}, mesh {w.M}×{w.S}, {w.tokens_per_step} tokens/step\n")
         print(table(predictions))
         p = predictions[0]

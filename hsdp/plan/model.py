@@ -6,7 +6,8 @@ Two links, each a FIFO channel (a process group's collectives run one after anot
     inter   each replica's link to the others, per direction, shared by its S ranks' sync groups:
             a message of b bytes per rank takes S·b·8·overhead / inter_bps + latency · hops
             (hops: a ring's M − 1 steps for an all-gather, 2(M − 1) for an all-reduce)
-    intra   a rank's shard-group link: b·8 / intra_bps (None: free, as in a compute-only run)
+    intra   a rank's shard-group link: b·8 / intra_bps (None: free, as in a compute-only run), or each
+            collective's time as measured on the machine (`MeasuredIntra`, hsdp.plan.collectives)
 
 `overhead` is the wire's framing: 1514/1448 for Ethernet + IPv4 + TCP with timestamps at MTU 1500
 (what the benchmark's veths carry); 1 for the paper's closed forms.
@@ -19,6 +20,10 @@ successor is the sync-group all-reduce on grad-sync steps) — and the unit's re
 the end of backward everything pending is finished. Compute per unit is the calibrated step's,
 split 1/3 forward, 2/3 backward, and across units by FLOPs (`Unit.flops_share`).
 
+Measured intra times on a CPU (`shares_compute`) are charged to the compute clock where the collective
+is issued instead: gloo's copies and loopback sends run on the cores that compute (4 ranks on 2 cores
+here), so the engine's overlap does not hide them.
+
 After the update, the sync schedule of hsdp.sync.schedule: a blocking param sync (τ = 0) adds the
 calibrated sync compute and every unit's messages in order, each waited on; a delayed one (τ > 0)
 adds the compute, queues the messages on the inter channel and waits for them after step s + τ.
@@ -26,6 +31,7 @@ adds the compute, queues the messages on the inter channel and waits for them af
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -38,11 +44,22 @@ PERIODS = 3  # periods simulated after the warmup; the last is the steady state 
 
 
 @dataclass(frozen=True)
+class MeasuredIntra:
+    """Shard-group collective times measured on the machine (hsdp.plan.collectives); used instead of intra_bps."""
+
+    time_of: Callable[[Message], float]  # seconds one shard-group collective takes
+    shares_compute: bool  # it runs on the cores that compute (CPU, gloo): charged to the compute clock
+    source: str = ""
+    table: Optional[dict] = None  # the measurement as JSON (validate.json keeps it)
+
+
+@dataclass(frozen=True)
 class Link:
     inter_bps: float  # each replica's link, bits/s per direction
     latency_s: float = 0.0  # one-way, per ring hop
     intra_bps: Optional[float] = None  # the shard group's, per rank; None: free
     overhead: float = FRAMING
+    intra_measured: Optional[MeasuredIntra] = None  # wins over intra_bps
 
 
 @dataclass(frozen=True)
@@ -102,9 +119,15 @@ class Timeline:
         return max(start, self.inter_free) if not messages else self.inter_free
 
     def intra(self, start: float, m: Message) -> float:
-        if self.link.intra_bps is None or m.nbytes == 0:
+        """Issue a shard-group collective at `start` (the compute clock); when its result is there."""
+        measured = self.link.intra_measured
+        if m.nbytes == 0 or (measured is None and self.link.intra_bps is None):
             return start
-        self.intra_free = max(start, self.intra_free) + m.nbytes * 8 / self.link.intra_bps
+        took = m.nbytes * 8 / self.link.intra_bps if measured is None else measured.time_of(m)
+        if measured is not None and measured.shares_compute:  # the compute waits while its cores communicate
+            self.t = max(self.t, start) + took
+            return self.t
+        self.intra_free = max(start, self.intra_free) + took
         return self.intra_free
 
     # -- one step

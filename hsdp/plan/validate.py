@@ -2,8 +2,11 @@
 
     python -m hsdp.plan.validate [--config configs/tiny.yaml] [--rates 10mbit,30mbit,100mbit] [--out DIR]
 
-1. Calibration: one fake-backend run of the DiLoCo config (compute only; no link time goes in).
-2. Prediction at each rate (hsdp.plan.model) for exact HSDP and DiLoCo H=8 int8.
+1. Calibration: one fake-backend run of the DiLoCo config (compute only; no link time goes in), and
+   the shard group's collectives timed on the config's mesh (hsdp.plan.collectives: loopback gloo
+   inside each replica, which a fake-backend run leaves out; the inter link is not used).
+2. Prediction at each rate (hsdp.plan.model) for exact HSDP and DiLoCo H=8 int8, with the measured
+   shard-group times, and (a column for comparison) with the shard group free as before.
 3. Measurement: `python -m hsdp.slowlink` runs both at each rate (network namespaces, tc; root),
    right after the calibration, so both see the same load of the machine.
 4. The table: predicted and measured mean step (HSDP: steps ≥ SKIP; DiLoCo: whole periods after
@@ -30,7 +33,8 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.plan.__main__ import parse_rates
 from hsdp.plan.calibrate import REPO, SKIP, measure_fake_run, read_fake_run
-from hsdp.plan.model import Compute, Link, predict
+from hsdp.plan.collectives import from_json, measure_shard_collectives
+from hsdp.plan.model import Compute, Link, MeasuredIntra, predict
 from hsdp.plan.report import rate_label
 from hsdp.plan.workload import build_workload
 
@@ -87,7 +91,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         report = measure(a, out, steps)
     compute = read_fake_run(str(out / "calibration"))
     report["calibration"] = {"step_s": compute.step_s, "sync_s": compute.sync_s, "source": compute.source}
-    report["rows"] = compare(a, out, steps, rates, compute)
+    intra = from_json(report["intra"]) if report.get("intra") else None  # absent in a run made before it
+    report["rows"] = compare(a, out, steps, rates, compute, intra)
     (out / "validate.json").write_text(json.dumps(report, indent=2) + "\n")
     md = table(report)
     (out / "validate.md").write_text(md + "\n")
@@ -103,6 +108,8 @@ def measure(a: argparse.Namespace, out: Path, steps: dict[str, int]) -> dict:
     compute = measure_fake_run(a.config, [*SHARED, *RUNS["diloco-h8-int8"]], a.calibrate_steps, keep=str(out))
     loads["after calibration"] = load()
     print(f"[validate] calibration: {compute.step_s:.4f} s/step + {compute.sync_s:.4f} s per sync", flush=True)
+    intra = measure_shard_collectives(load_config(a.config, [*SHARED, *RUNS["diloco-h8-int8"]]))
+    loads["after timing the shard group"] = load()
     cmd = [sys.executable, "-m", "hsdp.slowlink", "--config", a.config, "--rate", a.rates, "--no-probe"]
     cmd += ["--name", "plan", "--out", str(out / "slowlink"), "--runs"]
     cmd += [f"{run}=" + ",".join([*extra, f"run.steps={steps[run]}"]) for run, extra in RUNS.items()]
@@ -115,6 +122,7 @@ def measure(a: argparse.Namespace, out: Path, steps: dict[str, int]) -> dict:
         "load_average_1_5_15": loads,
         "wall_s": time.time() - t0,
         "slowlink_exit": proc.returncode,
+        "intra": intra.table if intra else None,
     }
 
 
@@ -128,10 +136,18 @@ def plain_steps_median(run_dir: Path) -> Optional[float]:
     return statistics.median(times) if times else None
 
 
-def compare(a: argparse.Namespace, out: Path, steps: dict[str, int], rates: list[float], compute: Compute) -> list:
-    """Per run and rate: predicted (fake-backend calibration only) and measured mean step; and, as a
-    diagnostic of the communication model alone, the prediction with the compute the link run itself
-    showed (the DiLoCo run's median step without a sync at that rate)."""
+def compare(
+    a: argparse.Namespace,
+    out: Path,
+    steps: dict[str, int],
+    rates: list[float],
+    compute: Compute,
+    intra: Optional[MeasuredIntra],
+) -> list:
+    """Per run and rate: predicted (fake-backend calibration and the timed shard group; `predicted_free_s`
+    with the shard group free) and measured mean step; and, as a diagnostic of the communication model
+    alone, the prediction with the compute the link run itself showed (the DiLoCo run's median step
+    without a sync at that rate, which already holds the shard group's collectives: free there)."""
     labels = {parse_rates(lab, "--rates")[0]: parse_label(lab) for lab in a.rates.split(",") if lab}
     rows = []
     for run, extra in RUNS.items():
@@ -142,11 +158,16 @@ def compare(a: argparse.Namespace, out: Path, steps: dict[str, int], rates: list
             measured = measured_mean(out / f"plan-{run}-{labels[bps]}", periodic)
             seen = plain_steps_median(out / f"plan-diloco-h8-int8-{labels[bps]}")
             row = {"run": run, "rate": rate_label(bps), "measured_s": measured}
-            for key, c in (("predicted_s", compute), ("with_link_run_compute_s", scaled(compute, seen))):
+            cases = (
+                ("predicted_s", compute, intra),
+                ("predicted_free_s", compute, None),
+                ("with_link_run_compute_s", scaled(compute, seen), None),
+            )
+            for key, c, timed_intra in cases:
                 if c is None:
                     row[key] = None
                     continue
-                pred = predict(w, Link(bps), c, cfg.run.steps)
+                pred = predict(w, Link(bps, intra_measured=timed_intra), c, cfg.run.steps)
                 row[key] = pred.period_step_time_s if periodic else pred.warmup_step_time_s
             row["ratio"] = row["predicted_s"] / measured if measured else None
             rows.append(row)
@@ -170,20 +191,24 @@ def parse_label(text: str) -> str:
 def table(report: dict) -> str:
     loads = report.get("load_average_1_5_15", {})
     c = report["calibration"]
+    intra = from_json(report["intra"]).source if report.get("intra") else "not timed (free)"
     lines = [
         f"calibration: {c['step_s']:.4f} s/step + {c['sync_s']:.4f} s per param sync ({c['source']})",
+        f"shard group: {intra}",
         "load average (1, 5, 15 min): " + "; ".join(f"{k}: {v}" for k, v in loads.items()),
         "",
         "| run | rate | predicted mean step | measured mean step | predicted / measured "
-        "| diagnostic: model with the link run's compute |",
-        "|---|---|---:|---:|---:|---:|",
+        "| shard group free: predicted (ratio) | diagnostic: model with the link run's compute |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     fmt = lambda x: f"{x:.3f} s" if x else "–"  # noqa: E731
     for r in report["rows"]:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "–"
+        free = r.get("predicted_free_s")
+        free_ratio = f" ({free / r['measured_s']:.2f})" if free and r["measured_s"] else ""
         lines.append(
             f"| {r['run']} | {r['rate']} | {fmt(r['predicted_s'])} | {fmt(r['measured_s'])} | {ratio} "
-            f"| {fmt(r['with_link_run_compute_s'])} |"
+            f"| {fmt(free)}{free_ratio} | {fmt(r['with_link_run_compute_s'])} |"
         )
     return "\n".join(lines)
 
