@@ -51,7 +51,9 @@ OVERRIDES = [
     "sync.every=8",
     "sync.method=diloco",
     "elastic.enabled=true",
-    "elastic.timeout_s=2",
+    # Not 2 s: re-forming the gloo group after the rejoin (connectFullMesh) took longer than 2 s on a box at
+    # load 6 and dropped that round on both replicas; nothing here dies, so detection speed is not tested.
+    "elastic.timeout_s=10",
     "elastic.partition_timeout_s=60",
 ]
 
