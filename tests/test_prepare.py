@@ -190,9 +190,12 @@ def test_interrupted_prepare_leaves_no_final_shard(corpus: Path, tmp_path: Path,
 def test_killed_prepare_leaves_no_final_shard(prepared: Path, tmp_path: Path) -> None:
     """kill -9 mid-encode: only a temporary name exists; the next run removes it and finishes."""
     big = tmp_path / "big.txt"
-    big.write_text(EOT.join(DOCS * 2) * 6000)  # ~10 MB: encoding takes a while on two cores
+    big.write_text(EOT.join(DOCS * 2) * 600)  # ~1 MB, encoded 256 KiB per batch: a shard is open after the first
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hsdp.prepare", str(big), "--out", str(out)]
+    # The command's own main with smaller encode batches (4 MiB by default, which would need a ~10 MB corpus to
+    # catch the shard open): what is tested, a kill leaving only a temporary name, does not depend on it.
+    main = "import sys, hsdp.prepare as p; p.BATCH_CHARS = 1 << 18; sys.exit(p.main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", main, str(big), "--out", str(out)]
     cmd += ["--tokenizer", str(prepared / "tokenizer.json")]
     env = {**os.environ, **QUIET_ENV}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE)
