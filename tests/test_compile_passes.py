@@ -46,6 +46,8 @@ def test_compiled_variant_computes_the_eager_run(scheduled, name: str) -> None:
     assert _rel(scheduled[name].losses, eager.losses) < 1e-5
     assert max_param_rel_err(scheduled[name].params(0), eager.params(0)) < 1e-5
     assert scheduled[name].summary["recompiles"] == 0
+    if name != "fsdp2":  # exact HSDP: one forward+backward graph pair (FSDP2 compiles each block on its own)
+        assert scheduled[name].summary["compile_graphs"] == 2
 
 
 def test_fsdp2_compiled_baseline_reports_its_compile(scheduled) -> None:

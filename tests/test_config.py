@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from hsdp.config.loader import from_dict, load_config, parse_override, save_conf
 from hsdp.config.schema import Config, ConfigError, ModelConfig, OptimConfig, RunConfig, to_dict
 from hsdp.config.validate import validate
 from hsdp.run.preflight import load_checked_config, preflight
-from tests.helpers import REPO
+from tests.helpers import REPO, RunResult, run_train
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 
@@ -228,15 +226,12 @@ def test_data_path_present_is_accepted(tmp_path):
 
 
 # ------------------------------------------------------------------ the CLI
-def _run_cli(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
-    out_dir = tmp_path / "out"
-    cmd = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--set", f"run.out_dir={out_dir}"]
-    for s in sets:
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)  # a hang guard only
+def _run_cli(tmp_path: Path, *sets: str) -> RunResult:
+    """`train.py --config configs/tiny.yaml --set …` (served by the suite's warm launcher: the same main)."""
+    result = run_train(tmp_path / "out", "cli", list(sets), config="configs/tiny.yaml", timeout=60, check=False)
     # no worker ran: nothing was written to the run directory
-    assert not out_dir.exists(), "a config error must fail before the run directory is created"
-    return proc
+    assert not result.run_dir.parent.exists(), "a config error must fail before the run directory is created"
+    return result
 
 
 @pytest.mark.parametrize(
