@@ -100,8 +100,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     tmp = tmp_path_factory.mktemp("llama")
     mesh = {"1x2": ["mesh.sync=1", "mesh.shard=2"], "2x2": ["mesh.sync=2", "mesh.shard=2"]}
     mesh["1x4"] = ["mesh.sync=1", "mesh.shard=4"]
-    out = {name: run_train(tmp, name, LLAMA + m) for name, m in mesh.items()}
-    out["2x2-ckpt"] = run_train(tmp, "2x2-ckpt", LLAMA + mesh["2x2"] + [f"run.checkpoint_every={STEPS}"])
+    # 2x2 saves a checkpoint at its end (the export test's); it is checked against the single process all the same
+    ckpt = {"2x2": [f"run.checkpoint_every={STEPS}"]}
+    out = {name: run_train(tmp, name, LLAMA + m + ckpt.get(name, [])) for name, m in mesh.items()}
     for engine in ("fsdp2", "ddp"):
         out[engine] = run_train(tmp, engine, LLAMA + mesh["2x2"] + [f"mesh.engine={engine}"])
     compiled = ["compile.enabled=true", "compile.passes=none"]  # the traced order; passes keep numerics (test_compile)
@@ -133,11 +134,10 @@ def test_other_engines_equal_hsdp(runs: dict[str, RunResult], other: str) -> Non
 
 
 def test_checkpoint_exports_the_trained_model(runs: dict[str, RunResult]) -> None:
-    run = runs["2x2-ckpt"]
+    run = runs["2x2"]
     checkpoint = next((run.run_dir / "checkpoints").glob("step_*"))
     state, _ = export(checkpoint)
     assert max_param_rel_err(state, run.params(0)) == 0.0
-    assert max_param_rel_err(state, runs["2x2"].params(0)) == 0.0  # checkpointing changed nothing
     model = GPT(load_config(None, LLAMA).model)
     model.load_state_dict(state)  # the names and shapes of the llama GPT
 

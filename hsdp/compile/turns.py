@@ -32,7 +32,12 @@ from hsdp.torch_compat import default_store
 class CompileTurns:
     """Orders the first call of each compiled graph among the ranks of `group` on this machine."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+    # How long a follower waits for the leader's compile. Not mesh.timeout_s, which bounds a collective: a
+    # cold compile took over 60 s on a loaded 2-core box (a test's mesh.timeout_s) and the follower failed.
+    # A leader that dies instead ends the job through the launcher, so this bounds only a compile that hangs.
+    COMPILE_WAIT_S = 3600.0
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float = COMPILE_WAIT_S) -> None:
         hosts: list[Optional[str]] = [None] * group.size()
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         me = group.rank()

@@ -65,8 +65,7 @@ class CompiledHSDPEngine(HSDPEngine):
         self.generated_code: list[str] = []  # inductor's output code of every graph compiled, in order
         self.clock = CompileClock()
         # One compile per machine: the shard group's first rank here compiles, the others load its graphs.
-        timeout = self.mesh.comm.timeout
-        self.turns = CompileTurns(groups["shard"], timeout.total_seconds() if timeout else 1800.0)
+        self.turns = CompileTurns(groups["shard"])
 
     @classmethod
     def config_kwargs(cls, cfg: Config) -> dict[str, Any]:
