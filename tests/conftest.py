@@ -16,7 +16,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
-# The suite's longest modules, longest first (wall time of each alone on the 2-core box). xdist's
+# The suite's longest modules, longest first (their tests' summed durations in a loaded CI-like run). xdist's
 # --dist loadfile hands out whole modules in collection order (pyproject's --no-loadscope-reorder:
 # xdist would otherwise start the modules with the most tests first, and a 5-minute module with
 # 14 tests last); starting the long ones first keeps one of them from being the run's tail.
@@ -24,17 +24,26 @@ LONGEST_FIRST = (
     "test_compile.py",
     "test_elastic.py",
     "test_compile_passes.py",
-    "test_elastic_faults.py",
-    "test_never_lose.py",
-    "test_slowlink.py",
-    "test_checkpoint.py",
-    "test_llama.py",
     "test_engine.py",
+    "test_never_lose.py",
+    "test_kernels.py",
+    "test_robustness.py",
+    "test_elastic_faults.py",
+    "test_checkpoint.py",
+    "test_slowlink.py",
     "test_compress.py",
-    "test_sparseloco.py",
     "test_measures.py",
-    "test_elastic_straggler.py",
+    "test_elastic_resume.py",
+    "test_sync.py",
+    "test_llama.py",
+    "test_sample.py",
     "test_elastic_heal.py",
+    "test_signals.py",
+    "test_config.py",
+    "test_sparseloco.py",
+    "test_data.py",
+    "test_plan.py",
+    "test_elastic_straggler.py",
 )
 
 
