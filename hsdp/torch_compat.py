@@ -20,6 +20,7 @@ import importlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -69,6 +70,8 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch.testing._internal.distributed.fake_pg:FakeStore", "registers mesh.backend=fake"),
     Api("torch.nn:Module", "a unit's param swapped for its gathered full tensor", instance_attr="_parameters"),
     Api("torch.autograd:Variable._execution_engine.queue_callback", "the end of backward: land pending reduces"),
+    Api("torchft.process_group:ProcessGroupGloo._create_pg", "the elastic gloo group's connect vs op timeouts"),
+    Api("torch.distributed:ProcessGroup._get_backend", "the elastic gloo group's op timeout, set after connect"),
     Api(
         "torchft.checkpointing.http_transport:HTTPTransport",
         "the heal server's port (the address a replica advertises) and its request handler (access log)",
@@ -268,3 +271,18 @@ _LAZY: tuple[tuple[tuple[str, ...], Callable[[], tuple[Any, ...]]], ...] = (
     (("FSDPAllGather", "FSDPReduceScatter"), _fsdp_comm_interfaces),
     (("DTensor", "Shard"), _dtensor_classes),
 )
+
+
+def elastic_gloo_group(connect_timeout: timedelta, op_timeout: timedelta) -> Any:
+    """torchft's reconfigurable gloo group whose re-forming after a quorum change (the store rendezvous and
+    gloo's full-mesh connect) may take `connect_timeout`, while each collective after it still fails after
+    `op_timeout` (failure detection). gloo has one timeout for both; it is set to the op bound once connected."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class _Gloo(ProcessGroupGloo):
+        def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
+            pg = super()._create_pg(store, rank, world_size)
+            pg._get_backend(torch.device("cpu")).set_timeout(op_timeout)
+            return pg
+
+    return _Gloo(timeout=connect_timeout)

@@ -11,6 +11,8 @@ from hsdp import torch_compat
 from hsdp.config.schema import Config
 from hsdp.sync.elastic.heal import HealState
 
+CONNECT_FACTOR = 6  # elastic.timeout_s multiples a quorum (and re-forming the group after it) may take
+
 
 def build_manager(
     cfg: Config, replica: int, shard_rank: int, shard: int, lighthouse: str, heal: HealState
@@ -18,7 +20,6 @@ def build_manager(
     """(torchft Manager, its gloo group) of shard rank `shard_rank` of replica `replica`, meeting the other
     replicas at `lighthouse`; `heal` is what it sends a peer that heals from it and loads when it heals."""
     from torchft.manager import Manager  # lazy: only elastic runs need torchft
-    from torchft.process_group import ProcessGroupGloo
 
     # torchft's checkpoint transport deserialises a peer's state from a read-only buffer, which torch warns
     # about on each heal; the tensors are copied into this replica's own buffers at once.
@@ -28,7 +29,10 @@ def build_manager(
     logging.getLogger("torchft.manager").addFilter(_drop_flight_recorder_notes)
 
     timeout = timedelta(seconds=cfg.elastic.timeout_s)
-    pg = ProcessGroupGloo(timeout=timeout)
+    # Re-forming the group after a quorum change waits for every member to reach it (one just healed, or
+    # resumed after a partition): at load 15 that took more than 10 s and dropped the round. So the connect
+    # gets CONNECT_FACTOR × elastic.timeout_s; a collective still fails after elastic.timeout_s.
+    pg = torch_compat.elastic_gloo_group(CONNECT_FACTOR * timeout, timeout)
     # Where the peers reach this replica (its manager, and its state for a peer that heals from it).
     host = "127.0.0.1" if not cfg.elastic.lighthouse else address_towards(cfg.elastic.lighthouse)
     manager = Manager(
@@ -40,7 +44,7 @@ def build_manager(
         init_sync=False,  # replicas start from the same seeded init: no copy at step 0
         timeout=timeout,
         # A quorum waits for the peers' next sync (up to sync.every steps away), not only for failures.
-        quorum_timeout=timedelta(seconds=max(cfg.mesh.timeout_s, 6 * cfg.elastic.timeout_s)),
+        quorum_timeout=timedelta(seconds=max(cfg.mesh.timeout_s, CONNECT_FACTOR * cfg.elastic.timeout_s)),
         connect_timeout=timeout,
         rank=shard_rank,
         world_size=shard,
