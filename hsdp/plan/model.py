@@ -190,7 +190,7 @@ class Timeline:
         if self.w.M == 1:
             return
         fragments = self.w.fragments()
-        messages = [m for f in due for u in fragments[f] for m in self.w.param_sync_messages(u)]
+        messages = self.w.round_sync_messages([u for f in due for u in fragments[f]])
         if self.w.sync.delay == 0:
             for m in messages:  # blocking: each collective is waited on before the next starts
                 self.t = self.inter(self.t, [m])

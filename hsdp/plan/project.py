@@ -57,7 +57,7 @@ def failure_cost(w: Workload, link: Link, compute: Compute, cfg: Config) -> Fail
         one_sync = sum(tl.inter_time(w.grad_sync_message(u)) for u in range(len(w.units)))
     else:
         one_sync = max(  # one round: the largest fragment's units
-            sum(tl.inter_time(m) for u in units for m in w.param_sync_messages(u)) for units in w.fragments()
+            sum(tl.inter_time(m) for m in w.round_sync_messages(units)) for units in w.fragments()
         )
     heal = state_bytes_per_rank(w)
     heal_s = cfg.elastic.restart_delay_s + w.S * heal * 8 * link.overhead / link.inter_bps + link.latency_s

@@ -4,7 +4,8 @@ of every collective, from the functions the engine counts with (docs/design.md Â
 Bytes are never re-derived here. A unit's held elements come from `hsdp.layout.plan_layout` (the
 engine's own dim-0 layout, padding included); a collective's bytes from `hsdp.comm.groups.ring_bytes_of`
 (what `Comm` counts); a codec's payload from the codec classes of `hsdp.sync.codec` (`fields`: the
-tensors it sends). Int8 sends its two fields as two all-gathers; int4 and top-k pack theirs into one.
+tensors it sends). The packed codecs (int8, int4, int2, top-k) pack a unit's fields into one payload, and a
+round's payloads (all units of the fragments due) into one all-gather (`round_sync_messages`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hsdp.comm.groups import ring_bytes_of
 from hsdp.config.schema import Config, SyncConfig
 from hsdp.layout import DTYPES, plan_layout
 from hsdp.model import GPT
-from hsdp.sync.codec import DenseLowBitCodec, Fp32Codec, Int8Codec, TopKCodec, build_codec
+from hsdp.sync.codec import DenseLowBitCodec, Fp32Codec, TopKCodec, build_codec
 from hsdp.sync.schedule import fragment_units
 
 
@@ -92,6 +93,14 @@ class Workload:
     def fragments(self) -> list[list[int]]:
         return fragment_units(len(self.units), self.sync.fragments)
 
+    def round_sync_messages(self, units: list[int]) -> list[Message]:
+        """The collectives of one param-sync round over `units`: the fp32 codec's all-reduce per unit, or a
+        packed codec's one all-gather of every unit's payload (hsdp/sync/codec.py `send_round`)."""
+        messages = [m for u in units for m in self.param_sync_messages(u)]
+        if messages and all(m.op == "all_gather" for m in messages):
+            return [Message("all_gather", sum(m.nbytes for m in messages))]
+        return messages
+
     def fragment_sync_bytes(self, f: int) -> int:
         if self.M == 1:
             return 0
@@ -110,9 +119,6 @@ def codec_messages(sync: SyncConfig, n: int, M: int) -> list[Message]:
     codec = build_codec(sync)
     if isinstance(codec, Fp32Codec):
         return [Message("all_reduce", ring_bytes_of("all_reduce", M, 4 * n))]
-    if isinstance(codec, Int8Codec):  # values and scales, one all-gather each (Int8Codec.start)
-        fields = DenseLowBitCodec("int8", codec.block).values.fields(n)
-        return [Message("all_gather", ring_bytes_of("all_gather", M, f.nbytes)) for f in fields]
     if isinstance(codec, DenseLowBitCodec):
         fields = codec.values.fields(n)
     elif isinstance(codec, TopKCodec):

@@ -2,7 +2,7 @@
 
 schedule.py   when (warmup grad sync, every H, fragments, delay τ)
 outer.py      what θ_g does with the mean Δ (average / DiLoCo outer step)
-codec.py      how Δ travels (fp32 all-reduce; int8, int4, top-k all-gather)
+codec.py      how Δ travels (fp32 all-reduce per unit; int8, int4, int2, top-k: one all-gather per round)
 policy.py     the policy combining them (one round: start → land → apply), resume rules and NoSync
 state.py      its state (θ_g, b, e, syncs in flight) as one object with one state_dict
 membership.py this rank's place among the replicas (mesh, join, per-step duties; local or elastic)

@@ -3,7 +3,7 @@ replicas' mean (docs/design.md §2.5). n = the unit's held elements, M = replica
 
     codec                          collective            bytes one rank sends
     none   fp32                    all-reduce (sum) ÷ M  2(M−1)/M · 4n
-    int8   8-bit + fp32 scale/B    all-gather ×2         (M−1)·(n + 4⌈n/B⌉)
+    int8   8-bit + fp32 scale/B    all-gather (packed)   (M−1)·(n + 4⌈n/B⌉)
     int4   4-bit (2/byte) + scale  all-gather (packed)   (M−1)·(⌈n/2⌉ + 4⌈n/B⌉)
     int2   2-bit (4/byte) + 2 fp32 levels/B  (packed)    (M−1)·(⌈n/4⌉ + 8⌈n/B⌉)
     top-k  per chunk of C: the k = ⌈ρC⌉ largest |x| as (index within the chunk, value), ties to
@@ -22,6 +22,15 @@ e_m ← e_m − D(C(e_m)), what it did not get across.
 
 A reduction is started (`start`, possibly async) and finished (`finish`: waited, the mean written
 into `red.delta`); what the codec keeps alive between the two lives in the `Reduction`.
+
+Messages per round. The fp32 codec all-reduces each unit on its own (one all-reduce per unit: bucketing
+them would change the order of an M ≥ 3 sum). The packed codecs (int8, int4, int2, top-k) split a start
+in two: `encode` (the unit's payload bytes, the residual updated) and the round's `send_round`, which
+concatenates the payloads of every unit of every fragment due in the round (in start order) and sends
+them as ONE all-gather; each unit's reduction keeps where its bytes sit in every replica's row and
+decodes only those (`finish`, per unit, as before). The bytes on the wire are the sum of the units'
+formulas above, to the byte; only the message count changes (one per round instead of one per unit:
+on a slow link each message pays the link's and gloo's latency). `start` is `encode` + a round of one.
 """
 
 from __future__ import annotations
@@ -49,6 +58,25 @@ from kernels.topk import (
 )
 
 
+class RoundGather:
+    """One round's packed payloads, all-gathered as one message: each replica's row is its units' payloads
+    concatenated in start order. Holds both buffers until the wait; the rows are read once."""
+
+    def __init__(self, payload: torch.Tensor, transport: Transport, async_op: bool) -> None:
+        self.payload = payload
+        self.gathered = torch.empty(transport.size * payload.numel(), dtype=torch.uint8, device=payload.device)
+        self.work = transport.all_gather(self.gathered, payload, async_op)
+        self._rows: Optional[torch.Tensor] = None
+
+    def rows(self, transport: Transport) -> torch.Tensor:
+        """The contributing replicas' rows, [M, row bytes] (after the wait)."""
+        if self._rows is None:
+            self.work.wait()
+            self._rows = transport.contributed_rows(self.gathered)
+            self.payload = None
+        return self._rows
+
+
 @dataclass
 class Reduction:
     """One unit's Δ on its way to the replicas' mean: started, then finished (waited, averaged)."""
@@ -57,17 +85,52 @@ class Reduction:
     works: list[Work] = field(default_factory=list)
     buffers: tuple[torch.Tensor, ...] = ()  # what the codec must keep alive until the wait
     done: bool = False
+    payload: Optional[torch.Tensor] = None  # a packed codec's encoded bytes (uint8) until its round is sent
+    gather: Optional[RoundGather] = None  # the round's one all-gather that carries them (send_round)
+    at: int = 0  # where this unit's bytes start in each replica's row of it
+    nbytes: int = 0  # how many they are
 
 
 class Codec(Protocol):
     lossless: bool  # whether the mean it returns is the exact fp32 mean
+    packed: bool  # whether it has `encode`: its payloads travel in the round's one all-gather (send_round)
 
     def start(
         self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
     ) -> Reduction:
-        """Send Δ_m (+ e_m, updated in place, when `error` is given)."""
+        """Send Δ_m (+ e_m, updated in place, when `error` is given): one unit as a round of its own."""
 
     def finish(self, red: Reduction, transport: Transport) -> None: ...
+
+
+def send_round(reds: list[Reduction], transport: Transport, async_op: bool) -> None:
+    """Send a round's encoded payloads (`reds` in start order) as one all-gather of their concatenation;
+    each reduction learns where its bytes are in every replica's row."""
+    if not reds:
+        return
+    gather = RoundGather(torch.cat([r.payload for r in reds]), transport, async_op)
+    at = 0
+    for r in reds:
+        r.gather, r.at, r.nbytes = gather, at, r.payload.numel()
+        r.works, r.payload = [gather.work], None  # every unit of the round waits on the same message
+        at += r.nbytes
+
+
+class _PackedCodec:
+    """What the packed codecs share: `start` = `encode` + a round of one (`send_round`)."""
+
+    lossless = False
+    packed = True
+
+    def encode(self, delta: torch.Tensor, error: Optional[torch.Tensor] = None) -> Reduction:
+        raise NotImplementedError
+
+    def start(
+        self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
+    ) -> Reduction:
+        red = self.encode(delta, error)
+        send_round([red], transport, async_op)
+        return red
 
 
 def _accumulate(delta: torch.Tensor, error: Optional[torch.Tensor], decay: float) -> torch.Tensor:
@@ -87,9 +150,10 @@ def _wait(red: Reduction) -> None:
 
 
 class Fp32Codec:
-    """Δ_m as it is: one in-place fp32 all-reduce (sum), then ÷ M."""
+    """Δ_m as it is: one in-place fp32 all-reduce (sum) per unit, then ÷ M."""
 
     lossless = True
+    packed = False
 
     def start(
         self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
@@ -102,38 +166,6 @@ class Fp32Codec:
         _wait(red)
         red.delta.div_(len(transport.contributors))  # the parts that count (the transport says which)
         red.done = True
-
-
-class Int8Codec:
-    """Δ_m as int8 values and one fp32 scale per block; every replica's pair is all-gathered."""
-
-    lossless = False
-
-    def __init__(self, block: int, decay: float = 1.0) -> None:
-        self.block, self.decay = block, decay
-
-    def start(
-        self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
-    ) -> Reduction:
-        x = _accumulate(delta, error, self.decay)
-        q, scales = quantize_int8(x, self.block)
-        if error is not None:  # e ← x − D(C(x))
-            dequantize_mean(q.view(1, -1), scales.view(1, -1), self.block, error)
-            torch.sub(x, error, out=error)
-        M = transport.size
-        q_all = torch.empty(M * q.numel(), dtype=torch.int8, device=q.device)
-        s_all = torch.empty(M * scales.numel(), dtype=torch.float32, device=q.device)
-        works = [transport.all_gather(q_all, q, async_op), transport.all_gather(s_all, scales, async_op)]
-        return Reduction(delta, works, (q, scales, q_all, s_all))
-
-    def finish(self, red: Reduction, transport: Transport) -> None:
-        if red.done:
-            return
-        _wait(red)
-        _, _, q_all, s_all = red.buffers
-        q, scales = transport.contributed_rows(q_all), transport.contributed_rows(s_all)
-        dequantize_mean(q, scales, self.block, red.delta)
-        red.buffers, red.done = (), True
 
 
 # ---------------------------------------------------------------- packed payloads (int4, top-k)
@@ -166,17 +198,11 @@ def _unpack(buf: torch.Tensor, fields: list[_Field]) -> list[torch.Tensor]:
     return out
 
 
-def _start_gather(delta: torch.Tensor, parts: list[torch.Tensor], transport: Transport, async_op: bool) -> Reduction:
-    """All-gather this replica's parts as one packed byte buffer; the reduction keeps both buffers alive."""
-    payload = _pack(parts)
-    gathered = torch.empty(transport.size * payload.numel(), dtype=torch.uint8, device=payload.device)
-    return Reduction(delta, [transport.all_gather(gathered, payload, async_op)], (payload, gathered))
-
-
 def _finish_gather(red: Reduction, transport: Transport) -> tuple[int, int, torch.Tensor]:
-    """Wait for a packed all-gather: (M, the unit's n, the M contributing replicas' bytes as [M, payload] rows)."""
-    _wait(red)
-    rows = transport.contributed_rows(red.buffers[1])
+    """Wait for the round's all-gather: (M, the unit's n, the M contributing replicas' bytes of this unit as
+    [M, payload] rows: columns of the round's rows)."""
+    red.works = []  # the round's one message: RoundGather waits for it once
+    rows = red.gather.rows(transport)[:, red.at : red.at + red.nbytes]
     return rows.shape[0], red.delta.numel(), rows
 
 
@@ -222,23 +248,19 @@ class _Values:
         self.decode_mean([p.view(1, -1) for p in parts], 1, out)
 
 
-class DenseLowBitCodec:
-    """int4 / int2: Δ_m as packed 4- or 2-bit values + their block scales or tables, one all-gather."""
-
-    lossless = False
+class DenseLowBitCodec(_PackedCodec):
+    """int8 / int4 / int2: Δ_m as 8-bit values, or packed 4- or 2-bit ones, + their block scales or tables."""
 
     def __init__(self, quantize: str, block: int, decay: float = 1.0) -> None:
         self.values, self.decay = _Values(quantize, block), decay
 
-    def start(
-        self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
-    ) -> Reduction:
+    def encode(self, delta: torch.Tensor, error: Optional[torch.Tensor] = None) -> Reduction:
         x = _accumulate(delta, error, self.decay)
         parts = self.values.encode(x)
         if error is not None:  # e ← x − D(C(x))
             self.values.decode(parts, error)
             torch.sub(x, error, out=error)
-        return _start_gather(delta, parts, transport, async_op)
+        return Reduction(delta, payload=_pack(parts))
 
     def finish(self, red: Reduction, transport: Transport) -> None:
         if red.done:
@@ -248,14 +270,12 @@ class DenseLowBitCodec:
         per_replica = [_unpack(rows[m], fields) for m in range(M)]
         stacked = [torch.stack([parts[i] for parts in per_replica]) for i in range(len(fields))]
         self.values.decode_mean(stacked, M, red.delta)
-        red.buffers, red.done = (), True
+        red.buffers, red.gather, red.done = (), None, True
 
 
-class TopKCodec:
+class TopKCodec(_PackedCodec):
     """Per chunk, the ⌈density·chunk⌉ largest |x| as (bit-packed index within the chunk, value); values
     dense-coded. The mean divides each coordinate by M (`mean="all"`) or by the replicas that sent it."""
-
-    lossless = False
 
     def __init__(
         self, density: float, chunk: int, quantize: str, block: int, decay: float = 1.0, mean: str = "all"
@@ -272,9 +292,7 @@ class TopKCodec:
         c = self.selected(n)
         return [_Field(torch.uint8, packed_nbytes(c, self.bits)), *self.values.fields(c)]
 
-    def start(
-        self, delta: torch.Tensor, transport: Transport, async_op: bool, error: Optional[torch.Tensor] = None
-    ) -> Reduction:
+    def encode(self, delta: torch.Tensor, error: Optional[torch.Tensor] = None) -> Reduction:
         if error is None:
             idx, vals = topk_select(delta, self.chunk, self.k)
         else:  # error ← (β·e + Δ) with the selected positions zeroed
@@ -286,7 +304,7 @@ class TopKCodec:
             decoded = torch.empty_like(vals)
             self.values.decode(parts, decoded)
             scatter_add_chunks(idx, vals - decoded, self.chunk, self.k, error)
-        return _start_gather(delta, [pack_bits(idx, self.bits), *parts], transport, async_op)
+        return Reduction(delta, payload=_pack([pack_bits(idx, self.bits), *parts]))
 
     def finish(self, red: Reduction, transport: Transport) -> None:
         if red.done:
@@ -315,7 +333,7 @@ class TopKCodec:
             red.delta.div_(M)
         else:  # a coordinate nobody sent is 0 / 1 = 0
             red.delta.div_(senders.clamp_(min=1.0))
-        red.buffers, red.done = (), True
+        red.buffers, red.gather, red.done = (), None, True
 
 
 def build_codec(cfg: SyncConfig) -> Codec:
@@ -323,9 +341,7 @@ def build_codec(cfg: SyncConfig) -> Codec:
     decay = cfg.error_feedback_decay
     if cfg.topk > 0:
         return TopKCodec(cfg.topk, cfg.topk_chunk, cfg.quantize, cfg.quant_block, decay, cfg.topk_mean)
-    if cfg.quantize == "int8":
-        return Int8Codec(cfg.quant_block, decay)
-    if cfg.quantize in ("int4", "int2"):
+    if cfg.quantize in ("int8", "int4", "int2"):
         return DenseLowBitCodec(cfg.quantize, cfg.quant_block, decay)
     return Fp32Codec()
 

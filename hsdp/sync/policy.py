@@ -4,7 +4,7 @@ It combines the pieces of this package (docs/design.md §2):
 
     schedule.py    when: warmup grad sync, every H steps, fragments, delay τ
     outer.py       what θ_g does with the mean Δ (average / DiLoCo)
-    codec.py       how Δ travels (fp32, int8, int4, top-k ± error feedback)
+    codec.py       how Δ travels (fp32, int8, int4, int2, top-k ± error feedback)
     transport      over what: the mesh's (hsdp/comm/transport.py; the c10d sync group, or torchft's)
 
 Param sync of a fragment, per unit's held shard θ_m (fp32):
@@ -12,8 +12,9 @@ Param sync of a fragment, per unit's held shard θ_m (fp32):
     with θ_g:          Δ_m = θ_g − θ_m → codec → mean Δ → outer step → θ_m ← θ_g
 
 One param-sync path, a round of the transport (`start_due` → `land`): after the
-update of step s the due fragments' syncs `start` (each unit's Δ_m = θ_g − θ_m, or
-θ_m itself for plain average, goes into the codec: async when τ > 0); after the
+update of step s the due fragments' syncs start (`start_round`: each unit's Δ_m =
+θ_g − θ_m, or θ_m itself for plain average, goes into the codec, async when τ > 0; a
+lossy codec's payloads of all the round's units leave in one all-gather); after the
 update of step s+τ the round lands: every reduction is finished (waited, mean),
 the transport says whether the round committed, and only then each unit's `apply`
 (outer step → new θ_g, θ_m ← α·θ_m + (1 − α)·θ_g). τ = 0 is the special case that
@@ -40,7 +41,7 @@ import torch
 
 from hsdp.comm.transport import Transport
 from hsdp.config.schema import ConfigError, SyncConfig
-from hsdp.sync.codec import Codec, Reduction, build_codec
+from hsdp.sync.codec import Codec, Reduction, build_codec, send_round
 from hsdp.sync.outer import OuterOptimizer
 from hsdp.sync.schedule import fragment_units, fragments_due, grad_sync_due, uses_global_copy
 from hsdp.sync.state import REPLICA_BUFFERS, OuterState, PendingSync, SyncState
@@ -183,7 +184,7 @@ class SyncPolicy:
             return False
         if not joined:
             self.transport.begin_round()
-        started = [self.start(f, step) for f in due]
+        started = self.start_round(due, step)
         if self.delay == 0:
             self.land(started)
         return True
@@ -214,11 +215,21 @@ class SyncPolicy:
 
     # ------------------------------------------------------------ one param sync: start → land (finish, commit) → apply
     @torch.no_grad()
+    def start_round(self, due: list[int], step: int) -> list[PendingSync]:
+        """Start the due fragments' reductions (async when τ > 0); their syncs land after step + τ. A packed
+        codec's payloads (every unit of every due fragment, in order) leave in one all-gather (send_round);
+        the fp32 codec's all-reduces have started per unit."""
+        syncs = [
+            PendingSync(f, step, step + self.delay, [self.start_reduction(u) for u in self.fragments[f]]) for f in due
+        ]
+        if self.codec.packed:
+            send_round([red for sync in syncs for red in sync.reductions], self.transport, self.delay > 0)
+        self.state.in_flight.extend(syncs)
+        return syncs
+
     def start(self, f: int, step: int) -> PendingSync:
-        """Start fragment f's reductions (async when τ > 0); the sync lands after step + τ."""
-        sync = PendingSync(f, step, step + self.delay, [self.start_reduction(u) for u in self.fragments[f]])
-        self.state.in_flight.append(sync)
-        return sync
+        """Fragment f's sync alone, as a round of its own."""
+        return self.start_round([f], step)[0]
 
     @torch.no_grad()
     def land(self, syncs: list[PendingSync]) -> None:
@@ -238,19 +249,23 @@ class SyncPolicy:
         self.dropped += not commit
 
     def start_reduction(self, u: int) -> Reduction:
-        """Unit u's part of a round, started through the codec: Δ_m = θ_g − θ_m, or without θ_g (plain
-        average, τ = 0) θ_m itself, reduced in place unless a round may fail (then a copy, which a drop
-        discards)."""
+        """Unit u's part of a round, through the codec: Δ_m = θ_g − θ_m, or without θ_g (plain average,
+        τ = 0) θ_m itself, reduced in place unless a round may fail (then a copy, which a drop discards).
+        A packed codec only encodes it here (start_round sends the round's payloads together)."""
         held = self.held[u]
-        async_op = self.delay > 0
         if not self.uses_global:
-            target = held.clone() if self.transport.may_fail else held
-            return self.codec.start(target, self.transport, async_op)
+            return self.codec_start(held.clone() if self.transport.may_fail else held)
         delta = torch.empty_like(held)
         compute_delta(self.state.outer[u].global_params, held, delta)
         error = self.state.error_of(u) if self.cfg.error_feedback else None
         self.keep_residual(u)
-        return self.codec.start(delta, self.transport, async_op, error=error)
+        return self.codec_start(delta, error)
+
+    def codec_start(self, x: torch.Tensor, error: Optional[torch.Tensor] = None) -> Reduction:
+        """A packed codec's encode (sent with the round), or the fp32 codec's all-reduce, started now."""
+        if self.codec.packed:
+            return self.codec.encode(x, error)
+        return self.codec.start(x, self.transport, self.delay > 0, error=error)
 
     # ---- error feedback on a transport that may fail (elastic, docs/design.md §11): a residual changes only
     # in a round that committed and counted this replica's part; otherwise it is put back as it was.
