@@ -343,7 +343,7 @@ def test_kill9_of_a_sweep_leaves_no_run_alive(tmp_path: Path) -> None:
     metrics = tmp_path / "runs" / "s-a" / "metrics.jsonl"
     proc = subprocess.Popen(sweep_cmd(spec), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240  # a hang guard: at load 15 the sweep's run took > 120 s to log step 2
         while last_logged_step(metrics) < 2:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)

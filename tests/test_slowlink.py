@@ -143,7 +143,7 @@ def test_smoke_run_through_shaped_link(tmp_path, removes_leftovers):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     removes_leftovers.append(f"{netns.PREFIX}{proc.pid}")  # (a pid prefix: only its own names match)
     try:
-        out, _ = proc.communicate(timeout=150)
+        out, _ = proc.communicate(timeout=300)  # the hang guard: two runs of at most --timeout-s 120 each
     finally:
         if proc.poll() is None:
             proc.terminate()  # its handler removes the namespaces; the fixture makes sure
