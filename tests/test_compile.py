@@ -26,12 +26,11 @@ STEPS = 10
 # lr-sized param differences that depend on the CPU's vector width (2e-5 of a tensor's max on one AMD CPU,
 # under 1e-5 on another). The compiled graph computes the grads; the optimizer is the same torch code in both.
 SGD = ["optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.3", "optim.min_lr=0.03"]
-COMPILED = ["compile.enabled=true", "compile.passes=none"]
 DILOCO = ["sync.warmup_steps=3", "sync.every=4", "sync.method=diloco", "run.steps=15", "mesh.sync=2", "mesh.shard=2"]
 UNITS_NEEDING_WEIGHTS = 2 + 1  # SMALL's blocks and the head; the embedding's backward needs only the ids
 
 
-def _pair(tmp: Path, name: str, overrides: list[str], compiled: list[str] = COMPILED) -> tuple[RunResult, RunResult]:
+def _pair(tmp: Path, name: str, overrides: list[str], compiled: list[str]) -> tuple[RunResult, RunResult]:
     eager = run_train(tmp, f"{name}-eager", overrides)
     compiled = run_train(tmp, f"{name}-compiled", overrides + compiled, timeout=900)
     return eager, compiled
@@ -44,17 +43,22 @@ ACCUM = "optim.grad_accum=2"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult, RunResult]]:
-    """(eager, compiled) pairs; compile.passes=none unless the name says otherwise."""
+    """(eager, compiled) pairs, each compiled with another scheduling: our passes at prefetch 2 and 1,
+    inductor's passes (the ablation). compile.passes=none (the traced order) is tests/test_llama.py's compiled
+    run; our passes with buckets at prefetch 0 are tests/test_compile_passes.py's."""
     tmp = tmp_path_factory.mktemp("compile")
-    # The 1x2 fp32 job compiled with each scheduling pass is tests/test_compile_passes.py's (passes=none here
-    # in the runs below, which cover a shard group of 4 and a sync group).
     return {
         # A shard group of 4 with gradient accumulation (one compile for both): non-final micro-steps
         # reduce nothing (the interface's set_reduce_grads).
         "1x4-accum": _pair(
-            tmp, "1x4-accum", SMALL + SGD + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=4", ACCUM]
+            tmp,
+            "1x4-accum",
+            SMALL + SGD + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=4", ACCUM],
+            compiled=["compile.enabled=true", "compile.passes=ours", "compile.prefetch=2"],
         ),
-        "2x2-diloco": _pair(tmp, "diloco", SMALL + SGD + DILOCO),
+        "2x2-diloco": _pair(
+            tmp, "diloco", SMALL + SGD + DILOCO, compiled=["compile.enabled=true", "compile.passes=inductor"]
+        ),
         # bf16 runs with our passes (prefetch 1): the passes do not change numerics (checked below in fp32).
         "1x2-bf16": _pair(
             tmp, "bf16", BASE + BF16, compiled=["compile.enabled=true", "compile.passes=ours", "compile.prefetch=1"]
@@ -65,7 +69,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult,
 @pytest.fixture(scope="module")
 def triton_kernels(runs, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """The compiled 1x2-bf16 run again with kernels.backend=triton: its graph's pack and reduction ops run
-    the Triton kernels (the interpreter here: tests/conftest.py sets TRITON_INTERPRET=1)."""
+    the Triton kernels (the interpreter here: tests/conftest.py sets TRITON_INTERPRET=1). The kernel backend
+    is not part of the graph, so this is also a warm compile of that job, loaded from inductor's caches
+    (tests/conftest.py gives the suite its own cache folder, so the bf16 run compiled cold)."""
     overrides = BASE + BF16 + ["compile.enabled=true", "compile.passes=ours", "compile.prefetch=1"]
     return run_train(tmp_path_factory.mktemp("triton"), "bf16-triton", overrides + ["kernels.backend=triton"])
 
@@ -78,7 +84,8 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 @pytest.mark.parametrize("case", ["1x4-accum", "2x2-diloco"])
 def test_compiled_equals_eager_fp32(runs, case: str) -> None:
-    """Per-step losses and every replica's final params agree to 1e-5 relative."""
+    """Per-step losses and every replica's final params agree to 1e-5 relative: reordering collectives (our
+    passes, inductor's) changes nothing computed."""
     eager, compiled = runs[case]
     assert _rel(compiled.losses, eager.losses) < 1e-5
     for m in range(2 if case == "2x2-diloco" else 1):
@@ -141,10 +148,11 @@ def test_release_in_the_compiled_graphs(runs, case: str) -> None:
         assert sorted(g["all_reduces"] for g in backwards) == [0, UNITS_NEEDING_WEIGHTS + 1]
 
 
-def test_generated_code_keeps_our_prefetch(runs) -> None:
-    """In inductor's generated forward code of the bf16 run (prefetch 1), compute runs with up to one gather in
-    flight and reaches one; at most two units' full params alive at once (tests/test_compile_passes.py: k = 0, 2)."""
-    assert_prefetch(runs["1x2-bf16"][1], 1)
+@pytest.mark.parametrize("case,k", [("1x2-bf16", 1), ("1x4-accum", 2)])
+def test_generated_code_keeps_our_prefetch(runs, case: str, k: int) -> None:
+    """compile.prefetch=k: in inductor's generated forward code compute runs with up to k gathers in flight and
+    reaches k; at most k+1 units' full params alive at once (tests/test_compile_passes.py: k = 0)."""
+    assert_prefetch(runs[case][1], k)
 
 
 def test_generated_backward_waits_reduce_scatters_late(runs) -> None:
@@ -179,3 +187,17 @@ def test_kernels_in_the_compiled_graph(runs, triton_kernels) -> None:
     assert params.keys() == ref_params.keys()
     for name in params:
         assert torch.equal(params[name], ref_params[name]), name
+
+
+def test_warm_compile_loads_the_same_graphs(runs, triton_kernels) -> None:
+    """A second run of the same job loads both graphs from inductor's caches: nothing compiled, the census
+    (bytes) from its sidecar, and the same generated code, schedule, bytes and losses, bit for bit."""
+    cold, warm = runs["1x2-bf16"][1], triton_kernels
+    assert cold.summary["compile_cache_hits"] == 0 and warm.summary["compile_cache_hits"] == 2
+    assert warm.summary["compiled"] == cold.summary["compiled"] and warm.summary["recompiles"] == 0
+    assert warm.losses == cold.losses
+    assert [(m["shard_bytes"], m["sync_bytes"]) for m in warm.metrics] == [
+        (m["shard_bytes"], m["sync_bytes"]) for m in cold.metrics
+    ]
+    for name in ["schedule.txt", "compiled/graph0.py", "compiled/graph1.py"]:
+        assert (warm.run_dir / name).read_text() == (cold.run_dir / name).read_text(), name
