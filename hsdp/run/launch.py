@@ -318,8 +318,9 @@ def start_zygote(worker: Worker, compiled: bool = False) -> Zygote:
     """This process's zygote (started on first use): it has imported torch and the worker's module, and forks workers.
 
     Spawning would import them again in every worker (~2 s of CPU each: on a 2-core box a
-    4-rank run spent ~8 s of an 11 s, 3-step job starting up). The zygote is a fresh
-    interpreter (no thread or CUDA state of ours), started once per launcher process and
+    4-rank run spent ~8 s of an 11 s, 3-step job starting up). The zygote is this process forked
+    when that is clean (CPU torch, no other Python thread), else a fresh interpreter (no thread or
+    CUDA state of ours: hsdp.run.zygote.can_fork_launcher); it is started once per launcher process and
     reused by later launches, including those of processes forked from this one (the test
     suite's warm launcher); it exits with the launcher (hsdp.run.zygote). `compiled`: it also
     prepares torch.compile once for all ranks (hsdp.compile.prewarm).
