@@ -310,11 +310,15 @@ def synthetic_tokens(vocab: int, seed: int, n: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     successors = rng.integers(0, vocab, size=(vocab, 4))
     choice = rng.integers(0, 4, size=n)
-    out = np.empty(n, dtype=np.uint16)
-    out[0] = 0
-    for i in range(1, n):  # 1M steps of numpy scalar work, ~0.5 s
-        out[i] = successors[out[i - 1], choice[i]]
-    return out
+    # A chain is sequential, so this is a Python loop; over plain ints it is ~4x faster than over numpy
+    # scalars (0.1 s instead of 0.45 s for 1M tokens, paid by every worker of every synthetic run).
+    flat = successors.ravel().tolist()  # successor c of token x at 4x + c
+    out = [0] * n
+    x = 0
+    for i, c in enumerate(choice[1:].tolist(), 1):
+        x = flat[4 * x + c]
+        out[i] = x
+    return np.array(out, dtype=np.uint16)
 
 
 class TokenStream:
