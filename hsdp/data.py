@@ -33,15 +33,23 @@ SHARDS = "{split}_[0-9][0-9][0-9][0-9][0-9][0-9].bin"  # hsdp.prepare's numbered
 
 
 def stdlib_files() -> list[Path]:
-    """The running interpreter's stdlib .py files, in a fixed (sorted) order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    """The running interpreter's stdlib .py files (none under site-packages), sorted by their path in it.
+
+    os.walk over strings, not Path.rglob: ~10x faster, and every worker of a stdlib run lists them."""
+    root = sysconfig.get_paths()["stdlib"]
+    names = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d != "site-packages"]
+        rel = os.path.relpath(folder, root).replace(os.sep, "/")
+        names += [f if rel == "." else f"{rel}/{f}" for f in files if f.endswith(".py")]
+    return [Path(root, name) for name in sorted(names)]
 
 
 def _bytes_of(files: list[Path]) -> np.ndarray:
-    chunks = [np.frombuffer(f.read_bytes(), dtype=np.uint8) for f in files]
-    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
+    data = bytearray()
+    for f in files:
+        data += f.read_bytes()
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 def _split_files(files: list[Path], val_fraction: float) -> tuple[list[Path], list[Path]]:

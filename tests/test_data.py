@@ -353,6 +353,15 @@ def test_synthetic_tokens_are_the_seeded_chain(vocab: int, seed: int, n: int) ->
     assert got.dtype == np.uint16 and np.array_equal(got, want)
 
 
+def test_stdlib_files_are_the_sorted_py_files_outside_site_packages() -> None:
+    """The fast listing (os.walk) names the files Path.rglob finds, in the order of their path in the stdlib."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    want = sorted(
+        (p for p in root.rglob("*.py") if "site-packages" not in p.parts), key=lambda p: p.relative_to(root).as_posix()
+    )
+    assert stdlib_files() == want and len(want) > 100
+
+
 def test_too_short_corpus_is_an_error():
     with pytest.raises(ValueError):
         TokenStream(np.arange(8, dtype=np.uint16), seq_len=8, seed=0)  # needs seq_len + 1 tokens
