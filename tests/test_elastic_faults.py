@@ -9,6 +9,7 @@ the steps the replicas log, not by time, and every check counts events (steps lo
 from __future__ import annotations
 
 import json
+import re
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -101,6 +102,12 @@ def _runs_of(values: list) -> list:
     return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 
 
+def _dropped_rounds(logs: Path, replica: int) -> dict[int, str]:
+    """Round number → why, for each "elastic: sync round N dropped (why)" line a replica's processes wrote."""
+    text = "".join(p.read_text(errors="replace") for p in sorted(logs.glob(f"*.node{replica}*.log")))
+    return {int(n): why for n, why in re.findall(r"elastic: sync round (\d+) dropped \((.*)\)", text)}
+
+
 @needs_netns
 def test_a_cut_replica_rejoins_and_a_restarted_lighthouse_lets_the_run_finish(tmp_path: Path) -> None:
     """Replica 1's link is cut: replica 0 logs every step through the cut with quorum 1; the cut-off replica
@@ -143,9 +150,17 @@ def test_a_cut_replica_rejoins_and_a_restarted_lighthouse_lets_the_run_finish(tm
     assert summary["rejoins"] == {"0": 0, "1": 1} and summary["replica_failures"] == 0, summary
     s0 = json.loads((run_dir / "summary.replica0.json").read_text())
     assert summary["survivor_touched_rounds"] == s0["elastic_touched_rounds"]  # the cut-off replica is no survivor
-    # every sync of the schedule held by replica 0, none dropped (the cut fell between rounds)
+    # every sync of the schedule held by replica 0; none dropped by the faults (the cut fell between rounds).
+    # A round is also dropped, whole and on every replica, when one of its collectives passes elastic.timeout_s
+    # (5 s here): on a loaded box that is the bound doing its job, not a fault's effect, so such drops are
+    # allowed when both replicas logged the same rounds as dropped, each for a timeout on one of them (the
+    # other may only learn that its peer failed).
     assert [r["step"] for r in r0 if r["synced"]] == [s for s in range(STEPS) if fragments_due(s, cfg.sync)]
-    assert summary["dropped_syncs"] == {"0": 0, "1": 0}, summary
+    drops = {m: _dropped_rounds(tmp_path / "logs", m) for m in (0, 1)}
+    assert summary["dropped_syncs"] == {str(m): len(d) for m, d in drops.items()}, (summary["dropped_syncs"], logs)
+    assert drops[0].keys() == drops[1].keys(), (drops, logs)
+    timed_out = [any(re.search(r"timed? ?out", drops[m][n], re.I) for m in (0, 1)) for n in drops[0]]
+    assert all(timed_out), (drops, logs)
     a, b = torch.load(run_dir / "model.replica0.pt"), torch.load(run_dir / "model.replica1.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
