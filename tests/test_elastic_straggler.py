@@ -196,7 +196,11 @@ STEPS, EVERY = 40, 8
 SLOW_RUN = [
     *SMALL,
     "elastic.enabled=true",
-    "elastic.timeout_s=2",
+    # Not 2 s: in the first round replica 0's contributor all-gather waits out replica 1's whole first period
+    # (no pace known yet). A full-suite run once ended with sync_rounds 7 on replica 0 and 6 on replica 1, as a
+    # round that timed out on replica 0's side and was held again would (not reproduced alone or beside four
+    # busy loops). Nothing fails here, so detection speed is not tested; the bound under test is round_timeout_s.
+    "elastic.timeout_s=30",
     "elastic.round_timeout_s=0.3",
     "mesh.sync=2",
     "mesh.shard=1",
