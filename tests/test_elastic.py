@@ -388,6 +388,9 @@ class _ScriptedManager:
     def errored(self) -> None:
         return None
 
+    def current_step(self) -> int:
+        return self.i
+
     def should_commit(self) -> bool:
         self.clock.now += self.round_s
         return self.i not in self.dropped

@@ -103,9 +103,12 @@ def _runs_of(values: list) -> list:
 
 
 def _dropped_rounds(logs: Path, replica: int) -> dict[int, str]:
-    """Round number → why, for each "elastic: sync round N dropped (why)" line a replica's processes wrote."""
+    """torchft step → why, for each "elastic: sync round N (torchft step S) dropped (why)" line a replica's
+    processes wrote. Keyed by the torchft step, the round's number on both replicas: a replica's own round
+    count N skips the rounds it missed while cut off."""
     text = "".join(p.read_text(errors="replace") for p in sorted(logs.glob(f"*.node{replica}*.log")))
-    return {int(n): why for n, why in re.findall(r"elastic: sync round (\d+) dropped \((.*)\)", text)}
+    pattern = r"elastic: sync round \d+ \(torchft step (\d+)\) dropped \((.*)\)"
+    return {int(s): why for s, why in re.findall(pattern, text)}
 
 
 @needs_netns

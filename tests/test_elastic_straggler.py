@@ -97,6 +97,9 @@ class _Manager:
     def errored(self) -> None:
         return None
 
+    def current_step(self) -> int:
+        return 0
+
     def should_commit(self) -> bool:
         return True
 

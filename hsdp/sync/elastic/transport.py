@@ -204,13 +204,14 @@ class FTTransport:
     def commit_round(self) -> bool:
         self.open = False
         error = self.manager.errored()
+        step = self.manager.current_step()  # the round's number on every replica (a healed one takes its peers')
         ok = bool(self.manager.should_commit())
         self.dropped.append(not ok)
         if not ok:
             self.dropped_s += self.clock() - self._round_start
             self._last_dropped = True
             why = f"{type(error.original_exception).__name__}: {error.original_exception}" if error else "a peer failed"
-            print(f"elastic: sync round {self.rounds} dropped ({why})", file=sys.stderr)
+            print(f"elastic: sync round {self.rounds} (torchft step {step}) dropped ({why})", file=sys.stderr)
         return ok
 
     def touched_rounds(self) -> int:
