@@ -1,6 +1,6 @@
 """Every process-global patch of torch, and every private torch / torchft API, the project depends on.
 
-Checked against torch 2.13.0 and torchft 0.2.0 (`TORCH_CHECKED`, `TORCHFT_CHECKED`). The rest of
+Checked against torch 2.13.0 and 2.15.0 and torchft 0.2.0 (`TORCH_CHECKED`, `TORCHFT_CHECKED`). The rest of
 the project reaches these only through this module (tests/test_torch_compat.py reads the source
 and fails on a private name used anywhere else), so a torch upgrade re-checks one file: the test
 resolves every entry of `PRIVATE_APIS` and `PATCHES` in the installed torch and torchft, and
@@ -11,6 +11,10 @@ Patches (process-global state of torch that the project changes; `PATCHES`):
   allow_autograd_functions_in_aot_cache    a functorch config flag, set once
   register_cpu_collectives the CPU kernels of two `_c10d_functional` ops (gloo), registered once
   start_compile_pool_lazily TORCH_WARM_POOL=0 in the environment, unless the user set it
+
+Differences between the checked versions, absorbed here:
+  inductor_keeps_collective_order  torch 2.15's simple-overlap pass (on by default) off for compile.passes
+                                   ours / none; 2.13 has no such pass
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-TORCH_CHECKED = "2.13.0"
+TORCH_CHECKED = ("2.13.0", "2.15.0")  # the suite passed on both (2.15: a CUDA build, run on the CPU)
 TORCHFT_CHECKED = "0.2.0"
 
 
@@ -139,6 +143,21 @@ def cpu_vec_isa_probe() -> Optional[tuple[Any, Callable[[], Any], Callable[[], A
     except ImportError:
         return None
     return supported_vec_isa_list, valid_vec_isa_list, x86_isa_checker
+
+
+# torch 2.15 added a pass, on by default, that moves a graph's collectives earlier and their waits later
+# ("simple overlap"); it overrides the schedule our passes place (compile.prefetch=0 ran a gather across
+# compute, prefetch=2 started every gather at once). Older torch has no such option.
+SIMPLE_OVERLAP_OPTION = "aten_distributed_optimizations.enable_simple_overlap"
+
+
+def inductor_keeps_collective_order() -> dict[str, bool]:
+    """Inductor options that leave each collective and its wait where the graph placed them: the simple
+    overlap pass off where the installed torch has it, nothing to set where it does not."""
+    import torch._inductor.config as inductor_config
+
+    section, _, flag = SIMPLE_OVERLAP_OPTION.partition(".")
+    return {SIMPLE_OVERLAP_OPTION: False} if hasattr(getattr(inductor_config, section, None), flag) else {}
 
 
 def prewarm_inductor() -> None:

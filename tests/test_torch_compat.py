@@ -196,9 +196,9 @@ def test_every_patch_is_a_listed_api_and_a_function_of_the_module():
 
 def test_checked_versions_are_named():
     """The versions this module was checked against; a different installed one is a reminder, not a failure."""
-    assert re.fullmatch(r"\d+\.\d+\.\d+", torch_compat.TORCH_CHECKED)
+    assert torch_compat.TORCH_CHECKED and all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in torch_compat.TORCH_CHECKED)
     assert re.fullmatch(r"\d+\.\d+\.\d+", torch_compat.TORCHFT_CHECKED)
-    if torch.__version__.split("+")[0] != torch_compat.TORCH_CHECKED:
+    if torch.__version__.split("+")[0] not in torch_compat.TORCH_CHECKED:
         pytest.skip(f"torch {torch.__version__} installed, checked against {torch_compat.TORCH_CHECKED}: re-check")
     try:
         ft = importlib.metadata.version("torchft")

@@ -35,7 +35,12 @@ from hsdp.engines.base import Batch
 from hsdp.engines.clock import CompileClock
 from hsdp.engines.hsdp import HSDPEngine
 from hsdp.layout import ReducePlan
-from hsdp.torch_compat import allow_autograd_functions_in_aot_cache, capture_output_code, start_compile_pool_lazily
+from hsdp.torch_compat import (
+    allow_autograd_functions_in_aot_cache,
+    capture_output_code,
+    inductor_keeps_collective_order,
+    start_compile_pool_lazily,
+)
 
 Variant = tuple[ReducePlan, str]  # (how grads are reduced, reduce | accumulate | reduce_pending)
 
@@ -99,6 +104,8 @@ class CompiledHSDPEngine(HSDPEngine):
             options["post_grad_custom_post_pass"] = self.census
         if self.compile_cfg.passes == "inductor":
             options.update(inductor_overlap_options(self.compile_cfg.bucket_mb))
+        else:  # ours, or none (the traced order): inductor's own overlap pass (torch >= 2.15) moves nothing
+            options.update(inductor_keeps_collective_order())
         return options
 
     # ------------------------------------------------------------ the step
