@@ -156,8 +156,9 @@ class Zygote:
         """`fork`: fork this process (True), start a fresh interpreter (False), or whichever is clean (None)."""
         ours, theirs = _socket_pair()
         settings = {"fd": theirs.fileno(), "preload": list(preload), "main_path": main_path}
+        use_fork = can_fork_launcher() if fork is None else fork
         with theirs:
-            if can_fork_launcher() if fork is None else fork:
+            if use_fork:
                 self.proc: subprocess.Popen | _Forked = _fork_zygote(settings, ours)
             else:
                 self.proc = subprocess.Popen(
