@@ -165,7 +165,10 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
         assert next(r for r in _records(run_dir, 1) if r["step"] >= first)["replicas"] == n, restarted
     # what the survivors lost, counted: no dropped round, and at most three rounds the failure touched
     assert all(summary["dropped_syncs"][str(m)] == 0 for m in range(n) if m != 1), summary["dropped_syncs"]
-    assert 1 <= summary["survivor_touched_rounds"] <= 3, summary["survivor_touched_rounds"]
+    quorums = {
+        m: json.loads((run_dir / f"summary.replica{m}.json").read_text())["elastic_round_quorums"] for m in range(n)
+    }
+    assert 1 <= summary["survivor_touched_rounds"] <= 3, (summary["survivor_touched_rounds"], quorums, err[-3000:])
 
 
 def _assert_data_is_indexed_by_step(overrides: list[str], replica: int) -> None:
@@ -260,7 +263,9 @@ def test_two_torchrun_agents_as_two_machines(tmp_path: Path) -> None:
         env={**os.environ, "RUST_LOG": "warn"},
     )
     run_dir = tmp_path / "torchrun"
-    overrides = ELASTIC + ["mesh.sync=2", "mesh.shard=2", "run.steps=32", f"elastic.lighthouse=http://localhost:{port}"]
+    # The small test model: what crosses machines here is the launch and the rounds, not the tiny job's compute.
+    overrides = SMALL + ELASTIC + ["mesh.sync=2", "mesh.shard=2", "run.steps=32"]
+    overrides += [f"elastic.lighthouse=http://localhost:{port}"]
     agents = []
     try:
         for m in (0, 1):

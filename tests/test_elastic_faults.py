@@ -230,6 +230,9 @@ class _UnreachableManager:
     def num_participants(self) -> int:
         return 2
 
+    def current_step(self) -> int:
+        return len(self.attempts)
+
     def errored(self) -> None:
         return None
 

@@ -136,6 +136,7 @@ class ElasticMembership:
             "sync_rounds": t.rounds,
             "dropped_syncs": self.heal.engine.policy.dropped,
             "elastic_touched_rounds": t.touched_rounds(),
+            "elastic_round_quorums": t.quorums,  # per round: [torchft step, quorum size, contributors]
             # what its peers' failures cost this replica: its failure-touched steps beyond its usual sync step
             "elastic_lost_s": round(lost_in_touched_steps(times, self.step_held, self.step_touched), 3),
             "elastic_quorum_lost_s": round(t.lost_s(), 3),  # the part spent waiting for quorums

@@ -90,6 +90,9 @@ class FTTransport:
         # per round: did a failure touch it (the quorum changed size, a replica spectated, or the round
         # before was dropped)? Only those rounds' waits count as lost (lost_s), not the peers' usual jitter.
         self.touched: list[bool] = []
+        # per round: [torchft step, quorum size, contributors] (summary.replicaN.json: a touched count read round
+        # by round)
+        self.quorums: list[list[int]] = []
         self._last_size: Optional[int] = None
         self._last_dropped = False
         self.dropped_s = 0.0  # wall time of rounds that did not commit, after their quorum
@@ -126,6 +129,7 @@ class FTTransport:
         size = self.size
         changed = self._last_size is not None and size != self._last_size
         self.touched.append(changed or self.participants < size or self._last_dropped)
+        self.quorums.append([self.manager.current_step(), size, self.participants])
         self._last_size, self._last_dropped = size, False
         self.rounds += 1
 
