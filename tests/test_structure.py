@@ -246,7 +246,8 @@ def test_no_private_multiprocessing_internals():
 
 def test_registry_matches_the_config_choices():
     from hsdp.config.schema import CHOICES
-    from hsdp.engines.registry import ENGINES
+    from hsdp.engines.registry import COMPILED, ENGINES
 
     assert tuple(ENGINES) == CHOICES["mesh.engine"]
     assert all(cls.name == name for name, cls in ENGINES.items())
+    assert COMPILED["hsdp"].name == "hsdp" and issubclass(COMPILED["hsdp"], ENGINES["hsdp"])
