@@ -32,8 +32,12 @@ class _Engines(Mapping[str, type[Engine]]):
     def __len__(self) -> int:
         return len(self._where)
 
+    def modules(self) -> list[str]:
+        """The modules that hold these engines' classes."""
+        return sorted({where.split(":")[0] for where in self._where.values()})
 
-ENGINES: Mapping[str, type[Engine]] = _Engines(
+
+ENGINES = _Engines(
     {
         "hsdp": "hsdp.engines.hsdp:HSDPEngine",
         "fsdp2": "hsdp.engines.baselines:FSDP2Engine",
@@ -41,8 +45,15 @@ ENGINES: Mapping[str, type[Engine]] = _Engines(
     }
 )
 # An engine whose compiled path is another class; the others compile themselves (fsdp2: per block).
-COMPILED: Mapping[str, type[Engine]] = _Engines({"hsdp": "hsdp.engines.compiled:CompiledHSDPEngine"})
+COMPILED = _Engines({"hsdp": "hsdp.engines.compiled:CompiledHSDPEngine"})
 assert tuple(ENGINES) == CHOICES["mesh.engine"], "the config's engine choices and the registry disagree"
+
+
+def engine_modules(compiled: bool) -> list[str]:
+    """What a launcher's zygote imports before it forks workers, so that they share it instead of each
+    importing its engine: every eager engine's module (a warm zygote serves launches of any engine), and
+    the compiled engine's for a compiled run."""
+    return ENGINES.modules() + (COMPILED.modules() if compiled else [])
 
 
 def saved_engine_class(name: str) -> type[Engine]:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.config.schema import Config, ConfigError
+from hsdp.engines.registry import engine_modules
 from hsdp.run.checkpoint import elastic_resume_note
 from hsdp.run.elastic import (
     ElasticLaunch,
@@ -315,7 +316,8 @@ def stop_workers(workers: Workers, grace_s: float = STOP_GRACE_S) -> int:
 
 
 def start_zygote(worker: Worker, compiled: bool = False) -> Zygote:
-    """This process's zygote (started on first use): it has imported torch and the worker's module, and forks workers.
+    """This process's zygote (started on first use): it has imported torch, the engines and the worker's module,
+    and forks workers.
 
     Spawning would import them again in every worker (~2 s of CPU each: on a 2-core box a
     4-rank run spent ~8 s of an 11 s, 3-step job starting up). The zygote is this process forked
@@ -331,7 +333,8 @@ def start_zygote(worker: Worker, compiled: bool = False) -> Zygote:
             _zygote.close()  # reap the dead one
         module = getattr(worker, "func", worker).__module__  # a functools.partial's function's module
         main = getattr(sys.modules["__main__"], "__file__", None) if module == "__main__" else None
-        preload = ["torch", "hsdp.run.launch"] + (["hsdp.compile.prewarm"] if compiled else [])
+        preload = ["torch", "hsdp.run.launch", *engine_modules(compiled)]
+        preload += ["hsdp.compile.prewarm"] if compiled else []
         preload += [] if module == "__main__" else [module]
         _zygote = Zygote(preload, main_path=os.path.abspath(main) if main else None)
     return _zygote

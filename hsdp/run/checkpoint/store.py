@@ -25,9 +25,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
 from hsdp.atomic import fsync_dir
 from hsdp.comm.mesh import Mesh
@@ -148,6 +145,9 @@ class Checkpoints:
         if not choice[0]:
             return Progress()
         path = Path(choice[0])
+        import torch.distributed.checkpoint as dcp  # here, not at the top: a run that never resumes nor saves
+        from torch.distributed.checkpoint import FileSystemReader  # does without DCP and DTensor (0.7 s a start)
+
         meta = read_meta(path)
         keys = frozenset(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         # Another mesh.sync (a checkpoint of identical replicas): every replica loads replica 0's state, and
@@ -209,6 +209,10 @@ class Checkpoints:
         written: a bad state is never checkpointed, so pruning never removes the last good one.
         A save that fails on rank 0 removes its temporary folder before the error propagates.
         """
+        import torch.distributed.checkpoint as dcp  # on first use (see load)
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.api import CheckpointException
+
         t0 = time.perf_counter()
         tmp, final = self.root / f".tmp_step_{step}", self.root / f"step_{step}"
         rank0 = self.first
