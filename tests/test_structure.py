@@ -212,6 +212,16 @@ def test_reading_a_config_does_not_import_torch():
     assert res.returncode == 0, res.stderr[-2000:]
 
 
+def test_a_fresh_import_of_train_leaves_out_what_a_run_may_not_use():
+    """DCP (with DTensor), the baseline engines (FSDP2) and the compiled engine (inductor) load when a run uses
+    them: every fresh `import train` (a launcher, a torchrun worker, an elastic replica) pays for them
+    otherwise. The zygote preloads the engines for the workers it forks (tests/test_zygote.py runs them)."""
+    heavy = ["torch.distributed.checkpoint", "hsdp.engines.baselines", "hsdp.engines.compiled", "torch._inductor"]
+    code = f"import sys, train; print([m for m in {heavy!r} if m in sys.modules])"
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", (res.stdout, res.stderr[-2000:])
+
+
 def test_no_module_over_600_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, path in graph_modules().items()}
     too_big = {name: n for name, n in sizes.items() if n > MAX_LINES}
