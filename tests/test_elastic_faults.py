@@ -166,11 +166,8 @@ def test_a_cut_replica_rejoins_and_a_restarted_lighthouse_lets_the_run_finish(tm
     counts = {str(m): sum(len(whys) for whys in d.values()) for m, d in drops.items()}
     assert summary["dropped_syncs"] == counts, (summary["dropped_syncs"], drops, logs)
     assert {n: len(w) for n, w in drops[0].items()} == {n: len(w) for n, w in drops[1].items()}, (drops, logs)
-    timed_out = [
-        any(re.search(r"timed? ?out", why, re.I) for m in (0, 1) for why in drops[m][n][i : i + 1])
-        for n in drops[0]
-        for i in range(len(drops[0][n]))
-    ]
+    attempts = [whys for n in drops[0] for whys in zip(drops[0][n], drops[1][n])]  # each as both replicas logged it
+    timed_out = [any(re.search(r"timed? ?out", why, re.I) for why in whys) for whys in attempts]
     assert all(timed_out), (drops, logs)
     a, b = torch.load(run_dir / "model.replica0.pt"), torch.load(run_dir / "model.replica1.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)

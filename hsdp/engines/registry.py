@@ -16,7 +16,7 @@ from hsdp.engines.base import Engine
 
 class _Engines(Mapping[str, type[Engine]]):
     """name → engine class, each class's module imported when that engine is first asked for: the baselines
-    pull in FSDP2 and DCP's state-dict helpers, the compiled engine inductor (1.5 s of every fresh
+    pull in FSDP2 and DCP's state-dict helpers, the compiled engine inductor (0.7 CPU s of every fresh
     `import train` on a 2-core box, for engines that a run does not use)."""
 
     def __init__(self, where: dict[str, str]) -> None:
