@@ -9,6 +9,7 @@ names the ones that moved.
 Patches (process-global state of torch that the project changes; `PATCHES`):
   capture_output_code      GraphLowering.save_output_code, set inside a block and restored after it
   allow_autograd_functions_in_aot_cache    a functorch config flag, set once
+  compile_backward_with_forward  a functorch config flag, set once
   register_cpu_collectives the CPU kernels of two `_c10d_functional` ops (gloo), registered once
   start_compile_pool_lazily TORCH_WARM_POOL=0 in the environment, unless the user set it
 
@@ -49,6 +50,7 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch:_chunk_cat", "the torch reference of the grad pack (kernels/reduce.py)"),
     Api("torch._dynamo.utils:counters", "graphs compiled in this process (recompile counts)"),
     Api("torch._functorch.config:autograd_cache_allow_custom_autograd_functions", "AOT cache hits (patch)"),
+    Api("torch._functorch.config:force_non_lazy_backward_lowering", "AOT cache entries at forward time (patch)"),
     Api("torch._inductor.graph:GraphLowering.save_output_code", "the generated code of each graph (patch)"),
     Api("torch._inductor.custom_graph_pass:CustomGraphPass", "our cacheable graph passes"),
     Api("torch._inductor.custom_graph_pass:get_hash_for_files", "the passes' cache uuid"),
@@ -87,6 +89,7 @@ PRIVATE_APIS: tuple[Api, ...] = (
 PATCHES: dict[str, str] = {
     "capture_output_code": "torch._inductor.graph:GraphLowering.save_output_code",
     "allow_autograd_functions_in_aot_cache": "torch._functorch.config:autograd_cache_allow_custom_autograd_functions",
+    "compile_backward_with_forward": "torch._functorch.config:force_non_lazy_backward_lowering",
     "register_cpu_collectives": "torch:ops._c10d_functional.all_gather_into_tensor.default",
     "start_compile_pool_lazily": "torch._inductor.async_compile:AsyncCompile",
 }
@@ -191,6 +194,20 @@ def allow_autograd_functions_in_aot_cache() -> None:
     config = torch._functorch.config
     if hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
         config.autograd_cache_allow_custom_autograd_functions = True
+
+
+def compile_backward_with_forward() -> None:
+    """Patch: AOTAutograd compiles a graph's backward when it compiles its forward, not at the first backward.
+
+    Why: AOTAutograd writes a graph's cache entry once both halves are compiled. Compiled lazily, the
+    backward is built only after the forward ran, and the forward's collectives need every rank of the
+    shard group: the ranks that wait for the leader's compile (hsdp/compile/turns.py) start before the
+    entry exists and trace and partition the joint graph again (~7 CPU s a graph each on the 2-core box).
+    Compiled with the forward, the entry is on disk before the leader's first collective: they load it.
+    """
+    config = torch._functorch.config
+    if hasattr(config, "force_non_lazy_backward_lowering"):
+        config.force_non_lazy_backward_lowering = True
 
 
 def start_compile_pool_lazily() -> None:

@@ -16,10 +16,17 @@ Three things kept every run paying a full compile:
 4. inductor starts its pool of compile subprocesses (fresh interpreters
    importing torch) on every compile, needed or not; a warm compile
    generates no code, so the pool is left to start lazily, when a cold
-   compile first needs it (`TORCH_WARM_POOL=0`, unless the user set it).
+   compile first needs it (`TORCH_WARM_POOL=0`, unless the user set it);
+5. AOTAutograd writes a graph's cache entry when its backward is compiled,
+   lazily at the first backward by default; by then the ranks that waited
+   for the leader's compile (hsdp/compile/turns.py) had started their own
+   forward, missed the entry and traced and partitioned the joint graph
+   again. The backward is compiled with the forward, so the entry is there
+   before the leader's first collective lets them go.
 
-Points 2 and 4 change torch's process-global state, so they are hsdp/torch_compat.py's
-(`allow_autograd_functions_in_aot_cache`, `start_compile_pool_lazily`), as are the private
+Points 2, 4 and 5 change torch's process-global state, so they are hsdp/torch_compat.py's
+(`allow_autograd_functions_in_aot_cache`, `start_compile_pool_lazily`,
+`compile_backward_with_forward`), as are the private
 inductor names point 3 reads.
 """
 

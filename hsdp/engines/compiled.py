@@ -38,6 +38,7 @@ from hsdp.layout import ReducePlan
 from hsdp.torch_compat import (
     allow_autograd_functions_in_aot_cache,
     capture_output_code,
+    compile_backward_with_forward,
     inductor_keeps_collective_order,
     start_compile_pool_lazily,
 )
@@ -95,6 +96,7 @@ class CompiledHSDPEngine(HSDPEngine):
         # Cacheable passes (stable uuids): a warm compile loads the graphs from inductor's FX graph and
         # AOTAutograd caches; the census then comes from its sidecar (hsdp.compile.census).
         allow_autograd_functions_in_aot_cache()  # _GatherShards (hsdp.compile.cache, point 2)
+        compile_backward_with_forward()  # the entry is written before the ranks that wait load it (point 5)
         start_compile_pool_lazily()
         options: dict[str, Any] = {"joint_custom_pre_pass": CacheablePass(recompute_gathers), **cpu_options()}
         if self.compile_cfg.passes == "ours":
