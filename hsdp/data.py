@@ -313,8 +313,13 @@ def check_data(cfg: Config) -> None:
             check_token_ids(f, cfg.model.vocab_size)
 
 
+@functools.lru_cache(maxsize=4)
 def synthetic_tokens(vocab: int, seed: int, n: int) -> np.ndarray:
-    """A seeded sparse Markov chain: learnable structure, so loss falls below ln(vocab)."""
+    """A seeded sparse Markov chain: learnable structure, so loss falls below ln(vocab).
+
+    Kept per process (read-only): a process that builds several Data, or forks ranks after building one
+    (tests/train_server.py warms it before its zygote forks), computes each chain once.
+    """
     rng = np.random.default_rng(seed)
     successors = rng.integers(0, vocab, size=(vocab, 4))
     choice = rng.integers(0, 4, size=n)
@@ -326,7 +331,9 @@ def synthetic_tokens(vocab: int, seed: int, n: int) -> np.ndarray:
     for i, c in enumerate(choice[1:].tolist(), 1):
         x = flat[4 * x + c]
         out[i] = x
-    return np.array(out, dtype=np.uint16)
+    tokens = np.array(out, dtype=np.uint16)
+    tokens.flags.writeable = False  # shared by every caller
+    return tokens
 
 
 class TokenStream:
