@@ -49,6 +49,7 @@ class Api:
 PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch:_chunk_cat", "the torch reference of the grad pack (kernels/reduce.py)"),
     Api("torch._dynamo.utils:counters", "graphs compiled in this process (recompile counts)"),
+    Api("torch._dynamo:disable", "imported by the zygote before it forks ranks (META_INIT_IMPORTS)"),
     Api("torch._functorch.config:autograd_cache_allow_custom_autograd_functions", "AOT cache hits (patch)"),
     Api("torch._functorch.config:force_non_lazy_backward_lowering", "AOT cache entries at forward time (patch)"),
     Api("torch._inductor.graph:GraphLowering.save_output_code", "the generated code of each graph (patch)"),
@@ -102,6 +103,12 @@ def resolve(api: Api) -> Any:
     for name in chain.split("."):
         obj = getattr(obj, name)
     return obj
+
+
+# What a launcher's zygote imports before it forks the ranks (hsdp/run/launch.py), so that they share it: every
+# rank builds its model on the meta device first, and torch's meta init (its _refs, wrapped in
+# torch._disable_dynamo) imports dynamo on first use, ~2 CPU s a rank.
+META_INIT_IMPORTS = ("torch._dynamo",)
 
 
 # ------------------------------------------------------------------ compiled graphs: ops and passes

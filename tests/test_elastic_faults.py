@@ -43,6 +43,7 @@ OVERRIDES = [
     f"run.steps={STEPS}",
     "run.log_every=1",
     "run.eval_every=0",
+    "run.eval_batches=1",  # the final eval only: 1 batch, not 8
     "run.save_model=true",
     "wandb.mode=disabled",
     # The fresh join's wait for the other replica's start (20 s was too short once on a box at load 20), and
