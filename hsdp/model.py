@@ -23,13 +23,20 @@ from einops import rearrange
 from hsdp.config.schema import Config, ModelConfig
 
 
+def uninitialized_embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding without its own N(0, 1) draw: `init_unit` sets every weight (or a state dict is loaded),
+    and on the meta device (`build_model(materialize=False)`, checkpoint export) torch's normal_ goes through
+    its Python reference, which imports torch._dynamo on first use: ~1.6 CPU s in every process."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class Embedding(nn.Module):
     """Token + learned position embedding: idx [B, T] → x [B, T, D]."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.wte = uninitialized_embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = uninitialized_embedding(cfg.seq_len, cfg.d_model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -136,7 +143,7 @@ class TokenEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wte = uninitialized_embedding(cfg.vocab_size, cfg.d_model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.wte(idx)

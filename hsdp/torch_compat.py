@@ -49,7 +49,7 @@ class Api:
 PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch:_chunk_cat", "the torch reference of the grad pack (kernels/reduce.py)"),
     Api("torch._dynamo.utils:counters", "graphs compiled in this process (recompile counts)"),
-    Api("torch._dynamo:disable", "imported by the zygote before it forks ranks (META_INIT_IMPORTS)"),
+    Api("torch._dynamo:disable", "imported by the zygote before it forks ranks (RANK_LAZY_IMPORTS)"),
     Api("torch._functorch.config:autograd_cache_allow_custom_autograd_functions", "AOT cache hits (patch)"),
     Api("torch._functorch.config:force_non_lazy_backward_lowering", "AOT cache entries at forward time (patch)"),
     Api("torch._inductor.graph:GraphLowering.save_output_code", "the generated code of each graph (patch)"),
@@ -65,6 +65,8 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch._inductor.async_compile:AsyncCompile", "reads TORCH_WARM_POOL (patch)"),
     Api("torch._C._distributed_c10d:_register_work", "a c10d work handed to the graph's wait_tensor"),
     Api("torch.distributed.distributed_c10d:_resolve_process_group", "a graph's group name → its group"),
+    Api("torch._C._distributed_c10d:_register_process_group", "a group under the graphs' own name for it"),
+    Api("torch._C._distributed_c10d:_unregister_process_group", "(that name registered again)"),
     Api("torch.distributed.distributed_c10d:_get_default_store", "one compile per machine (compile turns)"),
     Api("torch:ops._c10d_functional.all_gather_into_tensor.default", "the compiled graph's collectives"),
     Api("torch:ops._c10d_functional.reduce_scatter_tensor.default", "the compiled graph's collectives"),
@@ -105,10 +107,10 @@ def resolve(api: Api) -> Any:
     return obj
 
 
-# What a launcher's zygote imports before it forks the ranks (hsdp/run/launch.py), so that they share it: every
-# rank builds its model on the meta device first, and torch's meta init (its _refs, wrapped in
-# torch._disable_dynamo) imports dynamo on first use, ~2 CPU s a rank.
-META_INIT_IMPORTS = ("torch._dynamo",)
+# What a launcher's zygote imports before it forks the ranks (hsdp/run/launch.py), so that they share it: torch
+# imports dynamo on the first call of anything wrapped in torch._disable_dynamo, and every rank makes one (the
+# torch optimizer's constructor), ~2 CPU s a rank.
+RANK_LAZY_IMPORTS = ("torch._dynamo",)
 
 
 # ------------------------------------------------------------------ compiled graphs: ops and passes
@@ -240,6 +242,20 @@ def register_cpu_collectives(all_gather: Callable[..., Any], reduce_scatter: Cal
 def register_work(tensor: torch.Tensor, work: Any) -> None:
     """Hand an async c10d work to the functional-collective registry, where `wait_tensor(tensor)` finds it."""
     torch._C._distributed_c10d._register_work(tensor, work)
+
+
+def name_process_group(name: str, group: dist.ProcessGroup) -> str:
+    """Register `group` under `name` too (replacing what this process registered there before); returns `name`.
+
+    A compiled graph names its groups: under a name every rank gives its own group, ranks of different shard
+    groups trace the same graph, so one rank per machine compiles it (hsdp/compile/turns.py).
+    """
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    with contextlib.suppress(Exception):  # nothing registered under it yet
+        _unregister_process_group(name)
+    _register_process_group(name, group)
+    return name
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:

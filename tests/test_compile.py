@@ -6,6 +6,7 @@ those runs through module-scoped fixtures to keep the suite's budget.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +130,16 @@ def test_grad_accumulation_reduces_once_per_step(runs) -> None:
     backwards = [g for g in graphs if g["graph"] == "backward"]
     assert len(graphs) == 4 and len(backwards) == 2
     assert sorted(g["reduce_scatters"] for g in backwards) == [0, UNITS_NEEDING_WEIGHTS + 1]
+
+
+def test_graphs_name_the_groups_by_role(runs) -> None:
+    """The 2x2 graphs call the shard and sync groups 'hsdp.shard' and 'hsdp.sync' (each rank registers its own
+    groups under them), not c10d's per-group names: both shard groups' ranks trace the same graphs, so one rank
+    on the machine compiles them and the others load them (hsdp/compile/turns.py)."""
+    compiled = runs["2x2-diloco"][1]
+    code = "".join(p.read_text() for p in sorted((compiled.run_dir / "compiled").glob("graph*.py")))
+    groups = set(re.findall(r"torch\.ops\._c10d_functional\.\w+\.default\([^)]*'([^']+)'\)", code))
+    assert groups == {"hsdp.shard", "hsdp.sync"}, groups
 
 
 @pytest.mark.parametrize("case", ["1x2-bf16", "2x2-diloco"])

@@ -1,18 +1,19 @@
-"""One compile per machine: the first rank of a shard group on a machine compiles each graph, the others load it.
+"""One compile per machine: the first rank on a machine compiles each graph, the others load it.
 
-Why: every rank of a shard group traces the same graphs (same shapes, same group names), and ranks on
-one machine share inductor's cache folder. Compiling them all at once costs S times the CPU of one
+Why: every rank traces the same graphs (same shapes, and the same group names: the graphs name the
+shard and sync groups by role, hsdp/engines/compiled.py), and ranks on one machine share inductor's
+cache folder. Compiling them all at once costs S times the CPU of one
 compile (on a 2-core box, four ranks each compiling for 30 s); when the first rank on the machine
 compiles while the others wait, they find its graphs in the FX graph cache and only trace and load
-(seconds). The others' wait is no loss: they could not run the step before the leader anyway (the
-graph's collectives need every rank).
+(seconds). The others' wait is no loss: the leader's shard group could not run the step before it anyway
+(the graph's collectives need every rank), and another shard group's own compile would take as long.
 
 When is the leader's graph in the cache? Inductor writes the cache entry after it has generated and
 built the code, before the graph runs, so the leader posts "compiled" when its graph issues its first
 collective. That moment has a hook only where our kernels sit behind the graph's collectives (CPU,
 hsdp/compile/gloo.py); elsewhere (NCCL) every rank compiles at once, as torch does.
 
-A graph compiled with no collective in it (a shard group of 1) has no followers to wait.
+A graph with no collective in it (a shard group of 1 between syncs) is posted once it has run.
 """
 
 from __future__ import annotations

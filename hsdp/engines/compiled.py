@@ -40,8 +40,12 @@ from hsdp.torch_compat import (
     capture_output_code,
     compile_backward_with_forward,
     inductor_keeps_collective_order,
+    name_process_group,
     start_compile_pool_lazily,
 )
+
+# What the compiled graphs call the rank's shard and sync groups (registered under these names in each process).
+GRAPH_GROUP_NAMES = {"shard": "hsdp.shard", "sync": "hsdp.sync"}
 
 Variant = tuple[ReducePlan, str]  # (how grads are reduced, reduce | accumulate | reduce_pending)
 
@@ -55,23 +59,28 @@ class CompiledHSDPEngine(HSDPEngine):
         if self.mesh.device.type == "cpu":  # gloo: the graph's collectives on the eager engine's c10d calls
             route_functional_collectives_to_c10d()
         groups = self.mesh.comm.groups
+        # The graphs name the groups by role (GRAPH_GROUP_NAMES), not by c10d's name of each rank's group: the
+        # ranks of every shard group then trace the same graphs, and one rank per machine compiles them.
         self.groups = Groups(
-            groups["shard"].group_name, self.mesh.shard_size, groups["sync"].group_name, self.mesh.sync_size
+            name_process_group(GRAPH_GROUP_NAMES["shard"], groups["shard"]),
+            self.mesh.shard_size,
+            name_process_group(GRAPH_GROUP_NAMES["sync"], groups["sync"]),
+            self.mesh.sync_size,
         )
         # Leaves that share storage with the held shards; their .grad is the grad shard, so the compiled
         # backward's output accumulates straight into it (AccumulateGrad adds in place into a set .grad).
         self.leaves = [u.held_flat.detach().requires_grad_(True) for u in self.units]
         for leaf, u in zip(self.leaves, self.units):
             leaf.grad = u.grad_flat
-        self.census = CollectiveCensus(labels=dict(self.mesh.comm.labels))
+        self.census = CollectiveCensus(labels={**self.mesh.comm.labels, **{n: r for r, n in GRAPH_GROUP_NAMES.items()}})
         # Units per all-gather: neighbours share one up to compile.bucket_mb (0: one unit each).
         self.buckets = plan_buckets([u.layout for u in self.units], self.param_dtype, self.compile_cfg.bucket_mb)
         self._compiled: dict[Variant, Any] = {}
         self.accs: Optional[list[torch.Tensor]] = None  # gradient-accumulation leaves (see _accumulators)
         self.generated_code: list[str] = []  # inductor's output code of every graph compiled, in order
         self.clock = CompileClock()
-        # One compile per machine: the shard group's first rank here compiles, the others load its graphs.
-        self.turns = CompileTurns(groups["shard"])
+        # One compile per machine: the first rank here compiles, the others (of any shard group) load its graphs.
+        self.turns = CompileTurns(groups["world"])
 
     @classmethod
     def config_kwargs(cls, cfg: Config) -> dict[str, Any]:

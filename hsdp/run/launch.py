@@ -48,7 +48,7 @@ from hsdp.run.elastic import (
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.zygote import Exit, Workers, Zygote
 from hsdp.sync.membership import ReplicaSeat
-from hsdp.torch_compat import META_INIT_IMPORTS, register_fake_backend
+from hsdp.torch_compat import RANK_LAZY_IMPORTS, register_fake_backend
 
 # worker(cfg); an elastic replica's worker(cfg, seat), its ReplicaSeat (which replica, which start of it)
 Worker = Callable[..., None]
@@ -333,7 +333,7 @@ def start_zygote(worker: Worker, compiled: bool = False) -> Zygote:
             _zygote.close()  # reap the dead one
         module = getattr(worker, "func", worker).__module__  # a functools.partial's function's module
         main = getattr(sys.modules["__main__"], "__file__", None) if module == "__main__" else None
-        preload = ["torch", *META_INIT_IMPORTS, "hsdp.run.launch", *engine_modules(compiled)]
+        preload = ["torch", *RANK_LAZY_IMPORTS, "hsdp.run.launch", *engine_modules(compiled)]
         preload += ["hsdp.compile.prewarm"] if compiled else []
         preload += [] if module == "__main__" else [module]
         _zygote = Zygote(preload, main_path=os.path.abspath(main) if main else None)
