@@ -21,13 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from hsdp.config.schema import Config, ModelConfig
-
-
-def uninitialized_embedding(num: int, dim: int) -> nn.Embedding:
-    """nn.Embedding without its own N(0, 1) draw: `init_unit` sets every weight (or a state dict is loaded),
-    and on the meta device (`build_model(materialize=False)`, checkpoint export) torch's normal_ goes through
-    its Python reference, which imports torch._dynamo on first use: ~1.6 CPU s in every process."""
-    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+from hsdp.torch_compat import uninitialized_embedding
 
 
 class Embedding(nn.Module):

@@ -50,6 +50,7 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch:_chunk_cat", "the torch reference of the grad pack (kernels/reduce.py)"),
     Api("torch._dynamo.utils:counters", "graphs compiled in this process (recompile counts)"),
     Api("torch._dynamo:disable", "imported by the zygote before it forks ranks (RANK_LAZY_IMPORTS)"),
+    Api("torch.nn:Embedding.__init__", "its _weight argument: an embedding without its own init draw"),
     Api("torch._functorch.config:autograd_cache_allow_custom_autograd_functions", "AOT cache hits (patch)"),
     Api("torch._functorch.config:force_non_lazy_backward_lowering", "AOT cache entries at forward time (patch)"),
     Api("torch._inductor.graph:GraphLowering.save_output_code", "the generated code of each graph (patch)"),
@@ -111,6 +112,13 @@ def resolve(api: Api) -> Any:
 # imports dynamo on the first call of anything wrapped in torch._disable_dynamo, and every rank makes one (the
 # torch optimizer's constructor), ~2 CPU s a rank.
 RANK_LAZY_IMPORTS = ("torch._dynamo",)
+
+
+def uninitialized_embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding without its own N(0, 1) draw (its `_weight` argument): the model's `init_unit` sets every
+    weight (or a state dict is loaded), and on the meta device (`build_model(materialize=False)`, checkpoint
+    export) torch's normal_ goes through its Python reference, which imports torch._dynamo: ~1.6 CPU s."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
 
 
 # ------------------------------------------------------------------ compiled graphs: ops and passes

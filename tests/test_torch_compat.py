@@ -12,6 +12,8 @@ import importlib.metadata
 import importlib.util
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,3 +235,20 @@ def test_the_heal_server_serves_without_an_access_log_line(capfd):
         client.shutdown()
     assert torch.equal(state["w"], torch.arange(4.0))
     assert "GET /checkpoint/" not in capfd.readouterr().err
+
+
+def test_an_uninitialized_embedding_takes_no_draw_and_imports_no_dynamo():
+    """torch_compat.uninitialized_embedding: nn.Embedding's `_weight` argument still skips its init (the global
+    RNG is untouched), and on the meta device nothing imports torch._dynamo (in a fresh interpreter)."""
+    state = torch.get_rng_state()
+    emb = torch_compat.uninitialized_embedding(7, 3)
+    assert emb.weight.shape == (7, 3) and torch.equal(torch.get_rng_state(), state)
+    code = (
+        "import sys, torch\n"
+        "from hsdp.torch_compat import uninitialized_embedding\n"
+        "with torch.device('meta'):\n"
+        "    e = uninitialized_embedding(7, 3)\n"
+        "assert e.weight.is_meta and 'torch._dynamo' not in sys.modules\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
