@@ -260,8 +260,7 @@ def name_process_group(name: str, group: dist.ProcessGroup) -> str:
     """
     from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 
-    with contextlib.suppress(Exception):  # nothing registered under it yet
-        _unregister_process_group(name)
+    _unregister_process_group(name)  # a no-op when nothing is registered under it yet
     _register_process_group(name, group)
     return name
 

@@ -55,13 +55,15 @@ def serve_one(request: dict) -> None:
 def main() -> None:
     sys.path.insert(0, str(REPO))
     import train
-    from hsdp.data import SYNTHETIC_TRAIN, SYNTHETIC_VAL, synthetic_tokens
+    from hsdp.config.loader import load_config
+    from hsdp.data import load_tokens
     from hsdp.engines.registry import engine_modules
     from hsdp.run.launch import start_zygote
+    from tests.helpers import SMALL
 
-    # The test GPT's synthetic tokens (tests/helpers.py SMALL, seed 0): computed here, before the zygote forks,
-    # each worker of each run finds them in its process (0.15 CPU s a worker).
-    synthetic_tokens(257, 0, SYNTHETIC_TRAIN), synthetic_tokens(257, 1, SYNTHETIC_VAL)
+    # The test GPT's synthetic tokens: loaded here (hsdp.data keeps the chain per process) before the zygote
+    # forks, each worker of each run finds them in its process (0.15 CPU s a worker).
+    load_tokens(load_config(None, SMALL))
     start_zygote(train.train_worker, compiled=True)  # many test runs compile
     # Each run's launcher (a fork of this process) asks the registry for its engine in the preflight: imported
     # here once, not per run (0.7 CPU s a run, most of a warm 2x2 run's launcher).

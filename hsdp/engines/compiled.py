@@ -72,7 +72,7 @@ class CompiledHSDPEngine(HSDPEngine):
         self.leaves = [u.held_flat.detach().requires_grad_(True) for u in self.units]
         for leaf, u in zip(self.leaves, self.units):
             leaf.grad = u.grad_flat
-        self.census = CollectiveCensus(labels={**self.mesh.comm.labels, **{n: r for r, n in GRAPH_GROUP_NAMES.items()}})
+        self.census = CollectiveCensus(labels={name: role for role, name in GRAPH_GROUP_NAMES.items()})
         # Units per all-gather: neighbours share one up to compile.bucket_mb (0: one unit each).
         self.buckets = plan_buckets([u.layout for u in self.units], self.param_dtype, self.compile_cfg.bucket_mb)
         self._compiled: dict[Variant, Any] = {}
