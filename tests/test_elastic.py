@@ -191,10 +191,12 @@ def _assert_data_is_indexed_by_step(overrides: list[str], replica: int) -> None:
 
 def test_a_replica_that_keeps_dying_is_given_up_and_the_others_finish(tmp_path: Path):
     """elastic.max_restarts=1: replica 1 killed twice is not restarted again; replica 0 still finishes;
-    exit 1 and one line naming the replica and the limit."""
+    exit 1 and one line naming the replica and the limit. (Replica 0 trains 32 steps past the first kill, each
+    made 3× as long by run.slowdown's sleep: the time 96 full-speed steps would give the restart to come up,
+    for a third of their CPU.)"""
     run_dir = tmp_path / "dying"
     overrides = ELASTIC + ["mesh.sync=2", "mesh.shard=1", "elastic.max_restarts=1", "elastic.restart_delay_s=0.5"]
-    proc = _start(run_dir, overrides + ["run.steps=120"])
+    proc = _start(run_dir, overrides + ["run.steps=48", "run.slowdown=3"])
     first = _kill_replica_at(proc, run_dir, 1, 16)
     deadline = time.monotonic() + 120
     while set(_replicas(run_dir)["1"]["pids"]) in (set(), set(first)):  # the restart's new processes
@@ -208,7 +210,7 @@ def test_a_replica_that_keeps_dying_is_given_up_and_the_others_finish(tmp_path: 
     last = err.strip().splitlines()[-1]
     assert "replica 1 failed 2 times (elastic.max_restarts=1)" in last and "replica 0 finished" in last, last
     assert _replicas(run_dir)["1"]["given_up"] is True
-    assert _records(run_dir, 0)[-1]["step"] == 119
+    assert _records(run_dir, 0)[-1]["step"] == 47
 
 
 def test_elastic_without_failures_computes_the_plain_run(tmp_path: Path):

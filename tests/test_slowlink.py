@@ -344,18 +344,24 @@ def test_kill_flag_is_checked_before_anything_runs(tmp_path):
         make_plan(LinkOptions(spec=str(spec), shared=[f"run.out_dir={tmp_path}"]))
 
 
+KILL_RUN_STEPS = 48  # the kill is at step 8
+
+
 @needs_netns
 def test_elastic_run_through_the_link_survives_a_killed_node(tmp_path, removes_leftovers, capsys):
     """An elastic run (tiny model, 2 replicas x 1 shard) across the shaped link with replica 1's node
     SIGKILLed at its step 8: the lighthouse runs in node 0's namespace, a replacement node heals from
     replica 0, the run exits 0, and the report reads replica 0's metrics (every step once) and the
-    merged summary's failure and heal. (The run is long enough for the replacement to start and join.)
+    merged summary's failure and heal. (The run is long enough for the replacement to start and join: 40
+    steps after the kill, each made 3× as long by run.slowdown's sleep, leave it the time 120 steps at full
+    speed would, for a third of their CPU.)
     The command's main runs in this process (the CLI itself: test_smoke_run_through_shaped_link); its
     nodes are bounded by --timeout-s, and it removes its namespaces (the fixture makes sure)."""
     argv = ["--rate", "100mbit", "--no-probe", "--timeout-s", "400"]
     argv += ["--config", str(REPO / "configs" / "tiny.yaml"), "--out", str(tmp_path / "out"), "--name", "kill"]
     argv += ["--kill", "1@8"]
-    settings = ["mesh.sync=2", "mesh.shard=1", "run.steps=120", "run.log_every=1", "run.eval_every=40"]
+    settings = ["mesh.sync=2", "mesh.shard=1", f"run.steps={KILL_RUN_STEPS}", "run.log_every=1", "run.eval_every=16"]
+    settings += ["run.slowdown=3"]
     settings += ["run.eval_batches=1", "wandb.mode=disabled", f"run.out_dir={tmp_path / 'runs'}", "elastic.timeout_s=3"]
     for o in settings:
         argv += ["--set", o]
@@ -370,9 +376,9 @@ def test_elastic_run_through_the_link_survives_a_killed_node(tmp_path, removes_l
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["replica_failures"] == 1 and summary["heals"] >= 1, summary
     steps0 = [json.loads(line)["step"] for line in (run_dir / "metrics.replica0.jsonl").read_text().splitlines()]
-    assert steps0 == list(range(120))
+    assert steps0 == list(range(KILL_RUN_STEPS))
     steps1 = [json.loads(line)["step"] for line in (run_dir / "metrics.replica1.jsonl").read_text().splitlines()]
-    assert steps1 == sorted(set(steps1)) and steps1[-1] == 119  # each step once, and it trained to the end
+    assert steps1 == sorted(set(steps1)) and steps1[-1] == KILL_RUN_STEPS - 1  # each step once, trained to the end
     report = {r["run"]: r for r in json.loads((tmp_path / "out" / "slowlink.json").read_text())["runs"]}
-    assert report["el"]["steps"] == 120 and report["el"]["train_time_s"] > 0
+    assert report["el"]["steps"] == KILL_RUN_STEPS and report["el"]["train_time_s"] > 0
     assert set(netns.names_of_pid(os.getpid())) <= before
