@@ -27,6 +27,7 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.elastic import ElasticLaunch
 from hsdp.run.zygote import Exit
+from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
 from hsdp.sync.elastic.transport import Done, FTTransport, PartitionTimeout
 from hsdp.sync.schedule import fragments_due
 
@@ -46,8 +47,7 @@ OVERRIDES = [
     "run.eval_batches=1",  # the final eval only: 1 batch, not 8
     "run.save_model=true",
     "wandb.mode=disabled",
-    # The fresh join's wait for the other replica's start (20 s was too short once on a box at load 20), and
-    # torchft's quorum timeout, which the first quorum after the lighthouse's restart waits out (≈ 30 s here).
+    # The fresh join's wait for the other replica's start (20 s was too short once on a box at load 20).
     "mesh.timeout_s=30",
     "sync.warmup_steps=0",
     "sync.every=8",
@@ -67,9 +67,9 @@ class ScriptedFaults(ElasticJob):
     """The elastic job with its faults driven by logged steps: replica 1's link cut at CUT_AT and restored at
     replica 0's RESTORE_AT; then, just after a sync both replicas held, the lighthouse killed, and started
     again at the same address once replica 0 logged two more steps (its heartbeats failed meanwhile), before
-    their next sync. That sync's first quorum attempt still waits out torchft's quorum timeout (mesh.timeout_s
-    here) and its retry reaches the restarted lighthouse (docs/results/elastic.md); the pause's bound is tested
-    on a fake clock below."""
+    their next sync. A replica that reaches that sync while the lighthouse is down asks for no quorum until it
+    accepts connections, then waits one heartbeat window (docs/design.md §11.2; counted on a fake clock
+    below), so both replicas are in the restarted lighthouse's first quorum."""
 
     events: list[str]
     lighthouse_back_at: int = -1
@@ -276,6 +276,92 @@ def test_a_replica_without_quorum_pauses_and_ends_with_one_line_after_the_bound(
         t.begin_round()
     assert "elastic.partition_timeout_s=60" in str(e.value) and "\n" not in str(e.value)
     assert clock.now <= 7 + 60 + 1  # the first attempt, then retries bounded by what was left (>= 1 s each)
+
+
+def test_no_quorum_is_asked_for_while_the_lighthouse_refuses_connections(capsys) -> None:
+    """While the lighthouse is down (lost, restarting, or cut off), the replica pauses at its sync without asking
+    torchft for a quorum (torchft would fail it at once and keep the caller waiting out its whole quorum
+    timeout); once it accepts connections again, one heartbeat window later, the first attempt gets the quorum.
+    Counted: no attempt while down, one failure, its time on the fake clock (each refused probe 2 s, the
+    retries' sleep 0, the window 5 s)."""
+    clock = _Clock()
+    manager = _UnreachableManager(clock, failures=0)
+    refusals = []
+
+    def lighthouse_unreachable() -> Optional[OSError]:
+        if len(refusals) < 3:
+            refusals.append(len(manager.attempts))
+            clock.now += 2.0
+            return ConnectionRefusedError(111, "Connection refused")
+        return None
+
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        clock.now += s
+
+    t = FTTransport(
+        manager,
+        _Flags(),
+        Comm({}),
+        clock=clock,
+        partition_timeout_s=60,
+        lighthouse_unreachable=lighthouse_unreachable,
+        heartbeat_window_s=5.0,
+    )
+    t.pause_retry_s, t.sleep = 0.0, sleep
+    t.begin_round()
+    assert refusals == [0, 0, 0] and len(manager.attempts) == 1  # not one quorum asked for while it refused
+    assert manager.attempts[0] is not None and manager.attempts[0] <= 30  # a retry's bound: what is left
+    # back: one heartbeat window (every live replica reconnects to a restarted lighthouse), then the quorum
+    assert sleeps == [0.0, 0.0, 0.0, 5.0]
+    assert t.quorum_failures == 1 and t.quorum_failed_s == 4.0 + 5.0  # from the first refusal: two probes, the window
+    err = capsys.readouterr().err
+    assert "the lighthouse does not accept connections: Connection refused" in err and "paused at this sync" in err
+
+    clock = _Clock()  # a cut link (unreachable, not refused): the same lighthouse knows every replica, no window
+    manager = _UnreachableManager(clock, failures=0)
+    cut = [OSError(101, "Network is unreachable")] * 2
+    t = FTTransport(
+        manager,
+        _Flags(),
+        Comm({}),
+        clock=clock,
+        partition_timeout_s=60,
+        lighthouse_unreachable=lambda: cut.pop() if cut else None,
+        heartbeat_window_s=5.0,
+    )
+    sleeps.clear()
+    t.pause_retry_s, t.sleep = 0.5, sleep
+    t.begin_round()
+    assert sleeps == [0.5, 0.5] and len(manager.attempts) == 1 and t.quorum_failed_s == 1.0
+
+    clock = _Clock()  # a lighthouse that never comes back: the partition bound still ends the pause
+    manager = _UnreachableManager(clock, failures=0)
+
+    def never_back() -> Optional[OSError]:
+        clock.now += 2.0  # each probe waits out its connect timeout
+        return TimeoutError("timed out")
+
+    t = FTTransport(manager, _Flags(), Comm({}), clock=clock, partition_timeout_s=10, lighthouse_unreachable=never_back)
+    t.pause_retry_s = 0.0
+    with pytest.raises(PartitionTimeout) as e:
+        t.begin_round()
+    assert manager.attempts == [] and "the lighthouse does not accept connections: timed out" in str(e.value)
+    assert clock.now == 2.0 + 10.0  # the first refusal, then probes until the bound had passed
+
+
+def test_lighthouse_unreachable_says_why_a_port_refuses_and_nothing_for_one_that_listens() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    error = lighthouse_unreachable(f"http://127.0.0.1:{port}", 1.0)
+    assert isinstance(error, ConnectionRefusedError) and in_words(error) == "Connection refused"
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert lighthouse_unreachable(f"http://127.0.0.1:{server.getsockname()[1]}", 1.0) is None
 
 
 class _Workers:

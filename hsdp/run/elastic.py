@@ -14,19 +14,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
-from urllib.parse import urlsplit
 
 from hsdp.atomic import write_json
 from hsdp.config.schema import Config, ConfigError
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.metrics import last_record
 from hsdp.run.zygote import Exit, Workers
+from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
 from hsdp.sync.membership import ReplicaSeat
 
 
@@ -84,14 +83,12 @@ def check_lighthouse_reachable(cfg: Config) -> None:
     url = cfg.elastic.lighthouse
     if not url:
         return
-    parts = urlsplit(url)
-    try:
-        socket.create_connection((parts.hostname, parts.port), timeout=cfg.elastic.timeout_s).close()
-    except OSError as e:
+    error = lighthouse_unreachable(url, cfg.elastic.timeout_s)
+    if error:
         raise ConfigError(
-            f"elastic.lighthouse: cannot reach {url} ({e.strerror or type(e).__name__}); start torchft_lighthouse "
+            f"elastic.lighthouse: cannot reach {url} ({in_words(error)}); start torchft_lighthouse "
             "there first, or leave elastic.lighthouse empty to have the launcher start one"
-        ) from None
+        )
 
 
 def lighthouse_answers(cfg: Config) -> bool:

@@ -14,6 +14,7 @@ from hsdp.comm.mesh import Mesh, build_elastic_mesh
 from hsdp.config.schema import Config
 from hsdp.sync.elastic.heal import HealState
 from hsdp.sync.elastic.join import Join
+from hsdp.sync.elastic.lighthouse import lighthouse_unreachable
 from hsdp.sync.elastic.manager import build_manager
 from hsdp.sync.elastic.rejoin import Rejoin
 from hsdp.sync.elastic.straggler import RoundBound
@@ -55,6 +56,8 @@ class ElasticMembership:
             spectating=lambda: self.heal.spectating,
             partition_timeout_s=self.cfg.elastic.partition_timeout_s,
             bound=self.bound,
+            lighthouse_unreachable=lambda: lighthouse_unreachable(self.lighthouse, self.cfg.elastic.timeout_s),
+            heartbeat_window_s=self.cfg.elastic.timeout_s,  # the lighthouse's heartbeat timeout (run/elastic.py)
         )
         self.joining = Join(self.cfg, self.replica, self.restart, self.transport, self.heal)
         self.rejoin = Rejoin(self.joining, self.heal)  # after a cut: heal and continue at the peers' step

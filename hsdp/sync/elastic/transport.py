@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from hsdp.comm.groups import Comm, ring_bytes_of
+from hsdp.sync.elastic.lighthouse import in_words
 from hsdp.sync.elastic.straggler import RoundBound
 
 
@@ -60,6 +61,10 @@ class FTTransport:
     `spectating()`: whether this replica spectates (asked at each round's start and collective: its heal
     state knows). `clock` (seconds, monotonic) times the quorum waits, dropped rounds and cuts; tests pass a
     fake. `partition_timeout_s`: how long a round's quorum may keep failing before PartitionTimeout.
+    `lighthouse_unreachable()`: why the lighthouse does not accept a connection now (an OSError), or None
+    (asked before each quorum attempt: manager.lighthouse_unreachable says why a quorum must not be asked
+    for then). `heartbeat_window_s`: the lighthouse's heartbeat timeout (elastic.timeout_s), waited once a
+    lighthouse that refused connections (its process gone: a fresh one when it is back) accepts again.
     """
 
     may_fail = True
@@ -73,8 +78,12 @@ class FTTransport:
         clock: Callable[[], float] = time.perf_counter,
         partition_timeout_s: float = 120.0,
         bound: Optional[RoundBound] = None,
+        lighthouse_unreachable: Callable[[], Optional[OSError]] = lambda: None,
+        heartbeat_window_s: float = 0.0,
     ) -> None:
         self.manager, self.pg, self.comm, self.clock = manager, pg, comm, clock
+        self.lighthouse_unreachable, self.heartbeat_window_s = lighthouse_unreachable, heartbeat_window_s
+        self.sleep: Callable[[float], None] = time.sleep  # tests pass one that moves their fake clock
         self.partition_timeout_s = partition_timeout_s
         # Rounds whose quorum failed at first (the lighthouse unreachable, or no quorum within the manager's
         # quorum timeout), and the time until one answered. A shorter cut shows as a long quorum wait only.
@@ -139,10 +148,27 @@ class FTTransport:
         needed for the heal: if the others committed rounds without it, its torchft step is behind theirs and
         the quorum that answers heals it from a live replica (rejoin.py finishes that heal); if they did not,
         they wait at the same sync. PartitionTimeout (one line) once the failures have lasted
-        partition_timeout_s (a retry waits at most what is left of it)."""
+        partition_timeout_s (a retry waits at most what is left of it).
+
+        No quorum is asked for while the lighthouse refuses connections (lost, restarting, or cut off): torchft
+        would fail that quorum at once and still keep this process waiting out its whole quorum timeout, so a
+        lighthouse back a second later would cost that timeout (30 s to 300 s) instead of a second. If it
+        refused connections (its process was gone), the replica waits one heartbeat window once it accepts
+        again: a restarted lighthouse knows only the replicas that heartbeated to it since, and asked at once
+        it would form a quorum of this replica alone and make the others heal; within the window every live
+        replica's manager has reconnected. After a cut link (unreachable, timed out) the lighthouse is the same
+        one and knows them: no wait."""
         first: Optional[float] = None
+        restarted = False  # the lighthouse refused a connection during this pause: it is a fresh one when back
         while True:
             try:
+                error = self.lighthouse_unreachable()
+                if error:
+                    restarted = restarted or isinstance(error, ConnectionRefusedError)
+                    raise ConnectionError(f"the lighthouse does not accept connections: {in_words(error)}")
+                if restarted:
+                    self.sleep(self.heartbeat_window_s)
+                    restarted = False
                 if first is None:
                     self.manager.start_quorum()
                 else:
@@ -166,9 +192,9 @@ class FTTransport:
                         f"no quorum for {now - first:.0f} s ({bound}): this replica is cut off from the lighthouse "
                         f"and the other replicas; last error: {why}"
                     ) from None
-                # torchft keeps the failed quorum's future and re-raises its error at the next start_quorum
+                # torchft keeps a failed quorum's future and re-raises its error at the next start_quorum
                 self.manager._quorum_future = None
-                time.sleep(self.pause_retry_s)
+                self.sleep(self.pause_retry_s)
         if first is not None:
             self.quorum_failed_s += self.clock() - first
             print(f"elastic: a quorum again after {self.clock() - first:.1f} s", file=sys.stderr, flush=True)
