@@ -13,6 +13,9 @@ Patches (process-global state of torch that the project changes; `PATCHES`):
   register_cpu_collectives the CPU kernels of two `_c10d_functional` ops (gloo), registered once
   start_compile_pool_lazily TORCH_WARM_POOL=0 in the environment, unless the user set it
 
+Behaviour relied on without a name to resolve:
+  GLOO_RENDEZVOUS_KEY      gloo's rendezvous key of a rank, deleted once connected (elastic_gloo_group)
+
 Differences between the checked versions, absorbed here:
   inductor_keeps_collective_order  torch 2.15's simple-overlap pass (on by default) off for compile.passes
                                    ours / none; 2.13 has no such pass
@@ -339,16 +342,32 @@ _LAZY: tuple[tuple[tuple[str, ...], Callable[[], tuple[Any, ...]]], ...] = (
 )
 
 
+# The store key under which gloo's full-mesh connect publishes a rank's addresses (ProcessGroupGloo's device
+# index, then the rank), read by every peer; checked by tests/test_torch_compat.py.
+GLOO_RENDEZVOUS_KEY = "{device}/{rank}"
+
+
 def elastic_gloo_group(connect_timeout: timedelta, op_timeout: timedelta) -> Any:
     """torchft's reconfigurable gloo group whose re-forming after a quorum change (the store rendezvous and
     gloo's full-mesh connect) may take `connect_timeout`, while each collective after it still fails after
-    `op_timeout` (failure detection). gloo has one timeout for both; it is set to the op bound once connected."""
+    `op_timeout` (failure detection). gloo has one timeout for both; it is set to the op bound once connected.
+
+    Once connected, each rank deletes its own rendezvous key (`GLOO_RENDEZVOUS_KEY`): torchft names a group's
+    store prefix by its quorum id, and a restarted lighthouse numbers quorums from 1 again, so a later group
+    under a re-used prefix read the earlier group's addresses and timed out connecting (a dropped round, then
+    another). gloo's connect on one rank can finish before a peer has read that rank's key, but every rank reads
+    all keys before it connects any pair: so once a collective over the whole group has completed, every key has
+    been read, and each rank deletes its own after one (a 4-byte all-reduce, under the connect bound).
+    """
     from torchft.process_group import ProcessGroupGloo
 
     class _Gloo(ProcessGroupGloo):
         def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> Any:
             pg = super()._create_pg(store, rank, world_size)
-            pg._get_backend(torch.device("cpu")).set_timeout(op_timeout)
+            backend = pg._get_backend(torch.device("cpu"))
+            backend.allreduce([torch.zeros(1)]).wait()  # every rank has read every key
+            store.delete_key(GLOO_RENDEZVOUS_KEY.format(device=0, rank=rank))
+            backend.set_timeout(op_timeout)
             return pg
 
     return _Gloo(timeout=connect_timeout)

@@ -14,6 +14,7 @@ import inspect
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,40 @@ def test_an_uninitialized_embedding_takes_no_draw_and_imports_no_dynamo():
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_an_elastic_gloo_group_formed_again_under_a_used_prefix_connects():
+    """torchft names a group's store prefix by its quorum id, which a restarted lighthouse hands out again from 1:
+    the second group under the same prefix must not read the first one's addresses (gloo's connect timed out,
+    and the round was dropped). Two ranks in threads; rank 1 forms the second group later, as a replica that
+    reaches the round later. Checks GLOO_RENDEZVOUS_KEY too: a key that is not gloo's would stay and fail."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = f"127.0.0.1:{server.port}/torchft/1/0"  # the same quorum id, both times
+    results: dict[tuple[int, int], object] = {}
+
+    def rank(r: int) -> None:
+        for attempt in range(2):
+            if attempt == 1 and r == 1:
+                time.sleep(1.0)  # rank 0 reaches the rendezvous first: it would read rank 1's old key
+            g = torch_compat.elastic_gloo_group(timedelta(seconds=60), timedelta(seconds=60))
+            try:
+                g.configure(addr, f"replica_{r}", r, 2)
+                t = torch.ones(1)
+                g.allreduce([t], dist.AllreduceOptions()).wait()
+                results[(r, attempt)] = t.item()
+            except Exception as e:  # the failure this guards against: a connect to the old group's address
+                results[(r, attempt)] = str(e).splitlines()[0]
+            finally:
+                g.abort(errored=False)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)  # the hang guard
+    assert results == {(0, 0): 2.0, (1, 0): 2.0, (0, 1): 2.0, (1, 1): 2.0}, results
