@@ -250,8 +250,8 @@ class _Flags:
         return Done()
 
 
-def _transport(manager: _UnreachableManager, clock: _Clock, bound: float) -> FTTransport:
-    t = FTTransport(manager, _Flags(), Comm({}), clock=clock, partition_timeout_s=bound)
+def _transport(manager: _UnreachableManager, clock: _Clock, bound: float, **kwargs) -> FTTransport:
+    t = FTTransport(manager, _Flags(), Comm({}), clock=clock, partition_timeout_s=bound, **kwargs)
     t.pause_retry_s = 0.0
     return t
 
@@ -301,16 +301,8 @@ def test_no_quorum_is_asked_for_while_the_lighthouse_refuses_connections(capsys)
         sleeps.append(s)
         clock.now += s
 
-    t = FTTransport(
-        manager,
-        _Flags(),
-        Comm({}),
-        clock=clock,
-        partition_timeout_s=60,
-        lighthouse_unreachable=lighthouse_unreachable,
-        heartbeat_window_s=5.0,
-    )
-    t.pause_retry_s, t.sleep = 0.0, sleep
+    t = _transport(manager, clock, 60, lighthouse_unreachable=lighthouse_unreachable, heartbeat_window_s=5.0)
+    t.sleep = sleep
     t.begin_round()
     assert refusals == [0, 0, 0] and len(manager.attempts) == 1  # not one quorum asked for while it refused
     assert manager.attempts[0] is not None and manager.attempts[0] <= 30  # a retry's bound: what is left
@@ -322,16 +314,8 @@ def test_no_quorum_is_asked_for_while_the_lighthouse_refuses_connections(capsys)
 
     clock = _Clock()  # a cut link (unreachable, not refused): the same lighthouse knows every replica, no window
     manager = _UnreachableManager(clock, failures=0)
-    cut = [OSError(101, "Network is unreachable")] * 2
-    t = FTTransport(
-        manager,
-        _Flags(),
-        Comm({}),
-        clock=clock,
-        partition_timeout_s=60,
-        lighthouse_unreachable=lambda: cut.pop() if cut else None,
-        heartbeat_window_s=5.0,
-    )
+    cut = iter([OSError(101, "Network is unreachable")] * 2)
+    t = _transport(manager, clock, 60, lighthouse_unreachable=lambda: next(cut, None), heartbeat_window_s=5.0)
     sleeps.clear()
     t.pause_retry_s, t.sleep = 0.5, sleep
     t.begin_round()
@@ -344,8 +328,7 @@ def test_no_quorum_is_asked_for_while_the_lighthouse_refuses_connections(capsys)
         clock.now += 2.0  # each probe waits out its connect timeout
         return TimeoutError("timed out")
 
-    t = FTTransport(manager, _Flags(), Comm({}), clock=clock, partition_timeout_s=10, lighthouse_unreachable=never_back)
-    t.pause_retry_s = 0.0
+    t = _transport(manager, clock, 10, lighthouse_unreachable=never_back)
     with pytest.raises(PartitionTimeout) as e:
         t.begin_round()
     assert manager.attempts == [] and "the lighthouse does not accept connections: timed out" in str(e.value)
