@@ -24,11 +24,11 @@ import torch.distributed as dist
 from hsdp.comm.mesh import Mesh
 from hsdp.config.loader import save_config
 from hsdp.config.schema import Config, ConfigError, to_dict
-from hsdp.data import Data
+from hsdp.data.tokens import Data
 from hsdp.engines.base import Batch, Engine
 from hsdp.engines.registry import build_engine
-from hsdp.model import loss_fn, throughput
-from hsdp.optim import build_optimizer, lr_at, set_lr
+from hsdp.models.gpt import loss_fn, throughput
+from hsdp.models.optim import build_optimizer, lr_at, set_lr
 from hsdp.run.checkpoint import Checkpoints, check_resume, finished, remove_failed_saves
 from hsdp.run.guard import check_finite
 from hsdp.run.launch import Interrupted, WorkerError, launch, torchrun_seat, under_torchrun

@@ -1,4 +1,4 @@
-"""Export a checkpoint as a plain full state dict of `hsdp.model.GPT`, or as a Hugging Face folder (one process).
+"""Export a checkpoint as a plain full state dict of `hsdp.models.gpt.GPT`, or as a Hugging Face folder (one process).
 
     python -m hsdp.export <checkpoint> <out> [--replica m | --global] [--format pt | safetensors | hf]
 
@@ -11,7 +11,7 @@ with `GPT(cfg.model).load_state_dict(torch.load(out))`.
 
 `--format safetensors` writes the same tensors as a `.safetensors` file;
 `--format hf` writes a folder `transformers.AutoModelForCausalLM.from_pretrained`
-loads with no custom code (GPT2LMHeadModel or LlamaForCausalLM, hsdp/hf.py): config.json,
+loads with no custom code (GPT2LMHeadModel or LlamaForCausalLM, hsdp/models/hf.py): config.json,
 model.safetensors, generation_config.json and, when the run's data has a tokenizer.json,
 the tokenizer files AutoTokenizer loads. Every format can be `model.init_from` of a run.
 
@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 
 from hsdp.config.schema import Config, ConfigError
-from hsdp.data import tokenizer_path
-from hsdp.hf import write_hf_folder
+from hsdp.data.tokens import tokenizer_path
+from hsdp.models.hf import write_hf_folder
 from hsdp.run.checkpoint import CHECKPOINTS, COMPLETE, complete_checkpoints, read_saved_config, step_of
 from hsdp.run.checkpoint.export import read_model
 

@@ -46,8 +46,8 @@ from typing import Any, Optional
 import numpy as np
 from tqdm import tqdm
 
-from hsdp.atomic import stale_temps, temp_name, write_json
-from hsdp.corpus import (
+from hsdp.core.atomic import stale_temps, temp_name, write_json
+from hsdp.data.corpus import (
     CHUNK_BYTES,
     DEFAULT_SUFFIXES,
     EOT,
@@ -58,7 +58,7 @@ from hsdp.corpus import (
     documents,
     plan_split,
 )
-from hsdp.shards import MAX_TOKENS, MAX_VOCAB, ShardWriter
+from hsdp.data.shards import MAX_TOKENS, MAX_VOCAB, ShardWriter
 
 BYTES = 256  # the byte-level alphabet
 BATCH_CHARS = 4 << 20  # text encoded per encode_batch call (the tokenizer parallelises within a batch)
@@ -147,7 +147,7 @@ def our_files(out: Path) -> list[Path]:
 
 class ShardSeries:
     """One split's token stream written as shards of at most `shard_tokens` tokens, each complete or absent
-    (hsdp.shards.ShardWriter: temp name, fsync, rename); at least one shard, even for an empty split."""
+    (hsdp.data.shards.ShardWriter: temp name, fsync, rename); at least one shard, even for an empty split."""
 
     def __init__(self, out: Path, split: str, shard_tokens: int) -> None:
         self.out, self.split, self.shard_tokens = out, split, shard_tokens

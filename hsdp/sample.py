@@ -32,9 +32,9 @@ from typing import Any, Optional
 import torch
 
 from hsdp.config.schema import Config, ConfigError
-from hsdp.data import tokenizer_path
+from hsdp.data.tokens import tokenizer_path
 from hsdp.export import CheckpointGone, export, run_checkpoints
-from hsdp.model import GPT
+from hsdp.models.gpt import GPT
 from hsdp.run.checkpoint import read_saved_config, step_of
 
 BYTES = 256

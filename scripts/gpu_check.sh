@@ -56,7 +56,7 @@ for n in names:
     print(f"| {n} | {s['median_step_time_s']*1e3:.1f} | {s.get('compile_time_s', '-')} | {s['peak_mem_mb']:.0f} | {err:.1e} |")
 PY
 # 4. llama, bf16, compiled, on one GPU: summary.json's flops_per_token and mfu (the GPU must be in the peak
-#    table of hsdp/model.py), then sampling on CUDA twice with one seed (the texts must match).
+#    table of hsdp/models/gpt.py), then sampling on CUDA twice with one seed (the texts must match).
 lcommon=(--config configs/tiny.yaml --set mesh.sync=1 --set mesh.shard=1 --set wandb.mode=disabled
          --set run.steps=60 --set run.eval_every=0 --set run.out_dir="$OUT" --set model.arch=llama
          --set model.bias=false --set precision.param_dtype=bf16 --set run.checkpoint_every=60)

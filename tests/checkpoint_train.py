@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 
 import train  # noqa: E402
 from hsdp.config.schema import Config  # noqa: E402
-from hsdp.data import Data  # noqa: E402
+from hsdp.data.tokens import Data  # noqa: E402
 
 HOLD_POLL_S = 0.05
 

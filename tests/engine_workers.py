@@ -71,7 +71,7 @@ def check_release(rank: int, world: int) -> dict:
     """After a unit's forward (and after backward) its full params hold no storage."""
     from hsdp.config.schema import ModelConfig
     from hsdp.engines.hsdp import HSDPEngine
-    from hsdp.model import build_model
+    from hsdp.models.gpt import build_model
 
     mesh = _mesh(world)
     model = build_model(ModelConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16), 0)
@@ -128,7 +128,7 @@ def main() -> None:
     name, world, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hsdp, when run as a script
     import hsdp.engines.hsdp  # noqa: F401  (once, before the fork, and not in each rank)
-    import hsdp.model  # noqa: F401
+    import hsdp.models.gpt  # noqa: F401
     import hsdp.run.launch  # noqa: F401
 
     with socket.socket() as s:

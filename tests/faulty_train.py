@@ -18,7 +18,7 @@ import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
 from hsdp.config.schema import Config  # noqa: E402
-from hsdp.data import Data  # noqa: E402
+from hsdp.data.tokens import Data  # noqa: E402
 
 
 def faulty_worker(rank: int, step: int, cfg: Config) -> None:

@@ -13,9 +13,9 @@ import dataclasses
 import torch
 
 from hsdp.config.schema import Config
-from hsdp.data import Data
-from hsdp.model import build_model, loss_fn
-from hsdp.optim import build_optimizer, lr_at, set_lr
+from hsdp.data.tokens import Data
+from hsdp.models.gpt import build_model, loss_fn
+from hsdp.models.optim import build_optimizer, lr_at, set_lr
 from hsdp.run.preflight import load_checked_config
 
 

@@ -59,9 +59,9 @@ import torch
 
 from hsdp.config.loader import load_config
 from hsdp.config.schema import Config
-from hsdp.data import Data
-from hsdp.model import build_model, loss_fn
-from hsdp.optim import build_optimizer, lr_at, set_lr
+from hsdp.data.tokens import Data
+from hsdp.models.gpt import build_model, loss_fn
+from hsdp.models.optim import build_optimizer, lr_at, set_lr
 
 
 @dataclass

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.export import main as export_main
-from hsdp.model import GPT
+from hsdp.models.gpt import GPT
 from hsdp.run.checkpoint import check_resume, latest_checkpoint, prune, read_meta
 from tests.helpers import _SERVER, QUIET_ENV, REPO, SMALL, RunResult, max_param_rel_err, rel_err, run_train
 

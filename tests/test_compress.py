@@ -53,7 +53,7 @@ import torch
 
 from hsdp.config.loader import load_config
 from hsdp.config.schema import SyncConfig
-from hsdp.model import build_model
+from hsdp.models.gpt import build_model
 from hsdp.run.checkpoint import read_meta
 from hsdp.sync.elastic.transport import FTTransport
 from tests.helpers import SMALL, max_param_rel_err, rel_err, run_train

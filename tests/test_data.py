@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hsdp.config.schema import Config, ConfigError
-from hsdp.data import Data, TokenStream, check_data, load_tokens, stdlib_files, synthetic_tokens
+from hsdp.data.tokens import Data, TokenStream, check_data, load_tokens, stdlib_files, synthetic_tokens
 from hsdp.run.preflight import load_checked_config
 
 

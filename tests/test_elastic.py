@@ -175,7 +175,7 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
 def _assert_data_is_indexed_by_step(overrides: list[str], replica: int) -> None:
     """A replica's batch at step s depends on (its ranks, s) only: a fresh Data (a restarted replica's)
     gives, at a late step, exactly what one that has served every earlier step gives."""
-    from hsdp.data import Data
+    from hsdp.data.tokens import Data
 
     cfg = load_config(str(REPO / "configs/tiny.yaml"), overrides)
     world = cfg.mesh.sync * cfg.mesh.shard

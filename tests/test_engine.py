@@ -80,7 +80,7 @@ def test_comm_bytes_match_formula(tmp_path: Path) -> None:
     overrides = SMALL + [f"run.steps={steps}", f"mesh.sync={M}", f"mesh.shard={S}", "run.save_model=false"]
     run = run_train(tmp_path, "bytes", overrides)
     from hsdp.config.loader import load_config
-    from hsdp.model import build_model
+    from hsdp.models.gpt import build_model
 
     cfg = load_config(None, overrides)
     model = build_model(cfg.model, 0)
@@ -136,7 +136,7 @@ def test_sharded_peak_memory_below_unsharded(tmp_path: Path) -> None:
         "wandb.mode=disabled",
     ]
     from hsdp.config.loader import load_config
-    from hsdp.model import build_model
+    from hsdp.models.gpt import build_model
 
     n_params = sum(p.numel() for p in build_model(load_config(None, big).model, 0).parameters())
     saved_mb = 16 * n_params / 2 / 2**20  # ~98 MB; measured here: ~93 MB (the transient full units cost a little)

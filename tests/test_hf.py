@@ -18,17 +18,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hsdp.config.schema import ConfigError
-from hsdp.data import Data
+from hsdp.data.shards import open_tokens, read_header
+from hsdp.data.tokens import Data
 from hsdp.export import main as export_main
-from hsdp.hf import hf_config, to_hf, write_hf_folder
-from hsdp.init_from import initial_model, initial_unit_initializer, read_init_from
-from hsdp.model import GPT, build_model, loss_fn
+from hsdp.models.gpt import GPT, build_model, loss_fn
+from hsdp.models.hf import hf_config, to_hf, write_hf_folder
+from hsdp.models.init_from import initial_model, initial_unit_initializer, read_init_from
 from hsdp.prepare import main as prepare_main
 from hsdp.run.checkpoint import latest_checkpoint, read_saved_config
 from hsdp.run.preflight import load_checked_config
 from hsdp.sample import generate
 from hsdp.sample import main as sample_main
-from hsdp.shards import open_tokens, read_header
 from tests.helpers import run_train
 
 transformers = pytest.importorskip("transformers")  # a dev dependency (pyproject.toml); exporting needs none
@@ -193,7 +193,7 @@ def test_initial_params_are_the_loaded_ones_unit_by_unit() -> None:
     cfg = load_checked_config(None, ["model.arch=llama", "data.source=synthetic", *SHAPE]).model
     source = build_model(cfg, seed=11).state_dict()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("hsdp.init_from.read_init_from", lambda _: source)
+        mp.setattr("hsdp.models.init_from.read_init_from", lambda _: source)
         cfg.init_from = "given"
         whole = initial_model(cfg, seed=0).state_dict()
         materialize = initial_unit_initializer(cfg, seed=0)

@@ -12,7 +12,7 @@ import torch
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError, ModelConfig
 from hsdp.export import export
-from hsdp.model import GPT, Block, build_model, ffn_hidden
+from hsdp.models.gpt import GPT, Block, build_model, ffn_hidden
 from tests.helpers import SMALL, RunResult, max_param_rel_err, run_train
 from tests.reference import reference_run
 

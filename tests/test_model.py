@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hsdp.config.schema import Config, ModelConfig, OptimConfig
-from hsdp.data import Data
-from hsdp.model import Block, Embedding, Head, build_model, loss_fn, no_decay
-from hsdp.optim import build_optimizer, lr_at, set_lr
+from hsdp.data.tokens import Data
+from hsdp.models.gpt import Block, Embedding, Head, build_model, loss_fn, no_decay
+from hsdp.models.optim import build_optimizer, lr_at, set_lr
 
 torch.set_num_threads(1)
 
@@ -277,7 +277,7 @@ def test_short_training_run_reduces_loss():
 
 def test_unit_by_unit_init_equals_build_model():
     """The engine's meta-device path (one unit materialised at a time) gives build_model's exact weights."""
-    from hsdp.model import unit_initializer
+    from hsdp.models.gpt import unit_initializer
 
     cfg = ModelConfig(vocab_size=256, seq_len=16, n_layer=3, n_head=2, d_model=32)
     full = build_model(cfg, seed=7)

@@ -115,7 +115,7 @@ def test_buckets_respect_bucket_mb_and_never_hold_the_whole_model() -> None:
     import torch.nn as nn
 
     from hsdp.compile.graph import plan_buckets
-    from hsdp.layout import plan_layout
+    from hsdp.core.layout import plan_layout
 
     sizes = [1000, 3000, 3000, 500, 500, 4000]  # fp32 elements per unit
     layouts = [plan_layout(nn.Linear(n, 1, bias=False), 2) for n in sizes]  # gathered: 2·n fp32 = 8·n bytes

@@ -1,6 +1,6 @@
 """python -m hsdp.prepare and the llm.c shard format it writes and data.source=tokens reads.
 
-Shards are checked against headers written by hand here (numpy, not hsdp.shards),
+Shards are checked against headers written by hand here (numpy, not hsdp.data.shards),
 and tokens against the tokenizer encoding each document whole.
 """
 
@@ -21,10 +21,10 @@ from tokenizers.pre_tokenizers import ByteLevel
 
 from hsdp import prepare
 from hsdp.config.schema import ConfigError
-from hsdp.data import Data, load_tokens
+from hsdp.data.shards import MAGIC, ShardWriter
+from hsdp.data.tokens import Data, load_tokens
 from hsdp.prepare import EOT, main
 from hsdp.run.preflight import load_checked_config
-from hsdp.shards import MAGIC, ShardWriter
 from tests.helpers import QUIET_ENV, REPO, run_train
 
 DOCS = [
@@ -43,7 +43,7 @@ DOCS = [
 
 
 def header(count: int, magic: int = MAGIC, version: int = 1) -> bytes:
-    """llm.c's header, written here independently of hsdp.shards."""
+    """llm.c's header, written here independently of hsdp.data.shards."""
     h = np.zeros(256, dtype="<i4")
     h[:3] = magic, version, count
     return h.tobytes()

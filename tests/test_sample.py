@@ -17,7 +17,7 @@ import hsdp.export as hsdp_export
 import hsdp.sample as hsdp_sample
 from hsdp.export import export
 from hsdp.export import main as export_main
-from hsdp.model import GPT
+from hsdp.models.gpt import GPT
 from hsdp.prepare import main as prepare_main
 from hsdp.run.checkpoint import latest_checkpoint, read_saved_config
 from hsdp.sample import main

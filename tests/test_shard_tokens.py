@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from hsdp.config.schema import ConfigError
-from hsdp.data import Data, load_tokens
+from hsdp.data.shards import open_tokens, read_header
+from hsdp.data.tokens import Data, load_tokens
 from hsdp.prepare import main as prepare_main
 from hsdp.run.preflight import load_checked_config
-from hsdp.shards import open_tokens, read_header
 from tests.helpers import run_train
 
 TEXT = "<|endoftext|>".join(f"def g{i}(a, b):\n    return a * {i} - b // {i % 5 + 1}\n" for i in range(400))

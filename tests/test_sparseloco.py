@@ -21,7 +21,7 @@ import torch
 
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError, SyncConfig
-from hsdp.model import build_model
+from hsdp.models.gpt import build_model
 from hsdp.sync.policy import SyncPolicy
 from tests.helpers import SMALL, run_train
 from tests.sparseloco_reference import SparseReference, SparseSpec, int2_roundtrip, payload_bytes, select

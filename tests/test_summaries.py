@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hsdp.config.loader import load_config, save_config
-from hsdp.optim import lr_at
+from hsdp.models.optim import lr_at
 from hsdp.run.checkpoint import COMPLETE, FORMAT
 from hsdp.run.elastic import merge_replica_summaries
 from hsdp.run.metrics import carried_counters, last_record

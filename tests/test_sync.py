@@ -42,7 +42,7 @@ import torch
 
 from hsdp.config.loader import load_config
 from hsdp.config.schema import SyncConfig
-from hsdp.model import build_model
+from hsdp.models.gpt import build_model
 from tests.helpers import REPO, SMALL, max_param_rel_err, rel_err, run_train
 from tests.sync_reference import SyncReferenceResult, dequantize_int8, fragment_due, quantize_int8, sync_reference_run
 

@@ -56,12 +56,12 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     import train
     from hsdp.config.loader import load_config
-    from hsdp.data import load_tokens
+    from hsdp.data.tokens import load_tokens
     from hsdp.engines.registry import engine_modules
     from hsdp.run.launch import start_zygote
     from tests.helpers import SMALL
 
-    # The test GPT's synthetic tokens: loaded here (hsdp.data keeps the chain per process) before the zygote
+    # The test GPT's synthetic tokens: loaded here (hsdp.data.tokens keeps the chain per process) before the zygote
     # forks, each worker of each run finds them in its process (0.15 CPU s a worker).
     load_tokens(load_config(None, SMALL))
     start_zygote(train.train_worker, compiled=True)  # many test runs compile

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from hsdp.atomic import write_json
+from hsdp.core.atomic import write_json
 from hsdp.torch_compat import cpu_vec_isa_probe, inductor_cache_dir
 
 

@@ -25,9 +25,9 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from hsdp.atomic import write_json
 from hsdp.comm.groups import ring_bytes_of
 from hsdp.compile.passes import BUCKET_VIEW_OPS, COLLECTIVES, SOURCE_HASH, WAITS, C, max_gathered_alive
+from hsdp.core.atomic import write_json
 from hsdp.torch_compat import CustomGraphPass, inductor_cache_dir, resolve_process_group
 
 

@@ -9,7 +9,7 @@ Per unit, in the graph:
     x      = functional_call(unit, params, x)
 
 and in backward (`_GatherShards.backward`), the same reduction as the eager
-engine (`hsdp.layout.ReducePlan`):
+engine (`hsdp.core.layout.ReducePlan`):
 
     g = scale_grad(grad, reduce_dtype, 1/pre) → wait(reduce_scatter(sum, shard))
       → [sync_grads] wait(all_reduce(sum, sync)) → scaled_grad_shard(g, 1/post)
@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from hsdp.layout import ReducePlan, UnitLayout
-from hsdp.model import loss_fn
+from hsdp.core.layout import ReducePlan, UnitLayout
+from hsdp.models.gpt import loss_fn
 from hsdp.torch_compat import C10D_FUNCTIONAL
 from kernels.pack import cast_shard
 from kernels.reduce import scale_grad, scaled_grad_shard

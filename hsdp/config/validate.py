@@ -104,7 +104,7 @@ def validate(cfg: Config) -> None:
     s = cfg.sync
     if s.fragments > 1 and s.every % s.fragments:
         raise ConfigError(f"sync.fragments: expected a divisor of sync.every={s.every}, got {s.fragments}")
-    units = cfg.model.n_layer + 2  # hsdp/model.py: embedding, one unit per block, head
+    units = cfg.model.n_layer + 2  # hsdp/models/gpt.py: embedding, one unit per block, head
     if s.fragments > units:
         raise ConfigError(
             f"sync.fragments: expected at most the model's {units} units (model.n_layer + 2: "

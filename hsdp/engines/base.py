@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from hsdp.comm.mesh import Mesh
 from hsdp.config.schema import Config
-from hsdp.model import loss_fn
+from hsdp.models.gpt import loss_fn
 from hsdp.sync.policy import NoSync, Sync
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, targets)
@@ -122,7 +122,7 @@ class Engine(ABC):
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """This replica's full fp32 params on CPU, under `hsdp.model.GPT`'s names."""
+        """This replica's full fp32 params on CPU, under `hsdp.models.gpt.GPT`'s names."""
 
     @abstractmethod
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> EngineState:

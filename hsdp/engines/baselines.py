@@ -24,10 +24,10 @@ from hsdp.comm.groups import Comm, ring_bytes
 from hsdp.comm.mesh import Mesh
 from hsdp.compile.cache import cpu_options
 from hsdp.config.schema import Config
+from hsdp.core.layout import DTYPES
 from hsdp.engines.base import Batch, Engine, EngineState, SavedCheckpoint
 from hsdp.engines.clock import CompileClock
-from hsdp.init_from import initial_model
-from hsdp.layout import DTYPES
+from hsdp.models.init_from import initial_model
 from hsdp.sync.policy import NoSync
 from hsdp.torch_compat import FSDPAllGather, FSDPReduceScatter, start_compile_pool_lazily
 

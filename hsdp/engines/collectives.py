@@ -10,7 +10,7 @@ Both run asynchronously: `start_gather` / `start_reduce` launch and return a
 pending object that finishes later, so the engine can overlap them with compute.
 The eager engine and `full_state_dict` use these; the compiled path expresses
 the same steps with functional collectives (hsdp/compile/graph.py) and shares
-`ReducePlan` (hsdp/layout.py), so both divide and sync grads the same way.
+`ReducePlan` (hsdp/core/layout.py), so both divide and sync grads the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from hsdp.comm.groups import Comm
-from hsdp.layout import ReducePlan, UnitLayout
+from hsdp.core.layout import ReducePlan, UnitLayout
 from kernels.pack import pack_shards, unpack_full
 from kernels.reduce import accumulate_grad_shards, pack_grads
 

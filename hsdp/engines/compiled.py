@@ -31,10 +31,10 @@ from hsdp.compile.graph import Groups, plan_buckets, sharded_loss
 from hsdp.compile.passes import CacheablePass, OurPasses, inductor_overlap_options, recompute_gathers, schedule_of_code
 from hsdp.compile.turns import CompileTurns
 from hsdp.config.schema import CompileConfig, Config
+from hsdp.core.layout import ReducePlan
 from hsdp.engines.base import Batch
 from hsdp.engines.clock import CompileClock
 from hsdp.engines.hsdp import HSDPEngine
-from hsdp.layout import ReducePlan
 from hsdp.torch_compat import (
     allow_autograd_functions_in_aot_cache,
     capture_output_code,

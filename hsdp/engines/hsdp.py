@@ -2,7 +2,7 @@
 
 Per unit (docs/design.md §3):
 
-    held_flat  [N]       fp32, this rank's dim-0 shard of every param, padded (hsdp/layout.py)
+    held_flat  [N]       fp32, this rank's dim-0 shard of every param, padded (hsdp/core/layout.py)
     gather:    pack → all-gather (shard group) → unpack into full_flat [S·N]   (hsdp/engines/collectives.py)
     release:   full_flat's storage is resized to 0 (views keep their identity)
     backward:  pack grads → reduce-scatter (shard group) → [warmup] all-reduce (sync group)
@@ -30,6 +30,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from hsdp.comm.groups import Comm
 from hsdp.comm.mesh import Mesh
 from hsdp.config.schema import Config, ConfigError, SyncConfig
+from hsdp.core.layout import DTYPES, ParamSpec, ReducePlan, plan_layout, reduce_plan
 from hsdp.engines.base import Engine, EngineState, SavedCheckpoint
 from hsdp.engines.collectives import (
     PendingGather,
@@ -40,9 +41,8 @@ from hsdp.engines.collectives import (
     start_reduce,
 )
 from hsdp.engines.dtensor import init_optimizer_state, shard_dtensor
-from hsdp.init_from import initial_unit_initializer
-from hsdp.layout import DTYPES, ParamSpec, ReducePlan, plan_layout, reduce_plan
-from hsdp.model import build_model
+from hsdp.models.gpt import build_model
+from hsdp.models.init_from import initial_unit_initializer
 from hsdp.sync.policy import NoSync, Sync, SyncPolicy, build_sync
 from hsdp.torch_compat import queue_backward_callback, swap_parameter
 

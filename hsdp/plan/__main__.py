@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", help="project to a model of this many parameters (scales the config's units)")
     p.add_argument("--replicas", type=int, help="mesh.sync of the projected cluster")
     p.add_argument("--shard", type=int, help="mesh.shard (GPUs per replica) of the projected cluster")
-    p.add_argument("--gpu", help="GPU for the compute (hsdp.model's peak table): H100, H200, A100, ...")
+    p.add_argument("--gpu", help="GPU for the compute (hsdp.models.gpt's peak table): H100, H200, A100, ...")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of --gpu/--flops (default 0.4)")
     p.add_argument("--flops", help="peak FLOP/s per GPU, for a GPU not in the table (e.g. 989e12)")
     p.add_argument("--tokens", help="token budget (default: run.steps × tokens per step)")

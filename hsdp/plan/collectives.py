@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from hsdp.comm.mesh import build_mesh
 from hsdp.config.schema import Config, ConfigError
-from hsdp.layout import DTYPES
+from hsdp.core.layout import DTYPES
 from hsdp.plan.model import MeasuredIntra
 from hsdp.plan.workload import Message, build_workload
 

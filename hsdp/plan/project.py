@@ -5,7 +5,7 @@ step's tokens at `mfu` × its GPU's peak,
 
     step_s = flops_per_token · tokens_per_step / (M · S · peak · mfu)
 
-with the peak from hsdp.model's table (dense 16-bit tensor-core FLOP/s, as train.py's MFU uses) or
+with the peak from hsdp.models.gpt's table (dense 16-bit tensor-core FLOP/s, as train.py's MFU uses) or
 `--flops`. Codec and outer-step compute (`sync_s`) are not projected: they are memory-bound passes
 over the held shard, small next to a step at these sizes; calibrate on a run to include them.
 
@@ -20,13 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hsdp.config.schema import Config, ConfigError
-from hsdp.model import PEAK_TFLOPS_16BIT
+from hsdp.models.gpt import PEAK_TFLOPS_16BIT
 from hsdp.plan.model import Compute, Link, Timeline
 from hsdp.plan.workload import Workload, state_bytes_per_rank
 
 
 def gpu_peak_flops(name: str) -> float:
-    """A GPU's dense 16-bit peak FLOP/s by (part of) its name, from hsdp.model's table."""
+    """A GPU's dense 16-bit peak FLOP/s by (part of) its name, from hsdp.models.gpt's table."""
     for gpu, tflops in PEAK_TFLOPS_16BIT.items():
         if name.lower() == gpu.lower():
             return tflops * 1e12

@@ -1,7 +1,7 @@
 """What one step of a config computes and moves: its units' held sizes and FLOP shares, and the bytes
 of every collective, from the functions the engine counts with (docs/design.md §3, §4).
 
-Bytes are never re-derived here. A unit's held elements come from `hsdp.layout.plan_layout` (the
+Bytes are never re-derived here. A unit's held elements come from `hsdp.core.layout.plan_layout` (the
 engine's own dim-0 layout, padding included); a collective's bytes from `hsdp.comm.groups.ring_bytes_of`
 (what `Comm` counts); a codec's payload from the codec classes of `hsdp.sync.codec` (`fields`: the
 tensors it sends). The packed codecs (int8, int4, int2, top-k) pack a unit's fields into one payload, and a
@@ -16,8 +16,8 @@ import torch
 
 from hsdp.comm.groups import ring_bytes_of
 from hsdp.config.schema import Config, SyncConfig
-from hsdp.layout import DTYPES, plan_layout
-from hsdp.model import GPT
+from hsdp.core.layout import DTYPES, plan_layout
+from hsdp.models.gpt import GPT
 from hsdp.sync.codec import DenseLowBitCodec, Fp32Codec, TopKCodec, build_codec
 from hsdp.sync.schedule import fragment_units
 
@@ -38,7 +38,7 @@ class Message:
 class Unit:
     """One unit of the model as the engine holds it: elements per rank and its share of the step's FLOPs."""
 
-    held: int  # N_u: held elements per rank (hsdp.layout), padding included
+    held: int  # N_u: held elements per rank (hsdp.core.layout), padding included
     flops_share: float  # fraction of the model's forward/backward FLOPs in this unit
     embedding: bool  # backward needs no weights: not re-gathered (docs/design.md §3)
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from hsdp.atomic import write_json
 from hsdp.config.schema import Config, ConfigError
+from hsdp.core.atomic import write_json
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.metrics import last_record
 from hsdp.run.zygote import Exit, Workers

@@ -27,8 +27,8 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
-from hsdp.atomic import write_text
 from hsdp.config.schema import Config, to_dict
+from hsdp.core.atomic import write_text
 from hsdp.run.checkpoint.integrity import finite_or_none
 
 WANDB_TIMEOUT_ENV = "HSDP_WANDB_TIMEOUT_S"

@@ -21,10 +21,10 @@ import torch
 
 from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
-from hsdp.data import check_data, resolve_vocab_size, token_files
+from hsdp.data.tokens import check_data, resolve_vocab_size, token_files
 from hsdp.engines.registry import check_engine_config
-from hsdp.init_from import read_init_from
-from hsdp.optim import lr_at
+from hsdp.models.init_from import read_init_from
+from hsdp.models.optim import lr_at
 from hsdp.run.elastic import check_lighthouse_reachable
 from hsdp.run.rundir import check_output_dir
 from hsdp.sync.codec import check_codec

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from hsdp.config.schema import ConfigError
 from hsdp.engines.registry import saved_engine_class
-from hsdp.model import GPT
+from hsdp.models.gpt import GPT
 from hsdp.run.checkpoint.integrity import first_non_finite
 from hsdp.run.checkpoint.keys import export_prefix
 from hsdp.run.checkpoint.validate import read_dcp_metadata, read_meta, read_saved_config, verify_files

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hsdp.atomic import fsync_dir
 from hsdp.comm.mesh import Mesh
 from hsdp.config.loader import save_config
 from hsdp.config.schema import Config
+from hsdp.core.atomic import fsync_dir
 from hsdp.engines.base import Engine, EngineState, SavedCheckpoint
 from hsdp.run.checkpoint.find import (
     COMPLETE,

@@ -14,7 +14,7 @@ import yaml
 from hsdp.config.loader import from_dict
 from hsdp.config.schema import Config, ConfigError
 from hsdp.engines.registry import saved_engine_class
-from hsdp.model import GPT
+from hsdp.models.gpt import GPT
 from hsdp.run.checkpoint.find import COMPLETE, FORMAT, replica_newest, resolve_resume
 from hsdp.run.checkpoint.integrity import CHECKSUMS, ChecksumError, verify_checksums
 from hsdp.run.checkpoint.keys import model_prefix

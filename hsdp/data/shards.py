@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from hsdp.atomic import fsync_dir, temp_name
+from hsdp.core.atomic import fsync_dir, temp_name
 
 MAGIC = 20240520
 VERSION = 1

@@ -25,9 +25,9 @@ from typing import Any, Optional
 
 import torch
 
-from hsdp.atomic import fsync_dir, temp_name, write_json
 from hsdp.config.schema import ConfigError, ModelConfig
-from hsdp.model import NORM_EPS, ROPE_THETA, ffn_hidden
+from hsdp.core.atomic import fsync_dir, temp_name, write_json
+from hsdp.models.gpt import NORM_EPS, ROPE_THETA, ffn_hidden
 
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which the gpt arch uses
 HF_TYPES = {"gpt": ("gpt2", "GPT2LMHeadModel"), "llama": ("llama", "LlamaForCausalLM")}  # arch → (type, class)

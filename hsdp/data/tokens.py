@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hsdp.config.schema import Config, ConfigError
-from hsdp.shards import ShardError, ShardInfo, open_tokens, read_header
+from hsdp.data.shards import ShardError, ShardInfo, open_tokens, read_header
 
 SYNTHETIC_TRAIN, SYNTHETIC_VAL = 1 << 20, 1 << 16  # tokens of the synthetic source's splits
 SCAN_CHUNK = 1 << 26  # tokens per slice when scanning a .bin for its largest id (128 MiB of uint16)

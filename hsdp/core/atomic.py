@@ -1,7 +1,7 @@
 """Atomic file writes: a file appears under its name only complete (temp name, fsync, os.replace).
 
 Used by the run folder (replicas.json, checkpoint markers), the compile caches' sidecars and
-`prepare`'s outputs; the llm.c shard writer (hsdp/shards.py) streams through the same temp name.
+`prepare`'s outputs; the llm.c shard writer (hsdp/data/shards.py) streams through the same temp name.
 """
 
 from __future__ import annotations

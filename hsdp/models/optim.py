@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from hsdp.config.schema import OptimConfig
-from hsdp.model import no_decay
+from hsdp.models.gpt import no_decay
 
 
 def build_optimizer(named_params: list[tuple[str, nn.Parameter]], cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -4,7 +4,7 @@ A source is one of
   - a Hugging Face folder (`config.json` + `model.safetensors`, or shards listed in
     `model.safetensors.index.json`): written by `hsdp.export --format hf`, or by
     `transformers` for a model of the same architecture (GPT-2 with exact GELU, Llama
-    without GQA, as hsdp/hf.py describes);
+    without GQA, as hsdp/models/hf.py describes);
   - a plain export (`hsdp.export`'s `.pt`, `--format safetensors`, or a run's
     `model.replica<m>.pt`): the project's own tensor names.
 The tensors must be exactly the model's: every name, every shape (so vocab, width,
@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 
 from hsdp.config.schema import ConfigError, ModelConfig
-from hsdp.hf import CONFIG, WEIGHTS, WEIGHTS_INDEX, check_hf_config, from_hf
-from hsdp.model import GPT, build_model, unit_initializer
+from hsdp.models.gpt import GPT, build_model, unit_initializer
+from hsdp.models.hf import CONFIG, WEIGHTS, WEIGHTS_INDEX, check_hf_config, from_hf
 
 KEY = "model.init_from"
 
