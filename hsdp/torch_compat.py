@@ -86,6 +86,12 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torchft.process_group:ProcessGroupGloo._create_pg", "the elastic gloo group's connect vs op timeouts"),
     Api("torch.distributed:ProcessGroup._get_backend", "the elastic gloo group's op timeout, set after connect"),
     Api(
+        "torchft.manager:Manager",
+        "a failed quorum's future (re-raised by the next start_quorum unless dropped)",
+        instance_attr="_quorum_future",
+    ),
+    Api("torchft.manager:Manager", "torchft's bound on one quorum (a retry waits at most it)", instance_attr="_quorum_timeout"),
+    Api(
         "torchft.checkpointing.http_transport:HTTPTransport",
         "the heal server's port (the address a replica advertises) and its request handler (access log)",
         instance_attr="_server",
@@ -324,6 +330,18 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 def http_transport_port(transport: Any) -> int:
     """The port of torchft's HTTP checkpoint transport's own server (private, as its address() reads it)."""
     return transport._server.socket.getsockname()[1]
+
+
+def forget_failed_quorum(manager: Any) -> None:
+    """Let the next `manager.start_quorum()` ask the lighthouse again: torchft keeps a failed quorum's future
+    and re-raises its error at the next start_quorum otherwise."""
+    manager._quorum_future = None
+
+
+def quorum_timeout_s(manager: Any) -> Optional[float]:
+    """torchft's own bound on one quorum (the Manager's quorum_timeout), or None if the manager has none."""
+    timeout = manager._quorum_timeout if hasattr(manager, "_quorum_timeout") else None
+    return timeout.total_seconds() if timeout is not None else None
 
 
 def silence_http_access_log(transport: Any) -> None:

@@ -26,6 +26,7 @@ from tests.helpers import REPO
 COMPAT = REPO / "hsdp" / "torch_compat.py"
 ROOTS = ("torch", "torchft")
 # Private names of the standard library that code may use (namedtuple's API, os._exit after fork).
+REFLECTION = ("getattr", "setattr", "hasattr", "delattr")  # builtins that name an attribute by a string
 STDLIB_PRIVATE = {"_exit", "_replace", "_asdict", "_fields", "_make"}
 # Private uses in files whose owners have not yet routed them through hsdp/torch_compat.py:
 # path → what to call instead. Delete an entry when its file is done (a stale entry is reported).
@@ -69,7 +70,9 @@ def defined_private_names(files: list[Path]) -> set[str]:
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                names.add(node.attr)
+                # only an attribute of the project's own objects: `manager._x = ...` sets a library's private
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    names.add(node.attr)
             elif isinstance(node, ast.arg):
                 names.add(node.arg)
             elif isinstance(node, ast.alias):
@@ -124,6 +127,12 @@ def private_uses(path: Path, defined: set[str]) -> list[str]:
                 found.append(f"{line}: torch.library.Library (a process-global kernel registration)")
             if chain and chain[0] == "setattr" and node.args and (_chain(node.args[0]) or ("",))[0] in torch_names:
                 found.append(f"{line}: setattr on torch")
+            # a private name reached through a string: getattr(manager, "_quorum_timeout")
+            if chain and chain[0] in REFLECTION and not chain[1] and len(node.args) >= 2:
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
+                    if name.value not in defined | STDLIB_PRIVATE:
+                        found.append(f"{line}: {chain[0]}(..., {name.value!r}) (a library's private attribute)")
     return sorted(set(found), key=lambda s: int(s.split(":")[0]))
 
 
@@ -169,6 +178,24 @@ def test_the_scan_sees_each_kind_of_private_use(tmp_path):
         "11: 'torch.testing._internal.x'",
     ]:
         assert expected in uses, (expected, uses)
+
+
+def test_the_scan_sees_a_library_private_set_or_read_by_name(tmp_path):
+    """`manager._quorum_future = None` (its own store does not make it the project's name) and
+    `getattr(manager, "_quorum_timeout")` (a private name in a string) are both found."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "class A:\n    def __init__(self):\n        self._mine = 1\n"
+        "def f(manager, a):\n"
+        "    manager._quorum_future = None\n"
+        "    t = getattr(manager, '_quorum_timeout', None)\n"
+        "    return hasattr(a, '_mine'), a._mine, t\n"
+    )
+    defined = defined_private_names([src])
+    assert "_mine" in defined and "_quorum_future" not in defined, defined
+    uses = "\n".join(private_uses(src, defined))
+    assert "5: ._quorum_future" in uses and "6: getattr(..., '_quorum_timeout')" in uses, uses
+    assert "_mine" not in uses, uses
 
 
 def test_every_listed_private_api_exists_in_the_installed_torch():

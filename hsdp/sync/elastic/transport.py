@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+from hsdp import torch_compat
 from hsdp.comm.groups import Comm, ring_bytes_of
 from hsdp.sync.elastic.lighthouse import in_words
 from hsdp.sync.elastic.straggler import RoundBound
@@ -192,8 +193,7 @@ class FTTransport:
                         f"no quorum for {now - first:.0f} s ({bound}): this replica is cut off from the lighthouse "
                         f"and the other replicas; last error: {why}"
                     ) from None
-                # torchft keeps a failed quorum's future and re-raises its error at the next start_quorum
-                self.manager._quorum_future = None
+                torch_compat.forget_failed_quorum(self.manager)
                 self.sleep(self.pause_retry_s)
         if first is not None:
             self.quorum_failed_s += self.clock() - first
@@ -201,8 +201,8 @@ class FTTransport:
 
     def _quorum_timeout_s(self) -> float:
         """torchft's own bound on one quorum (the manager's quorum_timeout; manager.py sets it)."""
-        timeout = getattr(self.manager, "_quorum_timeout", None)
-        return timeout.total_seconds() if timeout is not None else self.partition_timeout_s
+        timeout = torch_compat.quorum_timeout_s(self.manager)
+        return timeout if timeout is not None else self.partition_timeout_s
 
     def _agree_contributors(self, work: float) -> list[int]:
         """Which of the round's replicas count in its means: each says whether it spectates, its work since
