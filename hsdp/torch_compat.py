@@ -90,7 +90,7 @@ PRIVATE_APIS: tuple[Api, ...] = (
         "a failed quorum's future (re-raised by the next start_quorum unless dropped)",
         instance_attr="_quorum_future",
     ),
-    Api("torchft.manager:Manager", "torchft's bound on one quorum (a retry waits at most it)", instance_attr="_quorum_timeout"),
+    Api("torchft.manager:Manager", "its bound on one quorum (a retry waits <= it)", instance_attr="_quorum_timeout"),
     Api(
         "torchft.checkpointing.http_transport:HTTPTransport",
         "the heal server's port (the address a replica advertises) and its request handler (access log)",
