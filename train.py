@@ -36,8 +36,9 @@ from hsdp.run.lock import hold_run_lock
 from hsdp.run.metrics import MetricsLogger, StepMemoryProbe, carried_counters, peak_memory_mb
 from hsdp.run.preflight import config_notes, load_checked_config, resume_schedule_note
 from hsdp.run.rundir import owns_run_dir, prepare_run_dir
-from hsdp.sync.membership import ReplicaSeat, build_membership
+from hsdp.sync.membership import build_membership
 from hsdp.sync.schedule import steps_after_last_sync
+from hsdp.sync.seam import ReplicaSeat, ReplicaState
 from kernels.backend import set_backend
 
 
@@ -52,7 +53,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
     checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start, seat)
     run = checkpoints.resume()  # the checkpoint run.resume names (state, RNG, counters restored), or a fresh start
-    run.start_step = members.join(engine, optimizer, run.start_step)  # a restarted replica heals: a later step
+    state = ReplicaState(engine.held_buffers(), optimizer, engine.policy)  # what a heal may read and write
+    run.start_step = members.join(state, run.start_step)  # a restarted replica heals: a later step
     logger = MetricsLogger(
         cfg,
         cfg.run_dir,

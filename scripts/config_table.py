@@ -1,16 +1,16 @@
-"""Print the README's config reference table from the dataclasses in hsdp/config/schema.py.
+"""Print the config reference table (docs/config.md) from the dataclasses in hsdp/config/schema.py.
 
     python scripts/config_table.py            # print the table
-    python scripts/config_table.py --write    # replace the table between the README's markers
+    python scripts/config_table.py --write    # replace the table between docs/config.md's markers
 
 One row per key, `section.key | default | meaning`, in the order of `Config`'s
 sections and their fields. The default is the dataclass default. The meaning
 is the key's entry in MEANINGS below if it has one, else the comment after the
-field in hsdp/config/schema.py; a key with neither is an error, so a new key cannot
-be added without a description. For keys with a fixed set of values
+field in hsdp/config/schema.py (or the comment lines right above it); a key with
+neither is an error, so a new key cannot be added without a description. For keys with a fixed set of values
 (`hsdp.config.schema.CHOICES`) the choices are appended unless the meaning already
-names them all. tests/test_readme.py checks that the README holds exactly
-this output.
+names them all. tests/test_readme.py checks that docs/config.md holds exactly
+this output (the README links to it).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "config.md"  # the page that holds the table between START and END
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -104,17 +105,31 @@ def keys() -> list[str]:
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Field name → the comment on its line in the class source (fields without one are left out)."""
+    """Field name → its comment in the class source: the one on its line, else the comment lines right
+    above it (for a field whose comment does not fit beside it); fields with neither are left out."""
     src = textwrap.dedent(inspect.getsource(cls))
+    lines = src.splitlines()
     comments = {
         tok.start[0]: tok.string.lstrip("#").strip()
         for tok in tokenize.generate_tokens(io.StringIO(src).readline)
         if tok.type == tokenize.COMMENT
     }
+
+    def own_line(n: int) -> bool:  # line n (1-based) holds nothing but a comment
+        return n in comments and lines[n - 1].lstrip().startswith("#")
+
     out = {}
     for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.lineno in comments:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        if node.lineno in comments and not own_line(node.lineno):
             out[node.target.id] = comments[node.lineno]
+            continue
+        above = node.lineno - 1
+        while own_line(above):
+            above -= 1
+        if above < node.lineno - 1:
+            out[node.target.id] = " ".join(comments[n] for n in range(above + 1, node.lineno))
     return out
 
 
@@ -156,17 +171,17 @@ def table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def readme_block(readme: str) -> str:
-    """The text between the README's config-table markers (exactly one pair)."""
-    if readme.count(START) != 1 or readme.count(END) != 1:
-        raise ValueError(f"README must contain {START} and {END} once each")
-    return readme.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+def table_block(page: str) -> str:
+    """The text between the page's config-table markers (exactly one pair)."""
+    if page.count(START) != 1 or page.count(END) != 1:
+        raise ValueError(f"the config page must contain {START} and {END} once each")
+    return page.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
 
 
-def write_readme(path: Path) -> bool:
+def write_page(path: Path = PAGE) -> bool:
     """Replace the table between the markers; True if the file changed."""
     text = path.read_text()
-    readme_block(text)  # checks the markers
+    table_block(text)  # checks the markers
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     new = f"{head}{START}\n{table()}{END}{tail}"
@@ -177,11 +192,12 @@ def write_readme(path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help="update README.md in place instead of printing")
+    p.add_argument("--write", action="store_true", help=f"update {PAGE.relative_to(ROOT)} in place instead of printing")
     args = p.parse_args(argv)
     if args.write:
-        changed = write_readme(ROOT / "README.md")
-        print("README.md updated" if changed else "README.md already up to date")
+        changed = write_page(PAGE)
+        name = PAGE.relative_to(ROOT)
+        print(f"{name} updated" if changed else f"{name} already up to date")
     else:
         sys.stdout.write(table())
     return 0

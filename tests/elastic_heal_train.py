@@ -3,7 +3,7 @@
     python tests/elastic_heal_train.py KILL_STEP MARKERS [train.py arguments ...]
 
 Replica 1 is the one that heals; every death is os._exit(1) (a crash: the launcher restarts the replica).
-The training loop carries no test hooks: these wrap ElasticMembership's and HealState's methods.
+The training loop carries no test hooks: these wrap ElasticReplica's and HealState's methods.
 
 - replica 1, first start: dies after step KILL_STEP;
 - replica 1, second start: heals, and dies at its first step after the heal (the healing side killed);
@@ -31,9 +31,9 @@ import torch  # noqa: E402
 import train  # noqa: E402
 from hsdp.config.schema import Config  # noqa: E402
 from hsdp.sync.elastic.heal import HealState  # noqa: E402
-from hsdp.sync.elastic.membership import ElasticMembership  # noqa: E402
-from hsdp.sync.membership import ReplicaSeat  # noqa: E402
+from hsdp.sync.elastic.replica import ElasticReplica  # noqa: E402
 from hsdp.sync.schedule import fragments_due  # noqa: E402
+from hsdp.sync.seam import ReplicaSeat  # noqa: E402
 
 POLL_S = 0.05
 HEALING = 1  # the replica whose restarts heal
@@ -58,29 +58,29 @@ def heal_worker(kill_step: int, markers: Path, cfg: Config, seat: ReplicaSeat) -
     """train.train_worker with the deaths and waits above (`seat`: which replica and which start of it)."""
     me, start = seat.replica, seat.restart
     build_mesh, join, before_sync, after_sync, shutdown = (
-        ElasticMembership.build_mesh,
-        ElasticMembership.join,
-        ElasticMembership.before_sync,
-        ElasticMembership.after_sync,
-        ElasticMembership.shutdown,
+        ElasticReplica.build_mesh,
+        ElasticReplica.join,
+        ElasticReplica.before_sync,
+        ElasticReplica.after_sync,
+        ElasticReplica.shutdown,
     )
     serve, fetch = HealState.serve, HealState.fetch
     dying = {"next_step": False}
 
-    def build_mesh_then_up(self: ElasticMembership, device):
+    def build_mesh_then_up(self: ElasticReplica, device):
         mesh = build_mesh(self, device)  # its manager heartbeats from here: quorums wait for it
         (markers / f"down.r{me}").unlink(missing_ok=True)
         if me == HEALING and start == 2:
             (markers / "third_start_up").touch()
         return mesh
 
-    def join_and_note(self: ElasticMembership, engine, optimizer, start_step: int) -> int:
-        step = join(self, engine, optimizer, start_step)
+    def join_and_note(self: ElasticReplica, state, start_step: int) -> int:
+        step = join(self, state, start_step)
         if start > 0:  # the residuals it starts from after its heal
-            torch.save(engine.policy.state_dict()["buffers"]["error"], markers / f"healed.r{me}.s{start}.pt")
+            torch.save(state.policy.state_dict()["buffers"]["error"], markers / f"healed.r{me}.s{start}.pt")
         return step
 
-    def hold_while_a_replica_is_down(self: ElasticMembership, step: int) -> None:
+    def hold_while_a_replica_is_down(self: ElasticReplica, step: int) -> None:
         if me == HEALING and start == 1:
             _die(markers, me)  # its first step after the heal
         if dying["next_step"]:
@@ -89,7 +89,7 @@ def heal_worker(kill_step: int, markers: Path, cfg: Config, seat: ReplicaSeat) -
             _wait_for(lambda: not [p for p in markers.glob("down.r*") if p.name != f"down.r{me}"], "a restart")
         before_sync(self, step)
 
-    def after_sync_or_die(self: ElasticMembership, step: int) -> None:
+    def after_sync_or_die(self: ElasticReplica, step: int) -> None:
         after_sync(self, step)
         if me == HEALING and start == 0 and step == kill_step:
             _die(markers, me)
@@ -106,17 +106,17 @@ def heal_worker(kill_step: int, markers: Path, cfg: Config, seat: ReplicaSeat) -
             _wait_for((markers / "server_dead").exists, "the serving replica's death")
         return fetch(self, url, step, wait_s, timeout)
 
-    def save_state(self: ElasticMembership) -> None:
-        policy = self.heal.engine.policy.state_dict()["buffers"]
-        held = [u.held_flat.detach().clone() for u in self.heal.engine.units]
+    def save_state(self: ElasticReplica) -> None:
+        policy = self.heal.seam.policy.state_dict()["buffers"]
+        held = [h.detach().clone() for h in self.heal.seam.held]
         torch.save({"held": held, **policy}, markers / f"state.r{me}.pt")
         shutdown(self)
 
-    ElasticMembership.build_mesh = build_mesh_then_up
-    ElasticMembership.join = join_and_note
-    ElasticMembership.before_sync = hold_while_a_replica_is_down
-    ElasticMembership.after_sync = after_sync_or_die
-    ElasticMembership.shutdown = save_state
+    ElasticReplica.build_mesh = build_mesh_then_up
+    ElasticReplica.join = join_and_note
+    ElasticReplica.before_sync = hold_while_a_replica_is_down
+    ElasticReplica.after_sync = after_sync_or_die
+    ElasticReplica.shutdown = save_state
     if me != HEALING and start == 0:
         HealState.serve = serve_and_mark
     if me == HEALING and start == 2:

@@ -3,9 +3,11 @@
 - no stale phrases ("planned", "later issue", ...) in the README, docs/**/*.md, or the docstrings and
   comments of the code (hsdp/, kernels/, train.py, scripts/): what is built is described as built;
 - every relative link in README.md and docs/**/*.md points at a file that exists;
-- every docs/results/*.md names the command that produced it, the commit that recorded it (a hash
-  that git knows, when git can tell) and that commit's date, and the README's results summary
-  links to each of them.
+- every docs/results/*.md names, at its top (before its first `##` section), the command that
+  produced it, the commit that recorded it (a hash that git knows, when git can tell) with that
+  commit's date, and the machine; the README's results summary links to each of them;
+- docs/design.md's sections are numbered in the order they come (§0, §1, ..., §n.1, §n.2, ...), and
+  every file its §0 map names exists.
 """
 
 from __future__ import annotations
@@ -184,6 +186,26 @@ def test_results_file_names_command_commit_and_date(path: Path) -> None:
         assert actual == date, f"{_rel(path)}: commit {commit} is dated {actual}, not {date}"
 
 
+def _top(markdown: str) -> str:
+    """A page's opening: everything before its first `##` section (outside code blocks)."""
+    m = re.search(r"^## ", CODE_BLOCK.sub(lambda b: "x" * len(b.group(0)), markdown), flags=re.M)
+    return markdown[: m.start()] if m else markdown
+
+
+def test_top_stops_at_the_first_section() -> None:
+    assert _top("# T\n\n- a\n```\n## not a section\n```\n## S\nbody\n") == "# T\n\n- a\n```\n## not a section\n```\n"
+
+
+@pytest.mark.parametrize("path", _results_files(), ids=_rel)
+def test_results_file_opens_with_command_commit_date_and_machine(path: Path) -> None:
+    top = _top(path.read_text("utf-8"))
+    assert _names_a_command(top), f"{_rel(path)} does not open with its command (a `python ...` before its first ##)"
+    assert COMMIT_WITH_DATE.search(top), (
+        f"{_rel(path)} does not open with its commit and date, e.g. `abc1234` (2026-01-31)"
+    )
+    assert re.search(r"\*\*Machine", top), f"{_rel(path)} does not open with its machine (a **Machine:** line)"
+
+
 def test_readme_links_every_results_file() -> None:
     linked = {
         (REPO / t.split("#", 1)[0]).resolve()
@@ -192,3 +214,76 @@ def test_readme_links_every_results_file() -> None:
     }
     missing = [_rel(p) for p in _results_files() if p.resolve() not in linked]
     assert not missing, f"the README's results summary does not link {missing}"
+
+
+# ----------------------------------------------------------------------------- the design document
+
+DESIGN = REPO / "docs" / "design.md"
+SECTION = re.compile(r"^#+ §(\d+)(?:\.(\d+))? ", flags=re.M)
+
+
+def _section_numbers(markdown: str) -> list[tuple[int, int]]:
+    """(n, sub) of each "§n" / "§n.sub" heading in order; sub 0 for a top-level section."""
+    return [(int(n), int(sub or 0)) for n, sub in SECTION.findall(CODE_BLOCK.sub("", markdown))]
+
+
+def _out_of_order(numbers: list[tuple[int, int]]) -> list[str]:
+    """Each heading whose number is not the next one: §0 first, then §n+1 or §n.(k+1) after §n.k."""
+    bad, prev = [], (-1, 0)
+    for n, sub in numbers:
+        ok = (n, sub) == (prev[0] + 1, 0) or (n, sub) == (prev[0], prev[1] + 1)
+        if not ok:
+            bad.append(f"§{n}.{sub} after §{prev[0]}.{prev[1]}" if sub else f"§{n} after §{prev[0]}.{prev[1]}")
+        prev = (n, sub)
+    return bad
+
+
+def test_section_order_check_catches_a_swap() -> None:
+    assert _out_of_order([(0, 0), (1, 0), (1, 1), (1, 2), (2, 0)]) == []
+    assert _out_of_order([(0, 0), (1, 0), (1, 2), (1, 1)]) != []
+    assert _out_of_order([(1, 0), (2, 0)]) != []  # the map (§0) first
+
+
+def test_design_sections_are_numbered_in_order() -> None:
+    numbers = _section_numbers(DESIGN.read_text("utf-8"))
+    assert len(numbers) > 10
+    bad = _out_of_order(numbers)
+    assert not bad, "docs/design.md's sections are out of order:\n" + "\n".join(bad)
+
+
+def _map_paths(design: str) -> list[str]:
+    """Every file or folder §0's map names, bare names resolved against the last folder named before them."""
+    block = design.split("## §0 ", 1)[1].split("**Layers.**", 1)[0]
+    paths, base = [], ""
+    for token in re.findall(r"(?<![\w.])((?:[\w]+/)*[\w]+(?:\.py|/))", block):
+        if token.startswith(("hsdp/", "kernels/")) or token == "train.py":
+            paths.append(token)
+            base = token if token.endswith("/") else token.rpartition("/")[0] + "/"
+        elif token.endswith(".py"):
+            paths.append(base + token)
+    return paths
+
+
+def test_map_paths_resolve_bare_names() -> None:
+    block = (
+        "## §0 Map\n    x   hsdp/run/lock.py (a) · guard.py · checkpoint/integrity.py; kernels/ (backend.py)\n"
+        "**Layers.** hsdp/not_in_the_map.py"
+    )
+    assert _map_paths(block) == [
+        "hsdp/run/lock.py",
+        "hsdp/run/guard.py",
+        "hsdp/run/checkpoint/integrity.py",
+        "kernels/",
+        "kernels/backend.py",
+    ]
+
+
+def test_design_map_names_files_that_exist() -> None:
+    paths = _map_paths(DESIGN.read_text("utf-8"))
+    assert len(paths) > 40, paths
+    missing = [p for p in paths if not (REPO / p).exists()]
+    assert not missing, f"docs/design.md §0 names files that do not exist: {missing}"
+    for room in ("core", "data", "models"):  # the rooms by concern: each module named where it lives
+        for module in sorted((REPO / "hsdp" / room).glob("*.py")):
+            if module.name != "__init__.py":
+                assert _rel(module) in paths, f"docs/design.md §0 does not name {_rel(module)}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -44,13 +43,22 @@ ELASTIC = [
 ]
 
 
-# The kill cases (tests/elastic_kill_train.py orders them by events, not by time): replica 1 stops after
-# step KILL_STEP and is killed; the survivors sync alone (after step 7); its restart joins once they did,
-# and they wait for it before step HOLD_STEP's sync. With a sync every 4 steps it heals at the round after
-# step 15 at the latest, spectates that round (a replica healed at a param sync spectates one), trains the
-# last step of that period (the harness makes one of its ranks a period behind) and syncs with everyone.
-KILL_STEP, HOLD_STEP, KILL_RUN_STEPS = 5, 12, 24
+# The kill cases, placed by elastic.faults (docs/design.md §11, fault points; nothing here is timed). A
+# replica's rounds after its join: one per sync (param syncs every 4 steps: round 1 after step 3, 2 after step
+# 7, ...; in the warmup one per step: round 1 is step 0's grads); its join's rounds are round 0. Replica 1 dies
+# before its round KILL_ROUND's quorum; its restart starts only once replica 0 has reached the commit of that round (the
+# survivors' round without it); the survivors hold their next round's quorum until the restart asks its
+# first one, so it heals in exactly that round (out of band at a param sync: it spectates it) and counts
+# from the one after.
+KILL_RUN_STEPS = 24
 KILL = ["sync.every=4", "elastic.restart_delay_s=0.5"]
+
+
+def kill_faults(replicas: int, kill_round: int) -> list[str]:
+    """elastic.faults for the kill cases: replica 1 dies at `kill_round`, heals in the round after it."""
+    held = [f"{m}@{kill_round + 1}:before_quorum:wait=1.1@0:before_quorum" for m in range(replicas) if m != 1]
+    faults = [f"1@{kill_round}:before_quorum:die", f"1.1@0:start:wait=0@{kill_round}:before_commit", *held]
+    return ["elastic.faults=" + ",".join(faults)]
 
 
 def _start(run_dir: Path, overrides: list[str], script: Optional[list[str]] = None) -> subprocess.Popen:
@@ -75,19 +83,6 @@ def _replicas(run_dir: Path) -> dict:
     return json.loads((run_dir / "replicas.json").read_text())
 
 
-def _kill_replica_at(proc: subprocess.Popen, run_dir: Path, replica: int, step: int, timeout: float = 240) -> list[int]:
-    """SIGKILL every process of `replica` once its metrics reach `step`; returns the pids killed."""
-    deadline = time.monotonic() + timeout
-    while _last_step(run_dir / f"metrics.replica{replica}.jsonl") < step:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.monotonic() < deadline, "the replica never reached the step"
-        time.sleep(0.1)
-    pids = _replicas(run_dir)[str(replica)]["pids"]
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    return pids
-
-
 def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     try:
         _, err = proc.communicate(timeout=timeout)
@@ -107,33 +102,33 @@ def _params(run_dir: Path, replica: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "case,mesh,extra",
+    "case,mesh,extra,kill_round",
     [
-        ("2x2", ["mesh.sync=2", "mesh.shard=2"], []),
+        ("2x2", ["mesh.sync=2", "mesh.shard=2"], [], 2),  # dies before the round after step 7
         # int8 Δ and an overlapped sync (τ = 1) on 3 replicas: the two others keep syncing with each other
-        ("3x1-int8-delay1", ["mesh.sync=3", "mesh.shard=1"], ["sync.quantize=int8", "sync.delay=1"]),
+        ("3x1-int8-delay1", ["mesh.sync=3", "mesh.shard=1"], ["sync.quantize=int8", "sync.delay=1"], 2),
         # grad-sync steps throughout (exact HSDP): a quorum per step; the restarted replica heals inside one
-        ("2x1-grad-sync", ["mesh.sync=2", "mesh.shard=1"], [f"sync.warmup_steps={KILL_RUN_STEPS}"]),
+        ("2x1-grad-sync", ["mesh.sync=2", "mesh.shard=1"], [f"sync.warmup_steps={KILL_RUN_STEPS}"], 6),
     ],
 )
-def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, mesh: list[str], extra: list[str]):
-    """kill -9 of every process of replica 1 after step KILL_STEP: the others train on without restarting,
-    replica 1 is restarted, heals from a live replica and trains to the end; every step once in each metrics
-    file; the quorum size goes down and back up; after the final sync every replica's params are bitwise
-    equal; the survivors dropped no round, and the failure touched at most three of their rounds (the one
-    that found replica 1 gone, the one it rejoined in, and the one it spectated after a param-sync heal)."""
+def test_a_killed_replica_heals_and_the_run_finishes(
+    tmp_path: Path, case: str, mesh: list[str], extra: list[str], kill_round: int
+):
+    """Replica 1 SIGKILLed (every process) at a fault point: the others train on without restarting, replica
+    1 is restarted, heals from a live replica and trains to the end; every step once in each metrics file;
+    the quorum size goes down and back up; after the final sync every replica's params are bitwise equal;
+    the survivors dropped no round, and the failure touched exactly two of their rounds (the one without
+    replica 1, and the one its restart healed in)."""
     run_dir = tmp_path / case
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    script = [str(REPO / "tests/elastic_kill_train.py"), "1", str(KILL_STEP), str(HOLD_STEP), str(markers)]
-    proc = _start(run_dir, ELASTIC + KILL + mesh + extra + [f"run.steps={KILL_RUN_STEPS}"], script)
-    killed = _kill_replica_at(proc, run_dir, 1, KILL_STEP)
+    n = int(mesh[0].split("=")[1])
+    faults = kill_faults(n, kill_round)
+    proc = _start(run_dir, ELASTIC + KILL + mesh + extra + faults + [f"run.steps={KILL_RUN_STEPS}"])
     code, err = _finish(proc)
     assert code == 0, err[-3000:]
     replicas = _replicas(run_dir)
-    n = len(replicas)
-    assert replicas["1"]["restarts"] == 1 and not set(killed) & set(replicas["1"]["pids"])
+    assert replicas["1"]["restarts"] == 1
     assert all(replicas[str(m)]["restarts"] == 0 for m in range(n) if m != 1)
+    assert "elastic: fault 1@" in err and ":before_quorum:die" in err
     for m in range(n):
         steps = [r["step"] for r in _records(run_dir, m)]
         assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == KILL_RUN_STEPS - 1, m
@@ -157,19 +152,24 @@ def test_a_killed_replica_heals_and_the_run_finishes(tmp_path: Path, case: str, 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["replica_failures"] == 1 and summary["heals"] >= 1
     restarted = json.loads((run_dir / "summary.replica1.json").read_text())
+    phases = [p.split(":")[0] for p in restarted["elastic_phases"]]
     if "warmup" in " ".join(extra):  # healed inside a grad-sync round
         assert restarted["spectated_rounds"] == 0 and restarted["heal_fetches"] == 0, restarted
+        assert phases == ["starting", "joining", "training"], phases
     else:  # healed at a param sync: out of band, spectating one round, counted from the next
         assert restarted["spectated_rounds"] == 1 and restarted["heal_fetches"] == 1, restarted
+        assert phases == ["starting", "joining", "healing", "training"], phases
         first = restarted["heal_contributes_from"]
-        assert next(r for r in _records(run_dir, 1) if r["step"] > KILL_STEP)["step"] == first, restarted
+        healed_at = 4 * (kill_round + 1) - 1 + int("sync.delay=1" in extra)  # the heal round's step (+τ: it lands then)
+        resumed = next(r for r in _records(run_dir, 1) if r["step"] > healed_at)["step"]
+        assert resumed == healed_at + 1 + restarted["heal_skipped_steps"] and resumed <= first, restarted
         assert next(r for r in _records(run_dir, 1) if r["step"] >= first)["replicas"] == n, restarted
-    # what the survivors lost, counted: no dropped round, and at most three rounds the failure touched
+    # what the survivors lost, counted: no dropped round, and exactly the two rounds the schedule touches
     assert all(summary["dropped_syncs"][str(m)] == 0 for m in range(n) if m != 1), summary["dropped_syncs"]
     quorums = {
         m: json.loads((run_dir / f"summary.replica{m}.json").read_text())["elastic_round_quorums"] for m in range(n)
     }
-    assert 1 <= summary["survivor_touched_rounds"] <= 3, (summary["survivor_touched_rounds"], quorums, err[-3000:])
+    assert summary["survivor_touched_rounds"] == 2, (summary["survivor_touched_rounds"], quorums, err[-3000:])
 
 
 def _assert_data_is_indexed_by_step(overrides: list[str], replica: int) -> None:
@@ -190,27 +190,21 @@ def _assert_data_is_indexed_by_step(overrides: list[str], replica: int) -> None:
 
 
 def test_a_replica_that_keeps_dying_is_given_up_and_the_others_finish(tmp_path: Path):
-    """elastic.max_restarts=1: replica 1 killed twice is not restarted again; replica 0 still finishes;
-    exit 1 and one line naming the replica and the limit. (Replica 0 trains 32 steps past the first kill, each
-    made 3× as long by run.slowdown's sleep: the time 96 full-speed steps would give the restart to come up,
-    for a third of their CPU.)"""
+    """elastic.max_restarts=1: replica 1 dies at round 2, its restart (started once replica 0's round 2 is at
+    its commit) heals in round 3 (replica 0 holds that round's quorum for it) and dies before its own first
+    round after the heal; it is not restarted again; replica 0 still finishes; exit 1 and one line naming the
+    replica and the limit."""
     run_dir = tmp_path / "dying"
+    faults = ",".join(kill_faults(2, 2)[0].split("=", 1)[1].split(",") + ["1.1@1:before_quorum:die"])
     overrides = ELASTIC + ["mesh.sync=2", "mesh.shard=1", "elastic.max_restarts=1", "elastic.restart_delay_s=0.5"]
-    proc = _start(run_dir, overrides + ["run.steps=48", "run.slowdown=3"])
-    first = _kill_replica_at(proc, run_dir, 1, 16)
-    deadline = time.monotonic() + 120
-    while set(_replicas(run_dir)["1"]["pids"]) in (set(), set(first)):  # the restart's new processes
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
-    time.sleep(1.0)
-    for pid in _replicas(run_dir)["1"]["pids"]:
-        os.kill(pid, signal.SIGKILL)
+    proc = _start(run_dir, overrides + ["run.steps=48", f"elastic.faults={faults}"])
     code, err = _finish(proc)
-    assert code == 1
+    assert code == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert "replica 1 failed 2 times (elastic.max_restarts=1)" in last and "replica 0 finished" in last, last
     assert _replicas(run_dir)["1"]["given_up"] is True
     assert _records(run_dir, 0)[-1]["step"] == 47
+    assert "elastic: fault 1.1@1:before_quorum:die" in err
 
 
 def test_elastic_without_failures_computes_the_plain_run(tmp_path: Path):
@@ -300,20 +294,19 @@ def test_two_torchrun_agents_as_two_machines(tmp_path: Path) -> None:
 
 
 def test_a_replica_dying_inside_a_round_drops_the_round_whole(tmp_path: Path) -> None:
-    """Replica 1 dies after its 4th round's quorum formed with it (before the collectives): the survivor's
-    round fails after elastic.timeout_s and is dropped (counted, not applied), the run goes on, replica 1
-    heals, and the replicas end bitwise equal."""
+    """Replica 1 dies inside its round 3 (the param sync after step 23): the quorum formed with it and the
+    round's contributors were agreed, but it sends no part. The survivor's collective then fails after
+    elastic.timeout_s and that round is dropped (counted, not applied), the run goes on, replica 1's restart
+    heals (replica 0 holds its round 4 for it), and the replicas end bitwise equal."""
     run_dir = tmp_path / "inside"
+    faults = "1@3:after_quorum:die,0@4:before_quorum:wait=1.1@0:before_quorum"
     overrides = ELASTIC + ["mesh.sync=2", "mesh.shard=1", "run.steps=64", "elastic.restart_delay_s=1"]
-    cmd = [sys.executable, str(REPO / "tests/elastic_faulty_train.py"), "1", "4"]
-    cmd += ["--config", str(REPO / "configs/tiny.yaml")]
-    for o in [*overrides, f"run.out_dir={tmp_path}", "run.name=inside"]:
-        cmd += ["--set", o]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **QUIET_ENV}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _start(run_dir, overrides + [f"elastic.faults={faults}"])
+    code, err = _finish(proc)
+    assert code == 0, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dropped_syncs"]["0"] >= 1 and summary["replica_failures"] == 1 and summary["heals"] >= 1
-    assert "elastic: sync round" in proc.stderr and "dropped" in proc.stderr
+    assert "elastic: fault 1@3:after_quorum:die" in err and "dropped" in err, err[-3000:]
     a, b = _params(run_dir, 0), _params(run_dir, 1)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -25,7 +25,7 @@ from hsdp.bench.plan import LinkOptions, make_plan
 from hsdp.comm.groups import Comm
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
-from hsdp.run.elastic import ElasticLaunch
+from hsdp.run.replicas import ElasticLaunch
 from hsdp.run.zygote import Exit
 from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
 from hsdp.sync.elastic.transport import Done, FTTransport, PartitionTimeout

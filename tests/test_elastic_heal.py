@@ -129,7 +129,7 @@ def test_replicas_end_equal_after_the_last_sync_with_fragments_and_error_feedbac
 
 def test_steps_behind_is_the_fetch_over_the_peers_pace_leaving_one_step() -> None:
     """k = min(round(ℓ / p), n − a − 1), 0 without a pace (docs/design.md §11, Heal in the same period)."""
-    from hsdp.sync.elastic.join import steps_behind
+    from hsdp.sync.elastic.replica import steps_behind
 
     assert steps_behind(5.5, 0.4, 32) == 14  # the slow-link benchmark's fetch at its step time
     assert steps_behind(0.01, 0.2, 2) == 0  # a local fetch: under half a step
@@ -139,32 +139,38 @@ def test_steps_behind_is_the_fetch_over_the_peers_pace_leaving_one_step() -> Non
 
 def test_a_replica_healed_again_mid_training_finishes_the_heal_in_place() -> None:
     """A quorum that heals a training replica again (cut off and back, or a round behind its peers) is
-    finished in place (hsdp/sync/elastic/rejoin.py): after the round it began as its own sync (spectated),
+    finished in place (hsdp/sync/elastic/replica.py): after the round it began as its own sync (spectated),
     anything in flight lands, catch_up continues from the offer without spectating that round again, and
     the training loop's next step is the one catch_up returns."""
     from types import SimpleNamespace
 
-    from hsdp.sync.elastic.membership import ElasticMembership
-    from hsdp.sync.elastic.rejoin import Rejoin
+    from hsdp.sync.elastic.heal import HealState
+    from hsdp.sync.elastic.phase import Phase
+    from hsdp.sync.elastic.replica import ElasticReplica
+    from hsdp.sync.seam import ReplicaSeat, ReplicaState
 
-    members = ElasticMembership(load_config(str(REPO / "configs/tiny.yaml"), OVERRIDES), 1, 0, "http://x:1")
-    calls = []
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), OVERRIDES)
+    replica = ElasticReplica(cfg, ReplicaSeat(1, 0, "http://x:1"))
+    calls: list = []
     policy = SimpleNamespace(finish=lambda: calls.append("finish"))
-    members.heal.engine = SimpleNamespace(policy=policy)
-    members.transport = SimpleNamespace(
+    replica._heal = HealState(replica)
+    replica._heal.state = ReplicaState([], torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), policy)
+    replica._transport = SimpleNamespace(
         open=False, rounds=3, touched=[], quorum_waits=[4.5], failure_in_rounds_since=lambda first: False
     )
+    replica.enter(Phase.JOINING, "test")
+    replica.enter(Phase.TRAINING, "test")
 
-    def catch_up(p, spectated=False):
+    def catch_up(spectated=False):
         calls.append(("catch_up", spectated))
-        members.heal.offer = None
+        replica.heal.offer = None
         return 30
 
-    members.joining = SimpleNamespace(catch_up=catch_up, transport=members.transport, timeout=None)
-    members.rejoin = Rejoin(members.joining, members.heal)
-    steps = members.steps(0, 40)
+    replica._catch_up = catch_up
+    steps = replica.steps(0, 40)
     assert [next(steps) for _ in range(12)] == list(range(12))
-    members.heal.offer = ("http://peer/checkpoint/", 9, 0.2)
-    members.after_sync(11)
-    assert calls == ["finish", ("catch_up", True)] and members.rejoin.rejoins == 1
+    replica.heal.load_state_dict({"snapshot": "http://peer/checkpoint/", "step": 9, "step_s": 0.2})
+    assert replica.phase is Phase.HEALING and replica.heal.spectating
+    replica.after_sync(11)
+    assert calls == ["finish", ("catch_up", True)] and replica.rejoins == 1
     assert next(steps) == 30 and next(steps) == 31

@@ -21,7 +21,7 @@ import torch
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.checkpoint import complete_checkpoints, step_of
-from hsdp.run.elastic import ElasticLaunch, check_lighthouse_reachable
+from hsdp.run.replicas import ElasticLaunch, check_lighthouse_reachable
 from hsdp.run.zygote import Exit
 from tests.helpers import REPO, SMALL, RunResult, run_train
 from tests.test_elastic import _finish, _last_step, _replicas, _start

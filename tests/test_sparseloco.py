@@ -324,6 +324,8 @@ def test_a_healed_replica_gets_no_residual_from_its_peer():
     from types import SimpleNamespace
 
     from hsdp.sync.elastic.heal import HealState
+    from hsdp.sync.elastic.phase import Phase
+    from hsdp.sync.seam import ReplicaState
 
     cfg, _ = _configs(CASES["sparseloco-int2-chosen-P1"])
     helds = [torch.randn(n) for n in SIZES[:2]]
@@ -333,17 +335,18 @@ def test_a_healed_replica_gets_no_residual_from_its_peer():
     policy.after_step(EVERY - 1)  # one sync (M = 1): residuals now non-zero
     assert all(e is not None and float(e.abs().max()) > 0 for e in policy.state.error)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    source = HealState()
-    source.engine = SimpleNamespace(policy=policy, units=[SimpleNamespace(held_flat=h) for h in helds])
-    source.optimizer = opt
+    life = SimpleNamespace(phase=Phase.TRAINING, has_trained=True)
+    source = HealState(life)
+    source.state = ReplicaState(helds, opt, policy)
     state = source.full_state()
     assert state["policy"]["buffers"]["error"] == [None, None] and state["policy"]["meta"]["error_units"] == []
     assert policy.state.error[0] is not None  # the peer keeps its own
     fresh = SyncPolicy(cfg, [torch.zeros(n) for n in SIZES[:2]], _Threaded(1).transport(0))
     fresh.state.error = [torch.ones(n) for n in SIZES[:2]]  # whatever it held before it died
-    target = HealState()
-    target.engine = SimpleNamespace(policy=fresh, units=[SimpleNamespace(held_flat=torch.zeros(n)) for n in SIZES[:2]])
-    target.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    target = HealState(life)
+    target.state = ReplicaState(
+        [torch.zeros(n) for n in SIZES[:2]], torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), fresh
+    )
     target.load_full(state)
     assert fresh.state.error == [None, None]
     assert all(torch.equal(a.global_params, b.global_params) for a, b in zip(fresh.outer, policy.outer))
@@ -363,31 +366,24 @@ SPARSELOCO = [
 
 
 def test_elastic_sparseloco_run_survives_a_killed_replica(tmp_path):
-    """tests/test_elastic.py's kill case (2 replicas × 1, replica 1 SIGKILLed after step 5, restarted, healed at
-    a param sync) with SparseLoCo's codec: the run finishes, the replicas end bitwise equal (they adopt θ_g
+    """tests/test_elastic.py's kill case (2 replicas × 1, replica 1 SIGKILLed at its round 2, restarted, healed
+    at a param sync) with SparseLoCo's codec: the run finishes, the replicas end bitwise equal (they adopt θ_g
     at the final sync), and the survivor dropped no round."""
-    from tests.helpers import REPO
     from tests.test_elastic import (
         ELASTIC,
-        HOLD_STEP,
         KILL,
         KILL_RUN_STEPS,
-        KILL_STEP,
         _finish,
-        _kill_replica_at,
         _params,
         _records,
         _replicas,
         _start,
+        kill_faults,
     )
 
     run_dir = tmp_path / "sparse"
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    script = [str(REPO / "tests/elastic_kill_train.py"), "1", str(KILL_STEP), str(HOLD_STEP), str(markers)]
     overrides = ELASTIC + KILL + SPARSELOCO + ["mesh.sync=2", "mesh.shard=1", f"run.steps={KILL_RUN_STEPS}"]
-    proc = _start(run_dir, overrides, script)
-    _kill_replica_at(proc, run_dir, 1, KILL_STEP)
+    proc = _start(run_dir, overrides + kill_faults(2, 2))
     code, err = _finish(proc)
     assert code == 0, err[-3000:]
     assert _replicas(run_dir)["1"]["restarts"] == 1

@@ -14,9 +14,9 @@ import pytest
 from hsdp.config.loader import load_config, save_config
 from hsdp.models.optim import lr_at
 from hsdp.run.checkpoint import COMPLETE, FORMAT
-from hsdp.run.elastic import merge_replica_summaries
 from hsdp.run.metrics import carried_counters, last_record
 from hsdp.run.preflight import config_notes, resume_schedule_note
+from hsdp.run.replicas import merge_replica_summaries
 from hsdp.sync.elastic.transport import lost_in_touched_steps
 from tests.helpers import REPO, SMALL, run_train
 

@@ -37,7 +37,7 @@ from hsdp.bench.faults import Partition
 from hsdp.bench.job import Job
 from hsdp.bench.netns import namespace_pids
 from hsdp.config.schema import Config, ConfigError
-from hsdp.run.elastic import lighthouse_timeouts_ms, merge_replica_summaries
+from hsdp.run.replicas import lighthouse_timeouts_ms, merge_replica_summaries
 
 LIGHTHOUSE_PORT = 29510
 

@@ -95,7 +95,7 @@ def _device_mesh(sync: int, shard: int, device: torch.device, timeout_s: Optiona
     timeout = datetime.timedelta(seconds=timeout_s)
     layout = torch.arange(sync * shard).view(sync, shard)
     rank = dist.get_rank()
-    mine: dict[str, Optional[dist.ProcessGroup]] = {}
+    mine: dict[str, dist.ProcessGroup] = {}
     # new_group is collective over the world: every rank creates every group, in the same order.
     for name, groups in (("sync", layout.t().tolist()), ("shard", layout.tolist())):
         for ranks in groups:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
+from hsdp.config.faults import FaultSpecError, parse_faults
 from hsdp.config.schema import CHOICES, Config, ConfigError
 
 # Range rules by key: integers >= 1, values >= 0 (null allowed where the field is optional), values > 0.
@@ -157,6 +158,9 @@ def validate(cfg: Config) -> None:
             f"elastic.round_timeout_s: bounds an elastic run's sync rounds, so needs elastic.enabled=true, "
             f"got {cfg.elastic.round_timeout_s}"
         )
+    if cfg.elastic.faults and not cfg.elastic.enabled:
+        faults = cfg.elastic.faults
+        raise ConfigError(f"elastic.faults: faults of an elastic run, so needs elastic.enabled=true ({faults!r})")
     if cfg.elastic.enabled:
         check_elastic(cfg)
 
@@ -182,6 +186,10 @@ def check_elastic(cfg: Config) -> None:
         )
     if e.lighthouse:
         check_lighthouse(e.lighthouse)
+    try:
+        parse_faults(e.faults, cfg.mesh.sync)
+    except FaultSpecError as err:
+        raise ConfigError(f"elastic.faults: {err}") from None
 
 
 def check_lighthouse(url: str) -> None:

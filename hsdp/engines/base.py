@@ -46,7 +46,7 @@ import torch.nn as nn
 from hsdp.comm.mesh import Mesh
 from hsdp.config.schema import Config
 from hsdp.models.gpt import loss_fn
-from hsdp.sync.policy import NoSync, Sync
+from hsdp.sync.policy import NoSync, Sync, SyncPolicy
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, targets)
 
@@ -80,7 +80,7 @@ class Engine(ABC):
     name: ClassVar[str]  # mesh.engine's value (the compiled hsdp engine shares "hsdp": same state)
     supports_compile: ClassVar[bool] = False  # compile.enabled is allowed
     supports_periodic_sync: ClassVar[bool] = False  # sync.warmup_steps < run.steps is allowed
-    sync_class: ClassVar[type] = NoSync  # the policy class whose checkpoint state this engine saves
+    sync_class: ClassVar[type[NoSync | SyncPolicy]] = NoSync  # the policy class whose checkpoint state it saves
     state_per_replica: ClassVar[bool] = False  # each replica's params/optimizer state are its own (hsdp)
     mesh: Mesh
     policy: Sync
@@ -141,6 +141,12 @@ class Engine(ABC):
         """Whether every replica holds the same params after `step` (then a checkpoint may load
         onto another mesh.sync): the sync policy's answer."""
         return self.policy.replicas_identical(step)
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        """This rank's held shard of each unit (flat fp32, unit order), the tensors themselves: what an elastic
+        replica sends a peer that heals from it and overwrites in place when it heals (hsdp/sync/elastic/).
+        None for the baselines: they hold no shards of their own (and run no elastic replicas)."""
+        return []
 
     # ------------------------------------------------------------ the step, shared by all engines
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:

@@ -11,7 +11,7 @@ function is replaced: nothing process-global changes while an engine lives.
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -27,15 +27,20 @@ from hsdp.config.schema import Config
 from hsdp.core.layout import DTYPES
 from hsdp.engines.base import Batch, Engine, EngineState, SavedCheckpoint
 from hsdp.engines.clock import CompileClock
+from hsdp.models.gpt import GPT
 from hsdp.models.init_from import initial_model
 from hsdp.sync.policy import NoSync
 from hsdp.torch_compat import FSDPAllGather, FSDPReduceScatter, start_compile_pool_lazily
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
 # The custom-comm interfaces (torch >= 2.9); older torch leaves FSDP2's own comms in place, uncounted.
 AllGather, ReduceScatter = FSDPAllGather, FSDPReduceScatter
 
 
-class _CountedAllGather(AllGather or object):
+class _CountedAllGather(AllGather or object):  # type: ignore[misc]  # the base is chosen at import time
     """FSDP2's all-gather, issued through Comm (so it is counted under our group label)."""
 
     def __init__(self, comm: Comm) -> None:
@@ -50,7 +55,7 @@ class _CountedAllGather(AllGather or object):
         return self.comm.all_gather(output_tensor, input_tensor, self.comm.label(group), async_op=async_op)
 
 
-class _CountedReduceScatter(ReduceScatter or object):
+class _CountedReduceScatter(ReduceScatter or object):  # type: ignore[misc]  # the base is chosen at import time
     """FSDP2's reduce-scatter, issued through Comm."""
 
     def __init__(self, comm: Comm) -> None:
@@ -105,20 +110,21 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
     name = "fsdp2"
     supports_compile = True  # each block compiled in place, as torchtitan does
 
-    def __init__(self, model: nn.Module, mesh: Mesh, param_dtype: str, reduce_dtype: str) -> None:
+    def __init__(self, model: GPT, mesh: Mesh, param_dtype: str, reduce_dtype: str) -> None:
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
-        for unit in model.units:
-            fully_shard(unit, mesh=mesh.device_mesh, mp_policy=policy)
+        # fully_shard wraps a module in place (its class becomes an FSDPModule too) and returns it.
+        units = [fully_shard(unit, mesh=mesh.device_mesh, mp_policy=policy) for unit in model.units]
         # The embedding's backward needs only the token ids: no re-gather, as our engine does.
-        model.units[0].set_unshard_in_backward(False)
-        self.module = fully_shard(model, mesh=mesh.device_mesh, mp_policy=policy)
+        units[0].set_unshard_in_backward(False)
+        root = fully_shard(model, mesh=mesh.device_mesh, mp_policy=policy)
+        self.module = cast(nn.Module, root)
         if AllGather is not None:
-            for unit in [*model.units, model]:
+            for unit in [*units, root]:
                 unit.set_custom_all_gather(_CountedAllGather(mesh.comm))
                 unit.set_custom_reduce_scatter(_CountedReduceScatter(mesh.comm))
         # The mesh is 2-D ("sync", "shard"): FSDP2 runs HSDP, so the hook follows each replica all-reduce.
         count = counted_all_reduce_hook(mesh.comm, mesh.device_mesh.get_group("sync"))
-        for unit in [*model.units, model]:
+        for unit in [*units, root]:
             unit.set_all_reduce_hook(count)
         self.mesh = mesh
         self.policy = NoSync()
@@ -150,7 +156,7 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
         return {**super().stats(), **(self.clock.stats() if self.clock else {})}
 
     def set_reduce_grads(self, reduce: bool) -> None:
-        self.module.set_requires_gradient_sync(reduce)
+        cast("FSDPModule", self.module).set_requires_gradient_sync(reduce)
 
     def set_grad_sync(self, sync_grads: bool) -> None:
         if not sync_grads:
@@ -169,13 +175,14 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: p.full_tensor().float().cpu() for n, p in self.module.named_parameters()}
+        return {n: cast("DTensor", p).full_tensor().float().cpu() for n, p in self.module.named_parameters()}
 
 
 class DDPEngine(_TorchCheckpoint, Engine):
     """DistributedDataParallel over all ranks; its all-reduces are counted through Comm."""
 
     name = "ddp"
+    module: DistributedDataParallel
 
     def __init__(self, model: nn.Module, mesh: Mesh) -> None:
         self.module = DistributedDataParallel(

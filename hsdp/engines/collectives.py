@@ -71,7 +71,7 @@ def pack_grads_for_reduce(
 ) -> torch.Tensor:
     """Add this micro-step's full grads (pre-divided, in reduce_dtype) into the [S, N] reduce-scatter input."""
     first = rs_in is None
-    if first:
+    if rs_in is None:
         rs_in = torch.empty(layout.S, layout.N, dtype=plan.reduce_dtype, device=grads_device(grads))
     grads = [None if g is None else g.contiguous() for g in grads]
     pack_grads(grads, layout.shard_sizes, rs_in, 1.0 / plan.pre, accumulate=not first)

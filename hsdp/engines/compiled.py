@@ -59,12 +59,14 @@ class CompiledHSDPEngine(HSDPEngine):
         if self.mesh.device.type == "cpu":  # gloo: the graph's collectives on the eager engine's c10d calls
             route_functional_collectives_to_c10d()
         groups = self.mesh.comm.groups
+        shard, sync, world = groups["shard"], groups["sync"], groups["world"]
+        assert shard is not None and sync is not None and world is not None  # the mesh's own (build_mesh)
         # The graphs name the groups by role (GRAPH_GROUP_NAMES), not by c10d's name of each rank's group: the
         # ranks of every shard group then trace the same graphs, and one rank per machine compiles them.
         self.groups = Groups(
-            name_process_group(GRAPH_GROUP_NAMES["shard"], groups["shard"]),
+            name_process_group(GRAPH_GROUP_NAMES["shard"], shard),
             self.mesh.shard_size,
-            name_process_group(GRAPH_GROUP_NAMES["sync"], groups["sync"]),
+            name_process_group(GRAPH_GROUP_NAMES["sync"], sync),
             self.mesh.sync_size,
         )
         # Leaves that share storage with the held shards; their .grad is the grad shard, so the compiled
@@ -80,7 +82,7 @@ class CompiledHSDPEngine(HSDPEngine):
         self.generated_code: list[str] = []  # inductor's output code of every graph compiled, in order
         self.clock = CompileClock()
         # One compile per machine: the first rank here compiles, the others (of any shard group) load its graphs.
-        self.turns = CompileTurns(groups["world"])
+        self.turns = CompileTurns(world)
 
     @classmethod
     def config_kwargs(cls, cfg: Config) -> dict[str, Any]:

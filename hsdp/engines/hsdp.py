@@ -57,6 +57,8 @@ class ShardedUnit:
     `comm`) and `on_backward`, which receives its full grads in backward.
     """
 
+    gathered: bool  # whether full_flat holds the full params (set by release, wait_gather)
+
     def __init__(
         self,
         index: int,
@@ -111,8 +113,10 @@ class ShardedUnit:
         if self.gathered:
             return
         self.start_gather()
+        pending = self._pending_gather
+        assert pending is not None  # start_gather launched it
         self.full_flat.untyped_storage().resize_(self.full_flat.numel() * self.full_flat.element_size())
-        self._pending_gather.finish(self.full_flat)
+        pending.finish(self.full_flat)
         self._pending_gather = None
         self.gathered = True
 
@@ -151,6 +155,7 @@ class ShardedUnit:
     def start_reduce(self, plan: ReducePlan) -> PendingReduce:
         """Launch the reduction of the packed grads into grad_flat; the packed input is handed over."""
         rs_in, self.rs_in = self.rs_in, None
+        assert rs_in is not None, "start_reduce before pack_grads"
         return start_reduce(self.comm, rs_in, self.grad_flat, plan)
 
 
@@ -177,7 +182,7 @@ class HSDPEngine(Engine):
     name: ClassVar[str] = "hsdp"
     supports_compile: ClassVar[bool] = True
     supports_periodic_sync: ClassVar[bool] = True
-    sync_class: ClassVar[type] = SyncPolicy
+    sync_class: ClassVar[type[NoSync | SyncPolicy]] = SyncPolicy
 
     def __init__(
         self,

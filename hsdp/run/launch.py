@@ -37,7 +37,8 @@ import torch.distributed as dist
 from hsdp.config.schema import Config, ConfigError
 from hsdp.engines.registry import engine_modules
 from hsdp.run.checkpoint import elastic_resume_note
-from hsdp.run.elastic import (
+from hsdp.run.guard import ONE_LINE_ERRORS
+from hsdp.run.replicas import (
     ElasticLaunch,
     check_lighthouse_reachable,
     enter_torchrun_replica,
@@ -45,9 +46,8 @@ from hsdp.run.elastic import (
     worker_env,
     write_summary,
 )
-from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.zygote import Exit, Workers, Zygote
-from hsdp.sync.membership import ReplicaSeat
+from hsdp.sync.seam import ReplicaSeat
 from hsdp.torch_compat import RANK_LAZY_IMPORTS, register_fake_backend
 
 # worker(cfg); an elastic replica's worker(cfg, seat), its ReplicaSeat (which replica, which start of it)
@@ -229,7 +229,7 @@ def _local_worker(
 
     An elastic replica's worker is rank `rank` of its replica's own world of `world` ranks; `local_rank`
     and `local_world` then number it among all the launcher's workers, and `seat` says which replica
-    and which start of it (hsdp/run/elastic.py)."""
+    and which start of it (hsdp/run/replicas.py)."""
     local_rank = rank if local_rank is None else local_rank
     local_world = world if local_world is None else local_world
     os.environ.update(
@@ -246,7 +246,7 @@ def _local_worker(
 
 
 def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
-    """An elastic run (hsdp/run/elastic.py): the lighthouse, then one local world per replica, each restarted
+    """An elastic run (hsdp/run/replicas.py): the lighthouse, then one local world per replica, each restarted
     alone when it fails. Raises WorkerError if a replica was given up (the others still finished)."""
     note = elastic_resume_note(cfg)  # replicas resuming from different steps: say who heals from whom
     if note:

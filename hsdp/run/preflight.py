@@ -25,7 +25,7 @@ from hsdp.data.tokens import check_data, resolve_vocab_size, token_files
 from hsdp.engines.registry import check_engine_config
 from hsdp.models.init_from import read_init_from
 from hsdp.models.optim import lr_at
-from hsdp.run.elastic import check_lighthouse_reachable
+from hsdp.run.replicas import check_lighthouse_reachable
 from hsdp.run.rundir import check_output_dir
 from hsdp.sync.codec import check_codec
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from hsdp.config.schema import Config, ConfigError
-from hsdp.sync.membership import ReplicaSeat
+from hsdp.sync.seam import ReplicaSeat
 
 # What a run writes into its folder (train.py, hsdp/run/metrics.py, wandb with dir=run folder).
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "replicas.json", "wandb.id")

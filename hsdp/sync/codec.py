@@ -63,7 +63,7 @@ class RoundGather:
     concatenated in start order. Holds both buffers until the wait; the rows are read once."""
 
     def __init__(self, payload: torch.Tensor, transport: Transport, async_op: bool) -> None:
-        self.payload = payload
+        self.payload: Optional[torch.Tensor] = payload  # dropped once the rows are read
         self.gathered = torch.empty(transport.size * payload.numel(), dtype=torch.uint8, device=payload.device)
         self.work = transport.all_gather(self.gathered, payload, async_op)
         self._rows: Optional[torch.Tensor] = None
@@ -103,15 +103,24 @@ class Codec(Protocol):
     def finish(self, red: Reduction, transport: Transport) -> None: ...
 
 
+class PackedCodec(Codec, Protocol):
+    """A codec with `packed` true: `encode` a unit's payload, sent with the round's others (send_round)."""
+
+    def encode(self, delta: torch.Tensor, error: Optional[torch.Tensor] = None) -> Reduction: ...
+
+
 def send_round(reds: list[Reduction], transport: Transport, async_op: bool) -> None:
     """Send a round's encoded payloads (`reds` in start order) as one all-gather of their concatenation;
     each reduction learns where its bytes are in every replica's row."""
     if not reds:
         return
-    gather = RoundGather(torch.cat([r.payload for r in reds]), transport, async_op)
+    payloads = [r.payload for r in reds if r.payload is not None]
+    if len(payloads) != len(reds):
+        raise ValueError("send_round: a reduction without a payload (not encoded, or already sent)")
+    gather = RoundGather(torch.cat(payloads), transport, async_op)
     at = 0
-    for r in reds:
-        r.gather, r.at, r.nbytes = gather, at, r.payload.numel()
+    for r, payload in zip(reds, payloads):
+        r.gather, r.at, r.nbytes = gather, at, payload.numel()
         r.works, r.payload = [gather.work], None  # every unit of the round waits on the same message
         at += r.nbytes
 
@@ -202,6 +211,7 @@ def _finish_gather(red: Reduction, transport: Transport) -> tuple[int, int, torc
     """Wait for the round's all-gather: (M, the unit's n, the M contributing replicas' bytes of this unit as
     [M, payload] rows: columns of the round's rows)."""
     red.works = []  # the round's one message: RoundGather waits for it once
+    assert red.gather is not None, "finish before the round was sent (send_round)"
     rows = red.gather.rows(transport)[:, red.at : red.at + red.nbytes]
     return rows.shape[0], red.delta.numel(), rows
 
@@ -321,13 +331,16 @@ class TopKCodec(_PackedCodec):
         for m in range(M):  # replicas in order, then ÷ M (or ÷ how many sent each coordinate)
             packed_idx, *parts = _unpack(rows[m], fields)
             if fused:  # unpack + dequantize + scatter-add (+ count) in one kernel, the same sums
+                packed_vals, table = parts  # int2's two fields
                 block = self.values.block
-                decode_topk_int2_add(packed_idx, *parts, self.bits, self.chunk, self.k, block, red.delta, senders)
+                decode_topk_int2_add(
+                    packed_idx, packed_vals, table, self.bits, self.chunk, self.k, block, red.delta, senders
+                )
                 continue
             unpack_bits(packed_idx, self.bits, idx)
             self.values.decode(parts, vals)
             scatter_add_chunks(idx, vals, self.chunk, self.k, red.delta)
-            if senders is not None:
+            if senders is not None and ones is not None:  # both set with mean="chosen"
                 scatter_add_chunks(idx, ones, self.chunk, self.k, senders)
         if senders is None:
             red.delta.div_(M)

@@ -4,31 +4,22 @@ The training loop calls a `Membership` unconditionally; `build_membership` picks
 from the config:
 
     LocalMembership     the c10d sync group of one torch.distributed world: membership fixed for the run
-    ElasticMembership   a replica of an elastic run on torchft (hsdp/sync/elastic/, docs/design.md §11)
+    ElasticReplica      a replica of an elastic run on torchft (hsdp/sync/elastic/replica.py, docs/design.md §11)
 
 Which replica a worker is and which start of it travel explicitly, as a `ReplicaSeat` the launcher hands
-the worker (hsdp/run/elastic.py; under torchrun `enter_torchrun_replica`'s result).
+the worker (hsdp/run/replicas.py; under torchrun `enter_torchrun_replica`'s result).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import torch
 
 from hsdp.comm.mesh import Mesh, build_mesh
 from hsdp.config.schema import Config
-
-
-@dataclass(frozen=True)
-class ReplicaSeat:
-    """An elastic worker's replica: its index, how many times it was restarted, where the replicas meet."""
-
-    replica: int
-    restart: int
-    lighthouse: str
+from hsdp.sync.seam import ReplicaSeat, ReplicaState
 
 
 class Membership(Protocol):
@@ -42,7 +33,7 @@ class Membership(Protocol):
     def logs(self, mesh: Mesh) -> bool:
         """Whether this rank writes the metrics and summary files."""
 
-    def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
+    def join(self, state: ReplicaState, start_step: int) -> int:
         """Meet the other replicas before the first step; returns the step to train from."""
 
     def steps(self, start: int, end: int) -> Iterator[int]:
@@ -87,7 +78,7 @@ class LocalMembership:
     def logs(self, mesh: Mesh) -> bool:
         return mesh.rank == 0
 
-    def join(self, engine: Any, optimizer: torch.optim.Optimizer, start_step: int) -> int:
+    def join(self, state: ReplicaState, start_step: int) -> int:
         return start_step
 
     def steps(self, start: int, end: int) -> Iterator[int]:
@@ -121,6 +112,6 @@ def build_membership(cfg: Config, seat: Optional[ReplicaSeat]) -> Membership:
         return LocalMembership(cfg)
     if seat is None:
         raise RuntimeError("elastic.enabled: this worker was started without its replica seat (hsdp/run/launch.py)")
-    from hsdp.sync.elastic.membership import ElasticMembership
+    from hsdp.sync.elastic.replica import ElasticReplica
 
-    return ElasticMembership(cfg, seat.replica, seat.restart, seat.lighthouse)
+    return ElasticReplica(cfg, seat)

@@ -35,13 +35,13 @@ round holds each due unit's Δ until it lands (4 bytes/element, plus the codec's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, cast
 
 import torch
 
 from hsdp.comm.transport import Transport
 from hsdp.config.schema import ConfigError, SyncConfig
-from hsdp.sync.codec import Codec, Reduction, build_codec, send_round
+from hsdp.sync.codec import Codec, PackedCodec, Reduction, build_codec, send_round
 from hsdp.sync.outer import OuterOptimizer
 from hsdp.sync.schedule import fragment_units, fragments_due, grad_sync_due, uses_global_copy
 from hsdp.sync.state import REPLICA_BUFFERS, OuterState, PendingSync, SyncState
@@ -178,7 +178,7 @@ class SyncPolicy:
         """The param syncs due after `step`, as one round of the transport: start them; τ = 0 lands them at once.
 
         `joined`: the round has already begun (an elastic replica that just healed into its peers' round
-        at `step`, hsdp/sync/elastic/join.py)."""
+        at `step`, hsdp/sync/elastic/replica.py)."""
         due = fragments_due(step, self.cfg)
         if not due:
             return False
@@ -255,8 +255,10 @@ class SyncPolicy:
         held = self.held[u]
         if not self.uses_global:
             return self.codec_start(held.clone() if self.transport.may_fail else held)
+        outer = self.state.outer[u]
+        assert outer is not None, "a param sync before the global copy θ_g (start_global_copy)"
         delta = torch.empty_like(held)
-        compute_delta(self.state.outer[u].global_params, held, delta)
+        compute_delta(outer.global_params, held, delta)
         error = self.state.error_of(u) if self.cfg.error_feedback else None
         self.keep_residual(u)
         return self.codec_start(delta, error)
@@ -264,21 +266,24 @@ class SyncPolicy:
     def codec_start(self, x: torch.Tensor, error: Optional[torch.Tensor] = None) -> Reduction:
         """A packed codec's encode (sent with the round), or the fp32 codec's all-reduce, started now."""
         if self.codec.packed:
-            return self.codec.encode(x, error)
+            return cast(PackedCodec, self.codec).encode(x, error)
         return self.codec.start(x, self.transport, self.delay > 0, error=error)
 
     # ---- error feedback on a transport that may fail (elastic, docs/design.md §11): a residual changes only
     # in a round that committed and counted this replica's part; otherwise it is put back as it was.
     def keep_residual(self, u: int) -> None:
         """Before the codec updates unit u's residual in a round that may not count: keep a copy."""
-        if self.transport.may_fail and self.state.error[u] is not None:
-            self.residual_before[u] = self.state.error[u].clone()
+        error = self.state.error[u]
+        if self.transport.may_fail and error is not None:
+            self.residual_before[u] = error.clone()
 
     def settle_residuals(self, committed: bool) -> None:
         """After a round's commit: put the kept residuals back unless the round applied this replica's part."""
         if self.residual_before and not (committed and self.transport.counted):
             for u, before in self.residual_before.items():
-                self.state.error[u].copy_(before)
+                error = self.state.error[u]
+                assert error is not None  # kept only where it existed (keep_residual)
+                error.copy_(before)
         self.residual_before.clear()
 
     def apply(self, u: int, mean: torch.Tensor) -> None:
@@ -290,12 +295,14 @@ class SyncPolicy:
                 held.copy_(mean)
             return
         state = self.state.outer[u]
-        first = state.momentum is None
-        if first:
-            state.momentum = torch.empty_like(held)
+        assert state is not None, "a param sync before the global copy θ_g (start_global_copy)"
+        momentum = state.momentum
+        first = momentum is None
+        if momentum is None:
+            momentum = state.momentum = torch.empty_like(held)
         # α = 0 adopts θ_g: let the kernel write it into held directly.
         out = torch.empty_like(held) if self.alpha > 0 else held
-        self.outer_opt.step(out, state.global_params, state.momentum, mean, first)
+        self.outer_opt.step(out, state.global_params, momentum, mean, first)
         if out is not held:
             held.lerp_(out, 1.0 - self.alpha)  # θ_m + (1 − α)(θ_g − θ_m); exact at α = 1
 

@@ -23,7 +23,7 @@ Per unit of the held layout (each a flat fp32 tensor the size of the unit's held
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 
@@ -32,6 +32,7 @@ from hsdp.sync.codec import Reduction
 FORMAT = 1  # bump when the state_dict's layout changes (saved checkpoints' meta.json holds it)
 REPLICA_BUFFERS = frozenset({"error"})  # buffers that differ between replicas (the rest: identical on all)
 Buffers = dict[str, list[Optional[torch.Tensor]]]  # buffer name → one flat tensor (or None) per unit
+_MaybeTensor = TypeVar("_MaybeTensor", torch.Tensor, None)  # a tensor in, a tensor out; None in, None out
 
 
 @dataclass
@@ -72,9 +73,10 @@ class SyncState:
 
     def error_of(self, u: int) -> torch.Tensor:
         """Unit u's error-feedback residual (zero on its first use)."""
-        if self.error[u] is None:
-            self.error[u] = torch.zeros_like(self.held[u])
-        return self.error[u]
+        error = self.error[u]
+        if error is None:
+            error = self.error[u] = torch.zeros_like(self.held[u])
+        return error
 
     # ------------------------------------------------------------ the one serialised form
     def state_dict(self) -> dict[str, Any]:
@@ -123,7 +125,7 @@ class SyncState:
                 f"fragments, policy has {len(self.held)} in {len(self.fragments)}"
             )
 
-        def own(t: Optional[torch.Tensor], u: int, what: str) -> Optional[torch.Tensor]:
+        def own(t: _MaybeTensor, u: int, what: str) -> _MaybeTensor:
             if t is None:
                 return None
             if t.shape != self.held[u].shape:

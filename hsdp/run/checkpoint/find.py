@@ -27,13 +27,21 @@ def step_of(path: Path) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def checkpoint_step(path: Path) -> int:
+    """N for a checkpoint folder step_N (a sort key for paths known to be ones); ValueError for another path."""
+    step = step_of(path)
+    if step is None:
+        raise ValueError(f"not a checkpoint folder (step_N): {path}")
+    return step
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """The run's complete checkpoints (with a .complete marker), oldest step first."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if step_of(p) is not None and (p / COMPLETE).is_file()]
-    return sorted(found, key=step_of)
+    return sorted(found, key=checkpoint_step)
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
@@ -52,7 +60,7 @@ def replica_newest(cfg: Config) -> list[Optional[Path]]:
 
     The replicas need not agree: one that was down while the others saved is behind. Each resumes from
     its own newest state, and one behind the newest heals from a replica ahead at their first quorum
-    (hsdp/sync/elastic/join.py, `Join.join`), as a replica restarted within the run does. Nothing a
+    (hsdp/sync/elastic/replica.py, `ElasticReplica.join`), as a replica restarted within the run does. Nothing a
     replica saved is given up for a step that all of them share (docs/design.md §11)."""
     return [latest_checkpoint(replica_home(cfg.run_dir, m)) for m in range(cfg.mesh.sync)]
 
@@ -90,7 +98,7 @@ def resolve_resume(cfg: Config, replica: Optional[int] = None) -> Optional[Path]
         newest = replica_newest(cfg)
         if replica is not None:
             return newest[replica] if replica < len(newest) else None
-        return max((p for p in newest if p is not None), key=step_of, default=None)
+        return max((p for p in newest if p is not None), key=checkpoint_step, default=None)
     if resume == "auto":  # run.overwrite=true replaces the run, its checkpoints included: nothing to resume
         return None if cfg.run.overwrite else latest_checkpoint(cfg.run_dir)
     path = Path(resume).expanduser()

@@ -34,6 +34,7 @@ from hsdp.engines.base import Engine, EngineState, SavedCheckpoint
 from hsdp.run.checkpoint.find import (
     COMPLETE,
     FORMAT,
+    checkpoint_step,
     checkpoints_dir,
     complete_checkpoints,
     latest_checkpoint,
@@ -45,7 +46,7 @@ from hsdp.run.checkpoint.integrity import CHECKSUMS, first_non_finite, hash_file
 from hsdp.run.checkpoint.keys import dcp_state, extra_key
 from hsdp.run.checkpoint.validate import read_meta
 from hsdp.run.guard import Diverged, SaveFailed, last_good_hint
-from hsdp.sync.membership import ReplicaSeat
+from hsdp.sync.seam import ReplicaSeat
 
 
 # ---------------------------------------------------------------- the loop's side
@@ -74,6 +75,7 @@ class RankExtras:
 
     def state_dict(self) -> dict[str, Any]:
         comm, progress = self.mesh.comm, self.saving
+        assert progress is not None, "RankExtras.state_dict: built to load (no progress to save)"
         cuda = torch.cuda.get_rng_state(self.mesh.device) if self.mesh.device.type == "cuda" else None
         return {
             "rng": {
@@ -234,10 +236,11 @@ class Checkpoints:
             }
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
             dist.barrier()  # every rank's files are written (DCP's metadata only on rank 0's side)
-            digests = [None] * dist.get_world_size() if rank0 else None
+            digests: Optional[list[Any]] = [None] * dist.get_world_size() if rank0 else None
             mine = hash_files(tmp, rank_data_files(tmp, dist.get_rank()))  # each rank hashes its own (DCP's) files
             dist.gather_object(mine, digests, dst=0)
             if rank0:
+                assert digests is not None  # rank 0's list, filled by gather_object
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
                 save_config(self.cfg, tmp / "config.yaml")
                 checksums = write_checksums(tmp, {k: v for d in digests for k, v in d.items()})
@@ -284,8 +287,8 @@ def prune(run_dir: Path, newest: Path, keep: int, drop_later: bool = True) -> No
     (an abandoned continuation, after resuming from an earlier checkpoint; not with `drop_later=False`)
     and crashed saves (rank 0)."""
     done = complete_checkpoints(run_dir)
-    older = [p for p in done if step_of(p) <= step_of(newest)]
-    later = [p for p in done if step_of(p) > step_of(newest)] if drop_later else []
+    older = [p for p in done if checkpoint_step(p) <= checkpoint_step(newest)]
+    later = [p for p in done if checkpoint_step(p) > checkpoint_step(newest)] if drop_later else []
     for old in older[:-keep] + later:
         if old != newest:
             shutil.rmtree(old, ignore_errors=True)

@@ -19,7 +19,7 @@ from hsdp.run.checkpoint.find import COMPLETE, FORMAT, replica_newest, resolve_r
 from hsdp.run.checkpoint.integrity import CHECKSUMS, ChecksumError, verify_checksums
 from hsdp.run.checkpoint.keys import model_prefix
 from hsdp.run.rundir import owns_run_dir
-from hsdp.sync.membership import ReplicaSeat
+from hsdp.sync.seam import ReplicaSeat
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -5,11 +5,21 @@ holds the same slice of the model, so rank r's torchft `Manager` joins the quoru
 all live replicas (replica id `replica_<m>`), and its reconfigurable gloo group carries the sync
 collectives among them. One job per module:
 
-    transport.py    FTTransport: that group behind the policy's `Transport` (rounds, spectators, counts)
+    phase.py        the phases of a replica's life and every transition (the table)
+    replica.py      ElasticReplica: the one owner of that life, the training loop's `Membership` (join, heal
+                    out of band, rejoin after a cut, the straggler cuts, the summary's fields)
+    transport.py    FTTransport: torchft's group behind the policy's `Transport` (rounds, spectators, counts)
     heal.py         HealState: what a rejoining replica copies from a live peer, and its snapshot server
     straggler.py    RoundBound: elastic.round_timeout_s (who counts in a round, when a slow replica cuts)
-    join.py         the first quorum of a replica, and the out-of-band catch-up of one healed at a param sync
     manager.py      the torchft Manager of a rank (lighthouse, timeouts) and the address peers reach it at
-    rejoin.py       Rejoin: a replica cut off mid-run (its link, the lighthouse) that gets a quorum again heals
-    membership.py   ElasticMembership: the above as this rank's `Membership` (hsdp/sync/membership.py)
+    faults.py       FaultPoints: elastic.faults done at the named points a replica passes
+    lighthouse.py   whether the lighthouse accepts connections
+
+This module is what the launcher (hsdp/run/replicas.py) uses of the wing: nothing else of it is imported
+outside hsdp/sync.
 """
+
+from hsdp.sync.elastic.faults import clear_markers
+from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
+
+__all__ = ["clear_markers", "in_words", "lighthouse_unreachable"]

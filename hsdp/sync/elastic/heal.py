@@ -13,9 +13,16 @@ import statistics
 import time
 from collections import deque
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+from hsdp.sync.elastic.faults import FaultPoints
+from hsdp.sync.elastic.phase import Life, Phase
+from hsdp.sync.seam import ReplicaState
+
+if TYPE_CHECKING:
+    from hsdp.sync.elastic.transport import FTTransport
 
 
 class HealState:
@@ -26,28 +33,41 @@ class HealState:
     link: torchft's heal carries only where to fetch it (`offer`); the peer serves its state once that
     round has closed (`serve`, from its own snapshot server, while it trains on) and the rejoining
     replica fetches it (`fetch`) and trains the rest of the period to contribute to the peers' next round
-    (join.py).
+    (replica.py). An offer moves the replica's life to healing (`life`, the phase's one owner).
     """
 
-    def __init__(self) -> None:
-        self.engine: Any = None  # attached at the join (the transport, and so the manager, come first)
-        self.optimizer: Optional[torch.optim.Optimizer] = None
+    def __init__(self, life: Life, faults: Optional[FaultPoints] = None) -> None:
+        self.life, self.faults = life, faults
+        self.state: Optional[ReplicaState] = None  # the engine's seam, attached at the join
         self.snapshots: Any = None  # this rank's server of its state for a peer healing out of band (manager.py)
         self.step = -1  # the last finished step (set by the training loop, through the membership)
-        self.training = False  # past the join: a peer healing now catches up out of band
         self.healed_to: Optional[int] = None  # set when a peer's state (or its offer) was loaded
         self.peer_joining = False  # the state came from a peer in its own join round (a resume: it was ahead)
         # (a peer's snapshot address, the step its round began after, the peer's median step time or None)
         self.offer: Optional[tuple[str, int, Optional[float]]] = None
-        # Healed out of band and not caught up yet: this replica spectates its rounds (FTTransport asks). Set
-        # with the offer, inside the quorum, so the round the offer came in already counts it out.
-        self.spectating = False
         self.asked_at: Optional[int] = None  # a peer healed from this rank in the round begun after this step
         self.served_round: Optional[int] = None  # the round after which the served state was published
         self.heals = 0
         self.fetches = 0  # peers' states fetched out of band
         self.fetch_s = 0.0  # wall time fetching them
         self._step_clock: deque[float] = deque(maxlen=9)  # when the last steps reached their sync (pace)
+
+    @property
+    def seam(self) -> ReplicaState:
+        if self.state is None:
+            raise RuntimeError("elastic heal: the replica's state is asked for before its join attached it")
+        return self.state
+
+    @property
+    def training(self) -> bool:
+        """Past the join: a peer healing now catches up out of band."""
+        return self.life.has_trained
+
+    @property
+    def spectating(self) -> bool:
+        """Healed out of band and not caught up: this replica spectates its rounds (FTTransport asks). Healing
+        from the offer on, inside the quorum, so the round the offer came in already counts it out."""
+        return self.life.phase is Phase.HEALING
 
     def at_step(self, step: int) -> None:
         """`step` finished its update and is about to sync: what a peer healing at its sync gets, and when
@@ -63,7 +83,7 @@ class HealState:
     def state_dict(self) -> dict[str, Any]:
         """This rank's state for a peer healing in the round begun after `step` (torchft's quorum thread
         calls it while the training thread waits in begin_round)."""
-        if not self.training or self.engine.policy.grad_sync(self.step + 1) or self.snapshots is None:
+        if not self.training or self.seam.policy.grad_sync(self.step + 1) or self.snapshots is None:
             # Before training (a fresh run's replicas meeting: the initial state) or in a grad round (every
             # step is one): the state crosses inside the round.
             return self.full_state()
@@ -72,7 +92,8 @@ class HealState:
 
     def full_state(self) -> dict[str, Any]:
         # Copies: they are sent from another thread while this replica trains on.
-        policy = copy.deepcopy(self.engine.policy.state_dict())
+        seam = self.seam
+        policy = copy.deepcopy(seam.policy.state_dict())
         # Error-feedback residuals are each replica's own: a healed replica starts from zero (docs/design.md §11).
         policy["buffers"]["error"] = [None] * len(policy["buffers"]["error"])
         policy["meta"]["error_units"] = []
@@ -80,10 +101,10 @@ class HealState:
         return {
             # A unit whose params are θ_g (just after its sync) is not sent twice: a fifth less behind a slow link.
             "held": [
-                None if g is not None and torch.equal(u.held_flat, g) else u.held_flat.detach().clone()
-                for u, g in zip(self.engine.units, thetas, strict=True)
+                None if g is not None and torch.equal(held, g) else held.detach().clone()
+                for held, g in zip(seam.held, thetas, strict=True)
             ],
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": copy.deepcopy(seam.optimizer.state_dict()),
             "policy": policy,
             "step": self.step,
             "joining": not self.training,  # the round the state crosses in is this rank's join round
@@ -94,25 +115,28 @@ class HealState:
         if "snapshot" in state:
             self.offer = (state["snapshot"], int(state["step"]), state.get("step_s"))
             self.healed_to = int(state["step"])
-            self.spectating = True
+            self.life.enter(Phase.HEALING, f"a peer offers its state after its step {self.healed_to}")
             return
         self.load_full(state)
 
     def _global_params(self, policy_state: dict[str, Any]) -> list[Optional[torch.Tensor]]:
         """θ_g per unit from a policy state dict (None for each unit where the policy keeps none)."""
-        return policy_state["buffers"].get("global") or [None] * len(self.engine.units)
+        return policy_state["buffers"].get("global") or [None] * len(self.seam.held)
 
     @torch.no_grad()
     def load_full(self, state: dict[str, Any]) -> None:
-        for u, held, g in zip(self.engine.units, state["held"], self._global_params(state["policy"]), strict=True):
-            u.held_flat.copy_(g if held is None else held)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.engine.policy.load_state_dict(state["policy"])
+        seam = self.seam
+        for mine, held, g in zip(seam.held, state["held"], self._global_params(state["policy"]), strict=True):
+            source = g if held is None else held  # a unit sent as None equals its θ_g (full_state)
+            assert source is not None, "a peer's state left out a unit's held shard without its θ_g"
+            mine.copy_(source)
+        seam.optimizer.load_state_dict(state["optimizer"])
+        seam.policy.load_state_dict(state["policy"])
         self.step = self.healed_to = int(state["step"])
         self.peer_joining = bool(state.get("joining", False))
         self.heals += 1
 
-    def serve(self, step: int, transport: Any, timeout: timedelta) -> None:
+    def serve(self, step: int, transport: FTTransport, timeout: timedelta) -> None:
         """After `step`'s sync, once `transport` has no round open: publish this rank's state to a peer that
         healed from it in a round that has now closed, and drop that copy once a later round closed (the
         peer caught up)."""
@@ -120,6 +144,8 @@ class HealState:
             return
         rounds = transport.rounds
         if self.asked_at is not None and step >= self.asked_at:
+            if self.faults is not None:
+                self.faults.at("before_serve", transport.fault_round(rounds))
             self.snapshots.send_checkpoint(dst_ranks=[], step=step, state_dict=self.full_state(), timeout=timeout)
             self.asked_at, self.served_round = None, rounds
         elif self.served_round is not None and rounds > self.served_round:
@@ -147,7 +173,7 @@ class PeerGone(RuntimeError):
     """The peer a replica was healing from died before its state was fetched (join.py heals again)."""
 
 
-def _refused(e: BaseException) -> bool:
+def _refused(e: Optional[BaseException]) -> bool:
     """Whether `e` (urllib's URLError wraps the socket's error in `reason`) is a refused connection."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:

@@ -17,6 +17,8 @@ def lighthouse_unreachable(url: str, timeout_s: float) -> Optional[OSError]:
     the lighthouse is back a second later.
     """
     parts = urlsplit(url)
+    if parts.port is None:  # the config refuses such an address (check_lighthouse); say so if one gets here
+        return OSError(f"no port in the lighthouse address {url!r}")
     try:
         socket.create_connection((parts.hostname, parts.port), timeout=timeout_s).close()
     except OSError as e:

@@ -17,7 +17,7 @@ the bound is kept by the replicas themselves, in two parts:
                  The pace-setter never cuts: nobody would wait less for it.
 
 Everything here is per rank (one shard position's rounds); the training loop agrees the cut over the
-replica's own ranks (ElasticMembership.cut), so a replica's ranks skip the same steps.
+replica's own ranks (ElasticReplica.cut), so a replica's ranks skip the same steps.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from hsdp import torch_compat
 from hsdp.comm.groups import Comm, ring_bytes_of
+from hsdp.sync.elastic.faults import FaultPoints
 from hsdp.sync.elastic.lighthouse import in_words
 from hsdp.sync.elastic.straggler import RoundBound
 
@@ -81,8 +82,16 @@ class FTTransport:
         bound: Optional[RoundBound] = None,
         lighthouse_unreachable: Callable[[], Optional[OSError]] = lambda: None,
         heartbeat_window_s: float = 0.0,
+        faults: Optional[FaultPoints] = None,
+        on_cut: Callable[[bool], None] = lambda cut: None,
     ) -> None:
         self.manager, self.pg, self.comm, self.clock = manager, pg, comm, clock
+        self.faults = faults  # elastic.faults: the points a round passes (before_quorum ... before_commit)
+        self.on_cut = on_cut  # told when no quorum answers (True) and when one does again (False)
+        self._sent = False  # the current round's first payload collective is done (after_send)
+        # elastic.faults number a life's rounds from its join: 0 while joining (however many meetings it takes),
+        # then 1, 2, ... (set by the replica when its join ends)
+        self.joined_at: Optional[int] = None
         self.lighthouse_unreachable, self.heartbeat_window_s = lighthouse_unreachable, heartbeat_window_s
         self.sleep: Callable[[float], None] = time.sleep  # tests pass one that moves their fake clock
         self.partition_timeout_s = partition_timeout_s
@@ -130,6 +139,7 @@ class FTTransport:
             return
         self.open = True
         work = self.bound.work()  # before the quorum: a late replica's wait for it is not work
+        self._fault("before_quorum", self.fault_round(self.rounds + 1))
         t0 = self.clock()
         self._quorum_or_pause()
         self._round_start = self.clock()  # the quorum's wait is counted in quorum_waits, not twice
@@ -142,6 +152,26 @@ class FTTransport:
         self.quorums.append([self.manager.current_step(), size, self.participants])
         self._last_size, self._last_dropped = size, False
         self.rounds += 1
+        self._sent = False
+        self._fault("after_quorum", self.fault_round(self.rounds))
+
+    def fault_round(self, rounds: int) -> int:
+        """The fault points' number of the round that is the `rounds`-th of this process (0: the join's)."""
+        return 0 if self.joined_at is None else rounds - self.joined_at
+
+    def _fault(self, point: str, round_: int) -> None:
+        if self.faults is not None:
+            self.faults.at(point, round_)
+
+    def _after_send(self, work: Any) -> None:
+        """The round's first payload collective: where an `after_send` fault is placed (once it is done)."""
+        if self._sent or self.faults is None or not self.faults.mine:
+            return
+        self._sent = True
+        round_ = self.fault_round(self.rounds)
+        if any(f.at.point == "after_send" and f.at.round == round_ for f in self.faults.mine):
+            work.wait()  # "after the pseudo-gradient is sent": the peers have this replica's part
+        self._fault("after_send", round_)
 
     def _quorum_or_pause(self) -> None:
         """manager.start_quorum(), retried while it fails: this replica pauses at its sync while it is cut off
@@ -181,6 +211,7 @@ class FTTransport:
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
                 if first is None:
                     first, self.quorum_failures = now, self.quorum_failures + 1
+                    self.on_cut(True)
                     print(
                         f"elastic: no quorum ({why}); paused at this sync, retrying for up to "
                         f"elastic.partition_timeout_s={self.partition_timeout_s:g} s",
@@ -196,6 +227,7 @@ class FTTransport:
                 torch_compat.forget_failed_quorum(self.manager)
                 self.sleep(self.pause_retry_s)
         if first is not None:
+            self.on_cut(False)
             self.quorum_failed_s += self.clock() - first
             print(f"elastic: a quorum again after {self.clock() - first:.1f} s", file=sys.stderr, flush=True)
 
@@ -207,7 +239,7 @@ class FTTransport:
     def _agree_contributors(self, work: float) -> list[int]:
         """Which of the round's replicas count in its means: each says whether it spectates, its work since
         the last meeting and whether that was a full period (three floats each, all-gathered). Only this
-        replica knows it is spectating (hsdp/sync/elastic/join.py); the bound counts late ones out too."""
+        replica knows it is spectating (hsdp/sync/elastic/replica.py); the bound counts late ones out too."""
         n = self.size
         self.counted = not self.spectating()
         mine = torch.tensor([1.0 if self.counted else 0.0, work, 0.0 if self.bound.cut_this_period else 1.0])
@@ -232,6 +264,7 @@ class FTTransport:
         return keep
 
     def commit_round(self) -> bool:
+        self._fault("before_commit", self.fault_round(self.rounds))
         self.open = False
         error = self.manager.errored()
         step = self.manager.current_step()  # the round's number on every replica (a healed one takes its peers')
@@ -266,6 +299,7 @@ class FTTransport:
             t.zero_()
         self.comm.count("sync", "all_reduce", ring_bytes_of("all_reduce", self.size, t.numel() * t.element_size()))
         work = self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM)
+        self._after_send(work)
         if not async_op:
             work.wait()
             return Done()
@@ -274,6 +308,7 @@ class FTTransport:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Any:
         self.comm.count("sync", "all_gather", ring_bytes_of("all_gather", self.size, inp.numel() * inp.element_size()))
         work = self._guarded_all_gather(out, inp)
+        self._after_send(work)
         if not async_op:
             work.wait()
         return work

@@ -25,8 +25,8 @@ from hsdp.core.atomic import write_json
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.metrics import last_record
 from hsdp.run.zygote import Exit, Workers
-from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
-from hsdp.sync.membership import ReplicaSeat
+from hsdp.sync.elastic import clear_markers, in_words, lighthouse_unreachable
+from hsdp.sync.seam import ReplicaSeat
 
 
 @dataclass
@@ -143,6 +143,7 @@ class ElasticLaunch:
         self.owner: dict[int, int] = {}  # worker index -> replica (current generation only)
         self.ended = False  # the launch is over (its workers stopped): no pid is live
         self.lighthouse_lost = False  # elastic.lighthouse stopped answering: every replica is given up
+        clear_markers(cfg.run_dir)  # elastic.faults' markers of an earlier launch (lives count from 0 again)
 
     def start(self, m: int) -> None:
         r = self.replicas[m]

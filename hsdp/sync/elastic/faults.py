@@ -1,0 +1,86 @@
+"""FaultPoints: this rank's `elastic.faults` (hsdp/config/faults.py), done where the replica passes each point.
+
+The wing calls `at(point, round)` at every named point of a replica's life; with no faults configured it
+does nothing. A point another replica waits for leaves a marker file (run folder, `faults/`) once this rank
+has passed it, so a `wait` is ordered by events, never by the clock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hsdp.config.faults import Fault, Place, parse_faults
+
+MARKERS = "faults"  # in the run folder: one empty file per (place, shard rank) that someone waits for
+POLL_S = 0.05
+
+
+class FaultInjected(RuntimeError):
+    """An `exit` fault: the replica fails with this one line (its launcher restarts it as after any failure)."""
+
+
+class FaultPoints:
+    """The faults of replica `replica`'s `life`-th start, on shard rank `shard_rank`."""
+
+    def __init__(
+        self, spec: str, replicas: int, replica: int, life: int, shard_rank: int, run_dir: Path, wait_s: float
+    ) -> None:
+        faults = parse_faults(spec, replicas)
+        self.replica, self.life, self.shard_rank = replica, life, shard_rank
+        self.mine = [f for f in faults if (f.at.replica, f.at.life) == (replica, life)]
+        # the places of this life that some fault waits for: marked when passed
+        self.watched = {
+            f.wait_for for f in faults if f.wait_for and (f.wait_for.replica, f.wait_for.life) == (replica, life)
+        }
+        self.markers = run_dir / MARKERS
+        self.wait_s = wait_s
+        self.fired: list[str] = []  # the faults done so far (a test reads them from the summary)
+
+    def at(self, point: str, round_: int) -> None:
+        """This rank passes `point` of its round `round_` (0 for `start`): do the faults placed there."""
+        if not self.mine and not self.watched:
+            return
+        place = Place(self.replica, self.life, round_, point)
+        for fault in self.mine:
+            if fault.at == place:
+                self._do(fault)
+        if place in self.watched:
+            self.markers.mkdir(parents=True, exist_ok=True)
+            self._marker(place).touch()
+
+    def _marker(self, place: Place) -> Path:
+        return self.markers / f"{place.replica}.{place.life}.{place.round}.{place.point}.rank{self.shard_rank}"
+
+    def _do(self, fault: Fault) -> None:
+        self.fired.append(str(fault))
+        print(f"elastic: fault {fault} (replica {self.replica}, rank {self.shard_rank})", file=sys.stderr, flush=True)
+        if fault.action == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.action == "exit":
+            raise FaultInjected(f"fault {fault}: replica {self.replica} fails here")
+        elif fault.action == "stall":
+            time.sleep(fault.seconds)
+        elif fault.action == "stop":
+            # a stopped process cannot wake itself: a child sends SIGCONT after the spell
+            subprocess.Popen(["sh", "-c", f"sleep {fault.seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.action == "wait":
+            assert fault.wait_for is not None
+            marker, t0 = self._marker(fault.wait_for), time.monotonic()
+            while not marker.exists():
+                if time.monotonic() - t0 > self.wait_s:
+                    raise RuntimeError(f"fault {fault}: {fault.wait_for} not reached within {self.wait_s:g} s")
+                time.sleep(POLL_S)
+
+
+def clear_markers(run_dir: Path) -> None:
+    """Remove an earlier launch's markers (a resumed run's lives count from 0 again)."""
+    folder = run_dir / MARKERS
+    if folder.is_dir():
+        for f in folder.iterdir():
+            f.unlink(missing_ok=True)
