@@ -273,3 +273,25 @@ def test_registry_matches_the_config_choices():
     assert tuple(ENGINES) == CHOICES["mesh.engine"]
     assert all(cls.name == name for name, cls in ENGINES.items())
     assert COMPILED["hsdp"].name == "hsdp" and issubclass(COMPILED["hsdp"], ENGINES["hsdp"])
+
+
+def test_the_elastic_wing_is_reached_through_its_package_module_only():
+    """Outside hsdp/sync, the wing is imported as `hsdp.sync.elastic` (its __init__: what the launcher uses),
+    never one of its modules; inside it, nothing is typed `Any` that names the engine (ReplicaState is the seam)."""
+    modules = graph_modules()
+    bad = [
+        f"{path.relative_to(REPO)}:{line}: {target}"
+        for name, path in modules.items()
+        if not name.startswith("hsdp.sync")
+        for target, line in import_sites(path, name, modules)
+        if target.startswith("hsdp.sync.elastic.")
+    ]
+    assert not bad, bad
+    wing = sorted((REPO / "hsdp/sync/elastic").glob("*.py"))
+    engine_any = [
+        f"{p.name}:{i}"
+        for p in wing
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"engine\W.*\bAny\b", line)
+    ]
+    assert not engine_any and not any("engine.units" in p.read_text() for p in wing), engine_any

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -193,6 +194,16 @@ class ElasticLaunch:
             r.restarts += 1
             r.restart_at = time.monotonic() + self.cfg.elastic.restart_delay_s
         self.write_replicas_json()
+        self.tell(r, last)
+
+    def tell(self, r: Replica, last: str) -> None:
+        """One line on the launcher's output per replica event (its workers' lines say how it healed)."""
+        died = f"elastic: replica {r.index} died ({last[:200]})"
+        if r.given_up:
+            print(f"{died}; given up", file=sys.stderr, flush=True)
+        elif r.restart_at is not None:
+            delay, limit = self.cfg.elastic.restart_delay_s, self.cfg.elastic.max_restarts
+            print(f"{died}; restart {r.restarts} of {limit} in {delay:g} s", file=sys.stderr, flush=True)
 
     def on_stalled(self, e: Exit) -> None:
         """A worker stopped (SIGSTOP, a debugger) for longer than mesh.timeout_s: kill it and fail its replica
@@ -211,6 +222,7 @@ class ElasticLaunch:
             if r.restart_at is not None and time.monotonic() >= r.restart_at:
                 r.restart_at = None
                 self.start(r.index)
+                print(f"elastic: replica {r.index} restarted (start {r.restarts + 1})", file=sys.stderr, flush=True)
 
     @property
     def running(self) -> bool:

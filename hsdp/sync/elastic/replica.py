@@ -193,6 +193,13 @@ class ElasticReplica(PhaseLog):
             time.sleep(0.2)
         self.joined_s = time.perf_counter() - t0
         transport.joined_at = transport.rounds  # elastic.faults count this life's rounds from here
+        if heal.heals and self.mesh.shard_rank == 0:
+            print(
+                f"elastic: replica {self.replica} healed from a live replica at its step {heal.healed_to}, "
+                f"training from step {step}",
+                file=sys.stderr,
+                flush=True,
+            )
         return step
 
     # ------------------------------------------------------------ healing (out of band) → training
