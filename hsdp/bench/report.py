@@ -43,6 +43,20 @@ def format_value(column: str, value: Any) -> str:
     return str(value)
 
 
+def ratio_cell(value: Any, reference: Any, is_reference: bool) -> str:
+    """A sweep's `ratio:` column: the reference (first) run's value over this run's, in words that read right:
+    "1× (reference)" on its own row, "N× fewer" / "N× more" elsewhere (3 digits), "same" within them; "–" where
+    either is missing or not a positive number."""
+    if is_reference:
+        return "1× (reference)" if isinstance(reference, (int, float)) and reference > 0 else "–"
+    if not (isinstance(value, (int, float)) and isinstance(reference, (int, float)) and value > 0 and reference > 0):
+        return "–"
+    fewer = reference / value
+    if f"{fewer:.3g}" == "1" or f"{1 / fewer:.3g}" == "1":
+        return "same"
+    return f"{fewer:.3g}× fewer" if fewer > 1 else f"{1 / fewer:.3g}× more"
+
+
 def sweep_table(spec: SweepSpec, records: Mapping[str, Optional[RunRecord]]) -> str:
     """One row per run (with `nocomm`, the twins fold into their run's row); None: the run left no summary."""
     cols = list(spec["columns"])
@@ -57,12 +71,11 @@ def sweep_table(spec: SweepSpec, records: Mapping[str, Optional[RunRecord]]) -> 
     ratio, relative = spec.get("ratio"), spec.get("relative")
     head = ["run", *cols] + ([f"{ratio} ratio"] if ratio else []) + ([" vs ".join(relative)] if relative else [])
     lines = [row(head), "|" + "---|" * len(head)]
-    first = next(iter(values.values()), {})
+    reference = next(iter(values), None)  # the ratio column's: the first run
     for run, v in values.items():
         cells = [run] + [format_value(c, v.get(c)) for c in cols]
         if ratio:
-            a, b = v.get(ratio), first.get(ratio)
-            cells.append(f"{b / a:.1f}× fewer" if a and b else "–")
+            cells.append(ratio_cell(v.get(ratio), values[reference].get(ratio), run == reference))
         if relative:
             a, b = v.get(relative[0]), values.get(relative[1], {}).get(relative[0])
             cells.append(f"{a / b:.2f}×" if a and b else "–")

@@ -7,6 +7,7 @@ then in the checkout. The keys of each kind: hsdp/bench/sweep.py and hsdp/bench/
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, TypedDict
@@ -179,18 +180,29 @@ def parse_runs_arg(items: list[str]) -> dict[str, LinkRunSpec]:
     return runs
 
 
+def rate_number(text: str) -> Optional[tuple[float, int]]:
+    """'20mbit' → (20.0, 10**6): a rate's number (any sign, inf and nan included) and its unit's scale; None if
+    `text` is not a number followed by bit, kbit, mbit or gbit."""
+    t = str(text).strip().lower()
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
+        if t.endswith(unit):
+            try:
+                return float(t[: -len(unit)]), scale
+            except ValueError:
+                return None
+    return None
+
+
 def parse_rate(text: str) -> tuple[str, Optional[int]]:
     """'20mbit' → ('20mbit', 20_000_000); 'unshaped' → ('unshaped', None). Units: bit, kbit, mbit, gbit."""
     t = str(text).strip().lower()
     if t in ("unshaped", "none"):
         return "unshaped", None
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
-        if t.endswith(unit):
-            try:
-                value = float(t[: -len(unit)])
-            except ValueError:
-                break
-            if value <= 0:
-                break
-            return f"{value:g}{unit}", int(round(value * scale))
-    raise ConfigError(f"--rate: expected e.g. 20mbit, 1gbit, 500kbit or unshaped, got {text!r}")
+    found = rate_number(t)
+    if found is None:
+        raise ConfigError(f"--rate: expected e.g. 20mbit, 1gbit, 500kbit or unshaped, got {text!r}")
+    value, scale = found
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"--rate: expected a rate above 0 (e.g. 20mbit), got {text!r}")
+    unit = {10**9: "gbit", 10**6: "mbit", 10**3: "kbit", 1: "bit"}[scale]
+    return f"{value:g}{unit}", int(round(value * scale))

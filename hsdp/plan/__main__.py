@@ -15,11 +15,14 @@ with one line, before any work.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import re
 import sys
 from typing import Optional
 
-from hsdp.bench.spec import parse_rate
+from hsdp.bench.spec import parse_rate, rate_number
 from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
 from hsdp.plan.calibrate import SKIP, measure_fake_run, read_fake_run
@@ -40,14 +43,25 @@ def parse_count(text: str, flag: str) -> float:
         value = float(t[:-1] if t[-1:] in SUFFIXES else t) * scale
     except ValueError:
         raise ConfigError(f"{flag}: expected a number such as 10B, 124M or 2e12, got {text!r}") from None
-    if not value > 0:
-        raise ConfigError(f"{flag}: expected a positive number, got {text!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{flag}: expected a positive, finite number, got {text!r}")
     return value
+
+
+def parse_whole(text: str, flag: str) -> int:
+    """A count that must be at least 1 once rounded down (parameters, tokens)."""
+    value = parse_count(text, flag)
+    if value < 1:
+        raise ConfigError(f"{flag}: expected at least 1, got {text!r}")
+    return int(value)
 
 
 def parse_rates(text: str, flag: str) -> list[float]:
     rates = []
     for part in filter(None, text.split(",")):
+        number = rate_number(part)
+        if number is not None and not (number[0] > 0 and math.isfinite(number[0])):
+            raise ConfigError(f"{flag}: a rate must be above 0 and finite, got {part!r}")
         try:
             label, bps = parse_rate(part)
         except ConfigError:
@@ -60,8 +74,36 @@ def parse_rates(text: str, flag: str) -> list[float]:
     return rates
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's usage errors as one line, exit 2, like every other bad input of the command."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"plan: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+# a value that starts like a negative number: `--inter -10gbit`, `--latency -inf` (argparse takes it for a flag)
+NEGATIVE = re.compile(r"-(\d|\.\d|inf|nan)", re.IGNORECASE)
+
+
+def attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--flag -10gbit` → `--flag=-10gbit` for every flag that takes a value, so that a negative value reaches
+    the checks (and is refused there, naming the flag) instead of argparse's "expected one argument"."""
+    takes_value = {o for a in parser._actions if a.nargs != 0 for o in a.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in takes_value and i + 1 < len(argv) and NEGATIVE.match(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hsdp.plan", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m hsdp.plan", description=__doc__.splitlines()[0])
     p.add_argument("config", help="the run's config (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--inter", required=True, help="each replica's link, comma-separated rates: 20mbit,10gbit")
@@ -102,16 +144,22 @@ class Plan:
     """The checked inputs of one planning command."""
 
     def __init__(self, a: argparse.Namespace) -> None:
+        for flag, n in (("--replicas", a.replicas), ("--shard", a.shard)):
+            if n is not None and n < 1:
+                what = "replica (mesh.sync)" if flag == "--replicas" else "GPU per replica (mesh.shard)"
+                raise ConfigError(f"{flag}: expected at least 1 {what}, got {n}")
         self.rates = parse_rates(a.inter, "--inter")
-        if not a.latency >= 0:
+        if not (a.latency >= 0 and math.isfinite(a.latency)):
             raise ConfigError(f"--latency: expected milliseconds >= 0, got {a.latency:g}")
         self.intra = parse_rates(a.intra, "--intra")[0] if a.intra and a.intra != "free" else None
         if not 0 < a.mfu <= 1:
             raise ConfigError(f"--mfu: expected a fraction in (0, 1], got {a.mfu:g}")
-        if not a.overhead >= 1:
+        if not (a.overhead >= 1 and math.isfinite(a.overhead)):
             raise ConfigError(f"--overhead: expected a factor >= 1, got {a.overhead:g}")
+        if a.gpu is not None and not a.gpu.strip():
+            raise ConfigError("--gpu: expected a GPU name such as H100")
         self.peak = parse_count(a.flops, "--flops") if a.flops else gpu_peak_flops(a.gpu) if a.gpu else None
-        self.params = int(parse_count(a.params, "--params")) if a.params else None
+        self.params = parse_whole(a.params, "--params") if a.params else None
         if self.params is not None and self.peak is None:
             raise ConfigError(
                 "--params: a fake-backend calibration measures only the config's model; add --gpu or --flops"
@@ -124,12 +172,12 @@ class Plan:
             raise ConfigError(
                 f"--calibrate-steps: the first {SKIP} steps are not timed; expected more, got {a.calibrate_steps}"
             )
-        if a.compute_s is not None and not a.compute_s > 0:
+        if a.compute_s is not None and not (a.compute_s > 0 and math.isfinite(a.compute_s)):
             raise ConfigError(f"--compute-s: expected seconds > 0, got {a.compute_s:g}")
-        self.tokens = int(parse_count(a.tokens, "--tokens")) if a.tokens else None
+        self.tokens = parse_whole(a.tokens, "--tokens") if a.tokens else None
         self.targets = parse_targets(a.for_utilization) if a.for_utilization else []
-        mesh = [f"mesh.sync={a.replicas}"] if a.replicas else []
-        mesh += [f"mesh.shard={a.shard}"] if a.shard else []
+        mesh = [f"mesh.sync={a.replicas}"] if a.replicas is not None else []
+        mesh += [f"mesh.shard={a.shard}"] if a.shard is not None else []
         self.overrides = [*a.overrides, *mesh]
         self.cfg: Config = load_config(a.config, self.overrides)
         self.args = a
@@ -179,13 +227,33 @@ class Plan:
         intra = self.resolve_intra()
         p = predict(w, self.link(bps), compute, self.cfg.run.steps, self.tokens)
         cost = failure_cost(w, self.link(bps), compute, self.cfg)
+        alone = w.M == 1  # one replica: no survivors, no peer to heal from (failure_line)
         p.extra = {
             "intra": intra,
-            "failure_survivor_lost_s": cost.survivor_lost_s,
-            "failure_heal_s": cost.heal_s,
-            "failure_heal_bytes_per_rank": cost.heal_bytes_per_rank,
+            "failure_survivor_lost_s": None if alone else cost.survivor_lost_s,
+            "failure_heal_s": None if alone else cost.heal_s,
+            "failure_heal_bytes_per_rank": None if alone else cost.heal_bytes_per_rank,
         }
         return p
+
+    def latency_bound(self, w: Workload, p: Prediction) -> Optional[dict]:
+        """Whether the link's latency, not its bandwidth, bounds the utilisation at p's rate: of the exposed
+        communication per step, more is latency (p's step less the step with no latency) than bandwidth (the
+        step with no latency less compute). With the utilisation at unlimited bandwidth (latency kept) and
+        with no latency (rate kept), for the output; None without latency or when latency is not the bound."""
+        if self.args.latency <= 0 or w.M == 1:
+            return None
+        steps, compute, link = self.cfg.run.steps, self.resolve_compute(w), self.link(p.rate_bps)
+        no_latency = predict(w, dataclasses.replace(link, latency_s=0.0), compute, steps)
+        latency_s = p.step_time_s - no_latency.step_time_s
+        if not latency_s > no_latency.step_time_s - p.compute_s:
+            return None
+        ceiling = predict(w, dataclasses.replace(link, inter_bps=math.inf), compute, steps)
+        return {
+            "latency_s_per_step": latency_s,
+            "utilization_unlimited_bandwidth": ceiling.compute_utilization,
+            "utilization_no_latency": no_latency.compute_utilization,
+        }
 
 
 def parse_targets(text: str) -> list[float]:
@@ -212,13 +280,12 @@ def bandwidth_for(plan: Plan, w: Workload, target: float) -> Optional[float]:
 
 def hsdp_twin(cfg: Config) -> Config:
     """The same config as exact HSDP (grads synced every step)."""
-    import dataclasses
-
     return dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, warmup_steps=None))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(attach_negative_values(parser, sys.argv[1:] if argv is None else list(argv)))
     try:
         plan = Plan(args)
         if args.plot:
@@ -235,6 +302,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
+    if plan.compute.warning:
+        print(f"plan: {plan.compute.warning}", file=sys.stderr)
+    bounds = {p.rate_bps: plan.latency_bound(w, p) for p in predictions}
+    for p in predictions:
+        p.extra["latency_bound"] = bounds[p.rate_bps] is not None
+        p.extra.update(bounds[p.rate_bps] or {})
     if args.json:
         out = [p.to_json() for p in predictions]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
@@ -246,13 +319,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"intra (shard group): {plan.intra_used}")
         print(f"params {w.params:.4g}, units {len(w.units)}, mesh {w.M}×{w.S}, {w.tokens_per_step} tokens/step\n")
         print(table(predictions))
-        p = predictions[0]
-        lost = p.extra["failure_survivor_lost_s"]
-        print(
-            f"\nreplica failure at {rate_label(p.rate_bps)}: survivors lose ~{lost:.3g} s, "
-            f"the restarted replica heals in ~{p.extra['failure_heal_s']:.3g} s "
-            f"({p.extra['failure_heal_bytes_per_rank'] / 2**20:.4g} MiB per rank)"
-        )
+        notes = [latency_note(p, bounds[p.rate_bps], args.latency) for p in predictions if bounds[p.rate_bps]]
+        print("\n" + "\n".join(notes) if notes else "")
+        print(failure_line(w, predictions[0]))
     if plan.targets:
         print("\n| compute utilization | inter bandwidth needed |\n|---:|---:|")
         for target in plan.targets:
@@ -267,6 +336,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         plot_utilization(args.plot, curves, lo, hi)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def latency_note(p: Prediction, bound: dict, latency_ms: float) -> str:
+    """One line: at this rate the link's latency, not its bandwidth, bounds the utilisation."""
+    return (
+        f"latency, not bandwidth, bounds the utilisation at {rate_label(p.rate_bps)}: "
+        f"{bound['latency_s_per_step']:.3g} s of the {p.exposed_comm_s:.3g} s exposed per step is the "
+        f"{latency_ms:g} ms latency of each ring hop; with unlimited bandwidth utilisation is still at most "
+        f"{100 * bound['utilization_unlimited_bandwidth']:.1f}% ({100 * bound['utilization_no_latency']:.1f}% "
+        "with no latency): fewer, larger syncs or a lower-latency link raise it, more bandwidth barely does"
+    )
+
+
+def failure_line(w: Workload, p: Prediction) -> str:
+    """What a replica failure costs, in words that fit the mesh (one replica: no survivors, no peer)."""
+    if w.M == 1:
+        return (
+            "replica failure: with one replica there are no survivors and no peer to heal from: the run stops "
+            "and resumes from its last checkpoint (run.checkpoint_every), the steps since then lost"
+        )
+    return (
+        f"replica failure at {rate_label(p.rate_bps)}: "
+        f"{'the other replica loses' if w.M == 2 else f'the other {w.M - 1} replicas lose'} "
+        f"~{p.extra['failure_survivor_lost_s']:.3g} s, "
+        f"the restarted replica heals in ~{p.extra['failure_heal_s']:.3g} s "
+        f"({p.extra['failure_heal_bytes_per_rank'] / 2**20:.4g} MiB per rank)"
+    )
 
 
 def method_label(cfg: Config) -> str:

@@ -2,12 +2,17 @@
 
 A fake-backend run issues every collective (Comm counts their bytes) but each returns at once, so its
 step times are the step's compute: packs, kernels, optimizer, codec and outer step (README, sweeps).
-From its metrics.jsonl:
+From the run's own per-step times:
 
-    step_s   median step time of the steps without a param sync
-    sync_s   median step time of the steps with one (τ = 0: codec + outer step), less step_s (≥ 0)
+    every step logged (run.log_every=1, as `measure_fake_run` runs it): from metrics.jsonl,
+      step_s   median step time of the steps without a param sync
+      sync_s   median step time of the steps with one (τ = 0: codec + outer step), less step_s (≥ 0)
+      the first `SKIP` steps left out (allocations, and the step summary.json's memory probe profiles);
+    else summary.json's `median_step_time_s` (the median of every step, train.py's) for step_s, and the
+      logged steps with a param sync for sync_s. The logged records alone are a few chosen steps
+      (log_every, evals, the last) and no estimate of a step: never used for step_s.
 
-The first `SKIP` steps are left out (allocations, and the step summary.json's memory probe profiles).
+Fewer than `FEW` timed steps give a warning (`Compute.warning`, one line the command prints on stderr).
 `measure_fake_run` makes such a run on the spot (train.py, a temporary folder) when no folder is given.
 """
 
@@ -27,6 +32,7 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.plan.model import Compute
 
 SKIP = 3  # train.py profiles step 2's memory (StepMemoryProbe); steps 0–1 allocate
+FEW = 10  # fewer timed steps than this: the calibration warns
 REPO = Path(__file__).resolve().parents[2]
 # what must agree between the calibration run and the config to plan for its compute to apply
 SAME_SHAPE = (
@@ -63,14 +69,37 @@ def read_fake_run(run_dir: str, cfg: Optional[Config] = None) -> Compute:
         )
     if cfg is not None and (folder / "config.yaml").is_file():
         check_same_shape(load_config(str(folder / "config.yaml")), cfg, run_dir)
-    timed = [r for r in records if "step_time_s" in r and r.get("step", 0) >= SKIP]
-    plain = [r["step_time_s"] for r in timed if not r.get("synced")]
+    return compute_of(summary, records, f"fake-backend run {folder}")
+
+
+def compute_of(summary: dict, records: list[dict], source: str) -> Compute:
+    """step_s and sync_s from the run's own per-step times (the module's docstring), with a warning when few."""
+    logged = [r for r in records if "step_time_s" in r and "step" in r]
+    steps = summary.get("steps")
+    every = sorted(r["step"] for r in logged) == list(range(steps if steps else len(logged)))
+    median = summary.get("median_step_time_s")
+    timed = [r for r in logged if r["step"] >= SKIP]
     synced = [r["step_time_s"] for r in timed if r.get("synced")]
-    if not plain:
-        raise ConfigError(f"--calibrate: {run_dir}: no step after step {SKIP - 1} without a param sync is logged")
-    step_s = statistics.median(plain)
+    if every and logged:
+        plain = [r["step_time_s"] for r in timed if not r.get("synced")]
+        if not plain:
+            raise ConfigError(f"--calibrate: {source}: no step after step {SKIP - 1} without a param sync")
+        step_s, n, how = statistics.median(plain), len(timed), f"every step's time, {len(timed)} steps ≥ {SKIP}"
+    elif median is not None and steps:
+        step_s, n, how = float(median), int(steps), f"summary.json's median of {steps} steps"
+    else:
+        raise ConfigError(
+            f"--calibrate: {source}: neither every step's time (run.log_every=1) nor summary.json's "
+            "median_step_time_s; rerun it with run.log_every=1"
+        )
     sync_s = max(0.0, statistics.median(synced) - step_s) if synced else 0.0
-    return Compute(step_s=step_s, sync_s=sync_s, source=f"fake-backend run {folder} ({len(timed)} steps)")
+    warning = ""
+    if n < FEW:
+        warning = (
+            f"warning: --calibrate: only {n} step times in {source}; its compute of {step_s:.3g} s/step is "
+            f"uncertain (a run of {FEW + SKIP} or more steps gives a steadier one)"
+        )
+    return Compute(step_s=step_s, sync_s=sync_s, source=f"{source} ({how})", warning=warning)
 
 
 def check_same_shape(run: Config, cfg: Config, run_dir: str) -> None:
@@ -117,5 +146,7 @@ def _measure_into(config: Optional[str], overrides: list[str], steps: int, out: 
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         raise ConfigError(f"calibration run failed: {tail[0]}")
-    compute = read_fake_run(str(Path(out) / "calibration"))
-    return Compute(compute.step_s, compute.sync_s, f"{steps} fake-backend steps measured now")
+    folder = Path(out) / "calibration"
+    summary = json.loads((folder / "summary.json").read_text())
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return compute_of(summary, records, f"{steps} fake-backend steps measured now")

@@ -69,6 +69,7 @@ class Compute:
     step_s: float  # one optimizer step: forward + backward of its micro-steps and the update
     sync_s: float = 0.0  # what a param-sync step adds (codec, outer step)
     source: str = ""
+    warning: str = ""  # one line the command prints on stderr (e.g. a calibration on few steps)
 
 
 @dataclass
