@@ -114,22 +114,26 @@ FORMATS = ("pt", "safetensors", "hf")
 
 
 def check_out_path(out: Path, fmt: str = "pt") -> None:
-    """The output must be a file (an absent or empty folder for hf) in an existing, writable folder (ConfigError
+    """The output must be a file (an absent or empty folder for hf) whose folder exists or can be made (ConfigError
     before any work)."""
     if fmt == "hf":
         if out.exists() and not (out.is_dir() and not any(out.iterdir())):
             raise ConfigError(f"out: {out} exists; --format hf writes a new (or empty) folder")
     elif out.is_dir():
         raise ConfigError(f"out: {out} is a folder; give a file name such as {out / 'model.pt'}")
+    # Missing folders on the way are created (`out/tiny-hf` on a fresh clone); the nearest one that exists must
+    # be a writable folder.
     parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"out: the folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"out: the folder {parent} is not writable")
+    existing = next(p for p in (parent, *parent.parents) if p.exists() or p == Path(p.anchor or "."))
+    if not existing.is_dir():
+        raise ConfigError(f"out: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"out: the folder {existing} is not writable")
 
 
 def write_export(state: dict, cfg: Config, out: Path, fmt: str) -> None:
     """`state` to `out` in format `fmt` (hf: with the run's tokenizer, if its data has one)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
         write_hf_folder(out, state, cfg.model, tokenizer_path(cfg))
     elif fmt == "safetensors":

@@ -392,12 +392,17 @@ def test_an_interrupted_sweep_resumes(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- 9. the smaller cases
-def test_export_to_a_missing_folder_or_a_directory_exits_2(out: Path, finished: RunResult, capsys) -> None:
+def test_export_to_a_directory_or_below_a_file_exits_2_and_makes_missing_folders(
+    out: Path, finished: RunResult, capsys
+) -> None:
     step = str(finished.run_dir / "checkpoints" / "step_7")
-    for target, says in [(out / "no" / "such" / "m.pt", "does not exist"), (out, "is a folder")]:
+    (out / "a-file").write_text("")
+    for target, says in [(out, "is a folder"), (out / "a-file" / "m.pt", "is not a folder")]:
         assert export_main([step, str(target)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: out:") and says in err[0], err
+    assert export_main([step, str(out / "no" / "such" / "m.pt")]) == 0  # the README's out/tiny-hf on a fresh clone
+    assert (out / "no" / "such" / "m.pt").is_file()
 
 
 def test_a_too_long_run_name_exits_2(out: Path) -> None:
