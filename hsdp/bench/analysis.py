@@ -58,6 +58,9 @@ class Assessed:
     link_over_sync: Optional[float] = None  # link bytes / (M·S·sync_bytes); None without both
     mean_step_vs_target_run: Optional[float] = None  # None: the target run has no result at this rate
     time_to_target_vs_target_run: Optional[float] = None
+    # compute utilisation: the plan's sync-free step time ÷ this run's mean step time (what Streaming DiLoCo and
+    # INTELLECT-1 report); None without a sync-free step in any run of the plan
+    compute_utilization: Optional[float] = None
 
     @property
     def time_to_target_s(self) -> Optional[float]:
@@ -74,6 +77,8 @@ class Assessed:
             )
         if self.link_over_sync is not None:
             out["link_over_sync"] = self.link_over_sync
+        if self.compute_utilization is not None:
+            out["compute_utilization"] = self.compute_utilization
         if self.mean_step_vs_target_run is not None:
             out.update(
                 mean_step_vs_target_run=self.mean_step_vs_target_run,
@@ -120,10 +125,25 @@ def against_target_run(a: Assessed, r: LinkRun, base: LinkRun, base_a: Assessed)
     )
 
 
+def sync_free_step_s(runs: Sequence[LinkRun]) -> Optional[float]:
+    """The step time without sync traffic that every run of a plan is measured against: the fastest of its
+    runs' sync-free medians (the runs share the model and mesh, so their compute is the same; a run's own may
+    be slower where a heal or a slow spell fell on its local steps). None if no run logged such a step."""
+    frees = [r.record.sync_free_step_s for r in runs if r.ok]
+    known = [f for f in frees if f is not None]
+    return min(known) if known else None
+
+
 def evaluate_results(plan: LinkPlan, runs: Sequence[LinkRun]) -> dict[Key, Assessed]:
     """Every finished run assessed: target, time to target, sync-time and link checks, ratios to the target run."""
     targets = target_losses(plan, runs)
     out = {(r.run, r.rate): assess(plan, r, target_at(r.rate, targets)) for r in runs if r.ok}
+    free = sync_free_step_s(runs)
+    for r in runs:
+        mean = r.record.mean_step_s if r.ok else None
+        if r.ok and free is not None and mean:
+            key = (r.run, r.rate)
+            out[key] = dataclasses.replace(out[key], compute_utilization=free / mean)
     ref = {r.rate: r for r in runs if r.run == plan.target and r.ok}
     for r in runs:
         base = ref.get(r.rate)

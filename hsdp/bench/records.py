@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -121,6 +122,17 @@ class RunRecord:
     def metrics(self) -> list[LoggedStep]:
         """metrics.jsonl, read on first use."""
         return read_metrics(self.dir)
+
+    @cached_property
+    def sync_free_step_s(self) -> Optional[float]:
+        """The median time of this run's steps that sent nothing on the sync group (a logged step whose
+        cumulative sync bytes equal the step before's): its compute and shard collectives alone. None if no
+        such step was logged (exact HSDP syncs every step; log_every > 1 logs no consecutive pair)."""
+        logged = self.metrics
+        free = [
+            b.step_time_s for a, b in zip(logged, logged[1:]) if b.step == a.step + 1 and b.sync_bytes == a.sync_bytes
+        ]
+        return statistics.median(free) if free else None
 
 
 # ------------------------------------------------------------------ the slow-link benchmark's runs

@@ -115,6 +115,7 @@ def run_row(r: LinkRun, a: Assessed) -> str:
             times(a.time_to_target_vs_target_run),
             "–" if tok is None else f"{tok / 1e6:.2f}M",
             mib(reached.sync_bytes_to_target if reached else None),
+            "–" if a.compute_utilization is None else f"{a.compute_utilization:.2f}",
         ]
     )
 
@@ -129,12 +130,12 @@ def runs_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, A
         + plan.target
         + " | train time | final val | sync bytes | link bytes | to target | vs "
         + plan.target
-        + " | tokens at target | sync bytes at target |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        + " | tokens at target | sync bytes at target | compute util. |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         if not r.ok:
-            lines.append(f"| {r.run} | {rate_text(r)} | failed (exit {r.measured.returncode}) |" + " |" * 11)
+            lines.append(f"| {r.run} | {rate_text(r)} | failed (exit {r.measured.returncode}) |" + " |" * 12)
         else:
             lines.append(run_row(r, assessed[(r.run, r.rate)]))
     return lines
