@@ -75,7 +75,18 @@ def parse_rates(text: str, flag: str) -> list[float]:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse's usage errors as one line, exit 2, like every other bad input of the command."""
+    """argparse's usage errors as one line, exit 2, like every other bad input of the command; it also keeps
+    the flags that take a value (`value_flags`), which attach_negative_values needs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.value_flags: set[str] = set()
+
+    def add_argument(self, *args, **kwargs):  # type: ignore[override]
+        action = super().add_argument(*args, **kwargs)
+        if action.nargs != 0:
+            self.value_flags.update(action.option_strings)
+        return action
 
     def error(self, message: str):  # type: ignore[override]
         print(f"plan: {message} (see --help)", file=sys.stderr)
@@ -86,10 +97,10 @@ class OneLineParser(argparse.ArgumentParser):
 NEGATIVE = re.compile(r"-(\d|\.\d|inf|nan)", re.IGNORECASE)
 
 
-def attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+def attach_negative_values(parser: OneLineParser, argv: list[str]) -> list[str]:
     """`--flag -10gbit` → `--flag=-10gbit` for every flag that takes a value, so that a negative value reaches
     the checks (and is refused there, naming the flag) instead of argparse's "expected one argument"."""
-    takes_value = {o for a in parser._actions if a.nargs != 0 for o in a.option_strings}
+    takes_value = parser.value_flags
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -102,7 +113,7 @@ def attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> 
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> OneLineParser:
     p = OneLineParser(prog="python -m hsdp.plan", description=__doc__.splitlines()[0])
     p.add_argument("config", help="the run's config (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
