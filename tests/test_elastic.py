@@ -418,6 +418,7 @@ def test_survivor_lost_time_counts_only_the_rounds_a_failure_touched() -> None:
     clock = _Clock()
     manager = _ScriptedManager(rounds, dropped={8}, clock=clock, round_s=round_s)
     transport = FTTransport(manager, _EveryoneContributes(), Comm({}), clock=clock)
+    transport.joined_at = 0  # every round here is after the join
     committed = []
     for _ in rounds:
         transport.begin_round()
@@ -432,3 +433,25 @@ def test_survivor_lost_time_counts_only_the_rounds_a_failure_touched() -> None:
     expected = sum(max(0.0, waits[i] - usual) for i in (2, 5, 9)) + transport.dropped_s
     assert transport.lost_s() == pytest.approx(expected)
     assert expected < detect + rejoin + transport.dropped_s + jitter  # the jittered rounds are not in it
+
+
+def test_a_fresh_runs_meeting_rounds_are_not_touched_by_a_failure() -> None:
+    """A fresh run's join: replica 0 forms quorums alone until replica 1 has started (a slow start on a
+    loaded box), then both meet. Those size changes are the start, not a failure: touched counts from the
+    join on (it had counted the meeting, and a kill test's survivor showed 3 touched rounds for 2)."""
+    rounds = [(0, 1), (0, 1), (0, 2), (0, 2), (0.3, 1), (0, 1), (0.2, 2)]
+    clock = _Clock()
+    transport = FTTransport(
+        _ScriptedManager(rounds, dropped=set(), clock=clock, round_s=0.01),
+        _EveryoneContributes(),
+        Comm({}),
+        clock=clock,
+    )
+    for i in range(len(rounds)):
+        if i == 3:
+            transport.joined_at = transport.rounds  # the join (3 rounds) is over
+        transport.begin_round()
+        transport.commit_round()
+    assert transport.touched == [False, False, False, False, True, False, True]
+    assert transport.touched_rounds() == 2
+    assert [transport.fault_round(r) for r in (4, 5, 6, 7)] == [1, 2, 3, 4]  # fault rounds count from the join

@@ -47,7 +47,8 @@ OVERRIDES = [
     "run.eval_batches=1",  # the final eval only: 1 batch, not 8
     "run.save_model=true",
     "wandb.mode=disabled",
-    # The fresh join's wait for the other replica's start (20 s was too short once on a box at load 20).
+    # torchft's quorum timeout is max(this, 6 × elastic.timeout_s); the fresh join's wait for the other
+    # replica's start is max(this, elastic.partition_timeout_s) = 180 s (30 s was too short on a loaded CI box).
     "mesh.timeout_s=30",
     "sync.warmup_steps=0",
     "sync.every=8",

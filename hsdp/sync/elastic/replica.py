@@ -149,13 +149,14 @@ class ElasticReplica(PhaseLog):
 
         A replica behind the live ones (restarted) heals from one at their next sync round (module docstring).
         A fresh run starts once all mesh.sync replicas are in the quorum (replicas that start later, e.g. on
-        other machines, are waited for up to mesh.timeout_s): a replica must not race ahead alone from the
-        initial weights.
+        other machines, are waited for up to the longer of mesh.timeout_s and elastic.partition_timeout_s: a
+        slow machine's start is not a failure): a replica must not race ahead alone from the initial weights.
         """
         heal, transport = self.heal, self.transport
         heal.state, heal.step = state, start_step - 1
         manager = transport.manager
         t0 = time.perf_counter()
+        start_wait_s = max(self.cfg.mesh.timeout_s, self.cfg.elastic.partition_timeout_s)
         fresh = self.restart == 0
         while True:
             if fresh:  # torchft's step is the training step resumed at: one resumed behind heals from one ahead
@@ -185,10 +186,11 @@ class ElasticReplica(PhaseLog):
                 step = start_step
                 self.enter(Phase.TRAINING, "every replica met")
                 break
-            if time.perf_counter() - t0 > self.cfg.mesh.timeout_s:
+            if time.perf_counter() - t0 > start_wait_s:
                 raise RuntimeError(
                     f"only {transport.participants} of mesh.sync={self.cfg.mesh.sync} replicas joined within "
-                    f"mesh.timeout_s={self.cfg.mesh.timeout_s:g}; a fresh elastic run starts with all of them"
+                    f"{start_wait_s:g} s (the longer of mesh.timeout_s and elastic.partition_timeout_s); a fresh "
+                    "elastic run starts with all of them"
                 )
             time.sleep(0.2)
         self.joined_s = time.perf_counter() - t0

@@ -148,7 +148,10 @@ class FTTransport:
         self.participants = len(self._contributors)
         size = self.size
         changed = self._last_size is not None and size != self._last_size
-        self.touched.append(changed or self.participants < size or self._last_dropped)
+        # a fresh run's meeting (one replica alone until the others start) is not a failure: only the rounds
+        # after this life's join count
+        joined = self.joined_at is not None
+        self.touched.append(joined and (changed or self.participants < size or self._last_dropped))
         self.quorums.append([self.manager.current_step(), size, self.participants])
         self._last_size, self._last_dropped = size, False
         self.rounds += 1
