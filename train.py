@@ -3,20 +3,24 @@
     python train.py --config configs/tiny.yaml [--set section.key=value ...]
 
 config → launch (torchrun or local workers) → mesh → engine → loop, read top to bottom.
-Outputs go to <run.out_dir>/<run.name>/: config.yaml, metrics.jsonl, summary.json.
+Outputs go to <run.out_dir>/<run.name>/: config.yaml, metrics.jsonl, summary.json, and last finished.json
+(the completion record: the same command again has nothing to do). The run's last line on stdout is
+its closing line: "done: step N, loss …, val …, … tok/s (median step), <summary.json>".
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,13 +33,21 @@ from hsdp.engines.base import Batch, Engine
 from hsdp.engines.registry import build_engine
 from hsdp.models.gpt import loss_fn, throughput
 from hsdp.models.optim import build_optimizer, lr_at, set_lr
-from hsdp.run.checkpoint import Checkpoints, check_resume, finished, remove_failed_saves
-from hsdp.run.guard import check_finite
+from hsdp.run.checkpoint import (
+    Checkpoints,
+    ResumePlan,
+    choose_resume,
+    free_bytes,
+    remove_failed_saves,
+    save_failure,
+    state_bytes,
+)
+from hsdp.run.guard import SaveFailed, check_finite
 from hsdp.run.launch import Interrupted, WorkerError, launch, torchrun_seat, under_torchrun
 from hsdp.run.lock import hold_run_lock
 from hsdp.run.metrics import MetricsLogger, StepMemoryProbe, carried_counters, peak_memory_mb
 from hsdp.run.preflight import config_notes, load_checked_config, resume_schedule_note
-from hsdp.run.rundir import owns_run_dir, prepare_run_dir
+from hsdp.run.rundir import clear_finished, finished_line, owns_run_dir, prepare_run_dir, write_finished
 from hsdp.sync.membership import build_membership
 from hsdp.sync.schedule import steps_after_last_sync
 from hsdp.sync.seam import ReplicaSeat, ReplicaState
@@ -207,10 +219,20 @@ def evaluate(engine: Engine, data: Data, batches: int, device: torch.device) -> 
 
 
 def save_replicas(cfg: Config, engine: Engine, mesh: Mesh) -> None:
-    """Each replica's full params → model.replica{m}.pt (written by its shard-rank 0)."""
+    """Each replica's full params → model.replica{m}.pt (written by its shard-rank 0). A failed write leaves no
+    partial file and is one line (SaveFailed), which says so when the disk is full."""
     state = engine.full_state_dict()
     if mesh.shard_rank == 0:
-        torch.save(state, cfg.run_dir / f"model.replica{mesh.sync_rank}.pt")
+        path = cfg.run_dir / f"model.replica{mesh.sync_rank}.pt"
+        try:
+            torch.save(state, path)
+        except Exception as e:
+            free = free_bytes(path.parent)  # before the partial file's space comes back
+            path.unlink(missing_ok=True)
+            line = save_failure(path.name, e, path.parent, free, state_bytes(state))
+            if line is None:
+                raise
+            raise SaveFailed(line) from None
     dist.barrier()
 
 
@@ -250,6 +272,64 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def record_owner(seat: Optional[ReplicaSeat]) -> tuple[bool, Optional[int]]:
+    """Whether this process writes the run's completion record and closing line, and whose (None: the run's; m: an
+    elastic replica's under torchrun, where no launcher merges the replicas): the launcher (local workers, an
+    elastic run's replicas), or rank 0 of a torchrun world."""
+    if not under_torchrun():
+        return True, None
+    if os.environ.get("RANK") != "0":
+        return False, None
+    return True, (seat.replica if seat is not None else None)
+
+
+def finish_run(cfg: Config, replica: Optional[int]) -> Optional[str]:
+    """After a run that trained all its steps: write its completion record (last, after summary.json) and return
+    its closing line; None if it left no summary (a worker that did not train: nothing finished)."""
+    name = "summary.json" if replica is None else f"summary.replica{replica}.json"
+    summary = cfg.run_dir / name
+    if not summary.is_file():
+        return None
+    try:
+        write_finished(cfg, name, replica)
+    except OSError as e:  # the run trained, but is not recorded as finished: a re-run would train its tail again
+        line = save_failure("the completion record", e, cfg.run_dir, free_bytes(cfg.run_dir))
+        raise WorkerError(line or f"writing the completion record failed: {e}") from None
+    ranks = cfg.world_size if replica is None else cfg.mesh.shard  # the ranks whose tokens the summary counts
+    tokens_per_step = ranks * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
+    return closing_line(cfg.run.steps - 1, summary, tokens_per_step)
+
+
+def closing_line(last_step: int, summary: Path, tokens_per_step: int) -> Optional[str]:
+    """'done: step 49, loss 2.596, val 2.54, 4,135 tok/s (median step), runs/fin/summary.json': the final train and
+    val loss, the steady rate (the median step's; the mean where the summary has no median) and the summary."""
+    try:
+        s: dict[str, Any] = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return None
+
+    def num(x: Any) -> str:
+        return f"{x:.4g}" if isinstance(x, (int, float)) else "n/a"
+
+    median, mean = s.get("median_step_time_s"), s.get("tokens_per_s")
+    per_step = s.get("tokens_per_step") or tokens_per_step  # the summary's own where it records it
+    if median:
+        rate = f"{per_step / median:,.0f} tok/s (median step)"
+    else:
+        rate = f"{mean:,.0f} tok/s (mean)" if mean else "tok/s n/a"
+    loss, val = num(s.get("final_loss")), num(s.get("final_val_loss"))
+    return f"done: step {last_step}, loss {loss}, val {val}, {rate}, {summary}"
+
+
+def already_done(cfg: Config, plan: ResumePlan) -> Optional[str]:
+    """The line for a run whose checkpoint already holds all its steps but that left no completion record (one
+    killed after its last save, or finished before records were written), or None."""
+    if not plan.finished(cfg.run.steps):
+        return None
+    summary = cfg.run_dir / "summary.json"
+    return f"finished at step {cfg.run.steps - 1}, nothing to do ({summary if summary.is_file() else plan.path})"
+
+
 def main(argv: Optional[list[str]] = None, worker: Optional[Callable[..., None]] = None) -> int:
     """The command line: config → run folder → launch `worker` (train_worker; tests pass a wrapper)."""
     args = parse_args(argv)
@@ -260,20 +340,24 @@ def main(argv: Optional[list[str]] = None, worker: Optional[Callable[..., None]]
         cfg = load_checked_config(args.config, args.set, world_size=world)
         seat = torchrun_seat(cfg)  # under torchrun, a replica on torchft's: its index, restart count, lighthouse
         owner = owns_run_dir(seat)
+        records, replica = record_owner(seat)
         with hold_run_lock(cfg) if owner else contextlib.nullcontext():  # one launch per run folder
             # Every check that can refuse the run comes before anything in the run folder changes.
-            resume_from = check_resume(cfg, seat)  # the checkpoint run.resume names is intact and fits this config
-            if finished(cfg, resume_from):
-                print(
-                    f"{cfg.run_dir}: already trained to run.steps={cfg.run.steps} ({resume_from}); nothing to do",
-                    file=sys.stderr,
-                )
+            done = finished_line(cfg)  # its completion record: a finished run (or a shorter run.steps: refused)
+            # the checkpoint run.resume names, intact and a fit for this config (auto: the newest intact one)
+            plan = ResumePlan() if done else choose_resume(cfg, seat)
+            done = done or already_done(cfg, plan)
+            if done:
+                print(done, flush=True)
                 return 0
             prepare_run_dir(cfg, seat)  # refuses to clobber a previous run unless run.overwrite=true
+            if records:  # it trains again: not finished until it finishes
+                clear_finished(cfg, replica)
+            set_aside = plan.set_aside() if owner else None  # damaged newer checkpoints, moved to checkpoints/corrupt
             if owner:  # under torchrun, rank 0 only: another rank's copy would look like an old run
                 save_config(cfg, cfg.run_dir / "config.yaml")
             warn_unsynced_end(cfg)
-            for line in [*config_notes(cfg), resume_schedule_note(cfg, resume_from)]:
+            for line in [set_aside, *config_notes(cfg), resume_schedule_note(cfg, plan.path)]:
                 if line:
                     print(line, file=sys.stderr)
             if cfg.mesh.backend == "fake":
@@ -283,6 +367,9 @@ def main(argv: Optional[list[str]] = None, worker: Optional[Callable[..., None]]
                     file=sys.stderr,
                 )
             launch(cfg, worker or train_worker, seat)
+            closing = finish_run(cfg, replica) if records else None
+            if closing:
+                print(closing, flush=True)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,13 @@ table: time, achieved GB/s (bytes read + written / time), % of the device's
 measured copy bandwidth (`dst.copy_(src)`), and on CUDA the speedup of the
 Triton kernel over the torch reference. Without a GPU only the torch
 references are timed.
+
+The SparseLoCo payload kernels (quantize_int2, dequantize_int2, pack_idx,
+unpack_idx, decode_topk_int2) run on the values a top-k of SPARSE_K of every
+SPARSE_CHUNK selects, which is ~1.6% of a unit: by default those of the --size
+unit, what one launch handles in a step of that model; `--values 7b` (or any
+unit, or a count such as 4000000) sets it apart from --size, e.g. the 7b count
+on a CPU box, or a larger one to see the kernels past their launch latency.
 """
 
 from __future__ import annotations
@@ -80,11 +87,33 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * n * 4 / ms / 1e6
 
 
-def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable[[], object]]]:
-    """kernel name -> (size label, bytes moved, call)."""
+def unit_numel(size: str) -> int:
+    """N: the length of one rank's shard of the unit (every param's dim 0 split over S)."""
+    return sum(-(-s[0] // S) * (s[1] if len(s) > 1 else 1) for s in block_shapes(*UNITS[size]))
+
+
+def sparse_length(values: str) -> int:
+    """The dense length whose SparseLoCo top-k the payload kernels decode: a unit's N for a unit name; for a
+    count c, whole chunks enough for c selected values (ValueError otherwise)."""
+    if values in UNITS:
+        return unit_numel(values)
+    try:
+        count = int(values)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"--values: expected a unit ({', '.join(sorted(UNITS))}) or a count >= 1, got {values!r}")
+    return -(-count // SPARSE_K) * SPARSE_CHUNK
+
+
+def cases(
+    size: str, device: torch.device, values: str | None = None
+) -> dict[str, tuple[str, int, Callable[[], object]]]:
+    """kernel name -> (size label, bytes moved, call); the payload kernels at `values` (default: `size`)."""
     shapes = block_shapes(*UNITS[size])
     sizes = [-(-s[0] // S) * (s[1] if len(s) > 1 else 1) for s in shapes]
     N = sum(sizes)
+    Ns = sparse_length(values or size)  # the dense length behind the SparseLoCo payload
     numel = sum(torch.Size(s).numel() for s in shapes)
     nb = -(-N // QBLOCK)
     bf16, f32 = torch.bfloat16, torch.float32
@@ -104,7 +133,7 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
     packed4 = torch.randint(0, 256, (M, (N + 1) // 2), dtype=torch.uint8, device=device, generator=g)
     err = randn(N) * 1e-3
     n_sel = kernels.topk_numel(N, TOPK_CHUNK, TOPK_K)
-    c2 = kernels.topk_numel(N, SPARSE_CHUNK, SPARSE_K)  # SparseLoCo's selected values of one unit
+    c2 = kernels.topk_numel(Ns, SPARSE_CHUNK, SPARSE_K)  # SparseLoCo's selected values of one unit
     bits = index_bits(SPARSE_CHUNK)
     sel_vals = randn(c2)
     sel_idx = torch.randint(0, SPARSE_CHUNK, (c2,), dtype=torch.int16, device=device, generator=g)
@@ -115,10 +144,11 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
     out2 = torch.empty(c2, device=device)
     # one replica's SparseLoCo payload of the unit: valid, ascending indices within each chunk
     sel_pos = torch.arange(c2, device=device) % SPARSE_K * (SPARSE_CHUNK // SPARSE_K)
-    last = N - (-(-N // SPARSE_CHUNK) - 1) * SPARSE_CHUNK  # a short last chunk: keep its indices inside it
+    last = Ns - (-(-Ns // SPARSE_CHUNK) - 1) * SPARSE_CHUNK  # a short last chunk: keep its indices inside it
     sel_pos[c2 - min(SPARSE_K, last) :] = torch.arange(min(SPARSE_K, last), device=device)
     payload = (pack_bits(sel_pos.to(torch.int16), bits), packed2[0], table2[0])
-    acc, senders = torch.zeros(N, device=device), torch.zeros(N, device=device)
+    acc, senders = torch.zeros(Ns, device=device), torch.zeros(Ns, device=device)
+    sparse = f"{c2 / 1e6:.2f}M values" + ("" if Ns == N else f" (of N={Ns / 1e6:.1f}M)")
     idx_bytes = kernels.topk_index_dtype(TOPK_CHUNK).itemsize
     return {
         "pack": (f"{label} fp32→bf16", N * (4 + 2), lambda: kernels.pack_shards(held, shard_bf16)),
@@ -157,27 +187,27 @@ def cases(size: str, device: torch.device) -> dict[str, tuple[str, int, Callable
             lambda: kernels.topk_error_feedback(delta, err, TOPK_CHUNK, TOPK_K),
         ),
         "quantize_int2": (
-            f"{c2} values, block {SPARSE_K}",
+            f"{sparse}, block {SPARSE_K}",
             c2 * 4 + (c2 + 3) // 4 + 8 * -(-c2 // SPARSE_K),
             lambda: quantize_int2(sel_vals, SPARSE_K),
         ),
         "dequantize_int2": (
-            f"M={M}, {c2} values",
+            f"M={M}, {sparse}",
             M * ((c2 + 3) // 4 + 8 * -(-c2 // SPARSE_K)) + c2 * 4,
             lambda: dequantize_int2_mean(packed2, table2, SPARSE_K, out2),
         ),
         "pack_idx": (
-            f"{c2} indices, {bits} bits",
+            f"{sparse}, {bits}-bit indices",
             c2 * 2 + packed_idx.numel(),
             lambda: pack_bits(sel_idx, bits),
         ),
         "unpack_idx": (
-            f"{c2} indices, {bits} bits",
+            f"{sparse}, {bits}-bit indices",
             c2 * 2 + packed_idx.numel(),
             lambda: unpack_bits(packed_idx, bits, idx_out),
         ),
         "decode_topk_int2": (  # reads the payload, reads + writes the sum and the senders at c2 positions
-            f"{c2} of {label}, chosen",
+            f"{sparse}, chosen",
             packed_idx.numel() + (c2 + 3) // 4 + table2.shape[1] * 4 + 4 * c2 * 4,
             lambda: decode_topk_int2_add(*payload, bits, SPARSE_CHUNK, SPARSE_K, SPARSE_K, acc, senders),
         ),
@@ -207,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(UNITS), help="unit size (default: 7b on CUDA, small on CPU)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {','.join(KERNELS)}")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument(
+        "--values",
+        help="the payload kernels' size: a unit (the values its SparseLoCo top-k selects) or a count of values "
+        "(default: the --size unit)",
+    )
     args = parser.parse_args(argv)
     names = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = [k for k in names if k not in KERNELS]
@@ -214,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown or not names:
             raise ValueError(f"--kernels: unknown kernels {unknown}; choose from {','.join(KERNELS)}")
         device = parse_device(args.device)
+        if args.values is not None:
+            sparse_length(args.values)
     except ValueError as e:  # one line and exit 2, like train.py's config errors
         print(f"bench: {e}", file=sys.stderr)
         return 2
@@ -231,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| kernel | size | time (ms) | GB/s | % of copy | torch ref (ms) | speedup |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    table = cases(size, device)
+    table = cases(size, device, args.values)
     for k in names:
         label, nbytes, fn = table[k]
         backend.set_backend("torch")

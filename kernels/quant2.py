@@ -14,71 +14,44 @@ Levels at the middle of the two halves of [lo, hi] suit top-k's selected values,
 all lie above the chunk's k-th: the error is at most (hi − lo)/4 per value, and a block whose values
 share one magnitude is sent exactly. FMA contraction is off so kernel and reference agree bit for bit.
 x must be finite.
+
+The kernels work on [rows, next_pow2(block)] tiles, one quant block a row: contiguous loads and stores of
+values and of packed bytes (a byte's four codes are one thread's registers), lo and hi row reductions.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._util import call, check_tensor, fail, no_grad, register_op
-from kernels.backend import launch, tl, triton, use_triton
+from kernels._util import PackedCodec, byte_rows, load_block_rows, pack_pairs, store_block_bytes, store_mean_rows
+from kernels.backend import tl, triton
 
-_TILE = 2048  # bytes (element quads) per program in quantize_int2
-_BLOCK = 4096  # elements per program in dequantize_int2_mean
-MAX_BLOCK = 16384  # one quant block is one register-tile row (of block/4 quads) in the kernel
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def _check_block(op: str, block: object) -> None:
-    if not isinstance(block, int) or isinstance(block, bool) or not 4 <= block <= MAX_BLOCK or block % 4:
-        fail(f"{op}: block must be a multiple of 4 in [4, {MAX_BLOCK}] (four per byte), got {block!r}")
+# about 2048 values a program (top-k payloads are small: many programs); one quant block is one tile row
+CODEC = PackedCodec(bits=2, width=2, table_name="table", tile=2048, mean_tile=2048, num_warps=4)
+MAX_BLOCK = CODEC.max_block
 
 
 # ----------------------------------------------------------------------------- quantize_int2
 
 
 @triton.jit
-def _code(x, t, valid):
-    """2-bit code of x against its block's threshold t (0 where not valid)."""
-    c = tl.where(tl.abs(x) >= t[:, None], 1, 0) | tl.where(x < 0.0, 2, 0)
-    return tl.where(valid, c, 0)
-
-
-@triton.jit
-def _quantize2_kernel(x_ptr, p_ptr, table_ptr, n, nb, block, ROWS: tl.constexpr, QUADS: tl.constexpr):
-    # a [ROWS, QUADS] tile holds ROWS quant blocks; column j is the quad (4j .. 4j+3) of its block
-    b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    j = tl.arange(0, QUADS)
-    quarter = block // 4
-    base = b[:, None] * block + 4 * j[None, :]
-    in_blk = (b[:, None] < nb) & (j[None, :] < quarter)
-    m0 = in_blk & (base < n)
-    m1 = in_blk & (base + 1 < n)
-    m2 = in_blk & (base + 2 < n)
-    m3 = in_blk & (base + 3 < n)
-    x0 = tl.load(x_ptr + base, mask=m0, other=0.0)
-    x1 = tl.load(x_ptr + base + 1, mask=m1, other=0.0)
-    x2 = tl.load(x_ptr + base + 2, mask=m2, other=0.0)
-    x3 = tl.load(x_ptr + base + 3, mask=m3, other=0.0)
-    hi = tl.maximum(
-        tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1)),
-        tl.maximum(tl.max(tl.abs(x2), axis=1), tl.max(tl.abs(x3), axis=1)),
-    )
-    inf = float("inf")
-    lo = tl.minimum(
-        tl.minimum(tl.min(tl.where(m0, tl.abs(x0), inf), axis=1), tl.min(tl.where(m1, tl.abs(x1), inf), axis=1)),
-        tl.minimum(tl.min(tl.where(m2, tl.abs(x2), inf), axis=1), tl.min(tl.where(m3, tl.abs(x3), inf), axis=1)),
-    )
-    lo = tl.where(b < nb, lo, 0.0)  # rows past the last block: no inf − inf
+def _quantize2_kernel(
+    x_ptr, p_ptr, table_ptr, n, nbytes, block, quarter, ROWS: tl.constexpr, BP: tl.constexpr, DENSE: tl.constexpr
+):  # DENSE (whole tiles, aligned: see PackedCodec.quantize_op) is not used here: top-k payloads are small
+    b, x, m = load_block_rows(x_ptr, n, block, ROWS, BP)
+    a = tl.abs(x)
+    hi = tl.max(a, axis=1)  # padding 0 never exceeds a real |x|
+    lo = tl.min(tl.where(m, a, float("inf")), axis=1)
+    real = b * block < n
+    lo = tl.where(real, lo, 0.0)  # rows past the last block: no inf - inf
     d = (hi - lo) * 0.5
     t = lo + d
-    byte = _code(x0, t, m0) | (_code(x1, t, m1) << 2) | (_code(x2, t, m2) << 4) | (_code(x3, t, m3) << 6)
-    tl.store(p_ptr + b[:, None] * quarter + j[None, :], byte.to(tl.uint8), mask=m0)
-    tl.store(table_ptr + 2 * b, lo + d * 0.5, mask=b < nb)
-    tl.store(table_ptr + 2 * b + 1, lo + d * 1.5, mask=b < nb)
+    code = tl.where(m, tl.where(a >= t[:, None], 1, 0) | tl.where(x < 0.0, 2, 0), 0)  # past n: 0
+    # element 4i+j to bits 2j of byte i: neighbours' codes paired (2 bits -> 4), then pairs paired (4 -> 8)
+    byte = pack_pairs(pack_pairs(code, 2, ROWS, BP), 4, ROWS, BP // 2)
+    store_block_bytes(p_ptr, byte, b, quarter, nbytes, BP // 4)
+    tl.store(table_ptr + 2 * b, lo + d * 0.5, mask=real)
+    tl.store(table_ptr + 2 * b + 1, lo + d * 1.5, mask=real)
 
 
 def quantize_int2_ref(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,68 +74,45 @@ def quantize_int2_ref(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
     return packed, table.reshape(-1)
 
 
-def _quantize_int2(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if not use_triton(x):
-        return quantize_int2_ref(x, block)
-    n = x.numel()
-    nb = -(-n // block)
-    packed = torch.empty((n + 3) // 4, dtype=torch.uint8, device=x.device)
-    table = torch.empty(2 * nb, dtype=torch.float32, device=x.device)
-    if n:
-        quads = _next_pow2(block // 4)
-        rows = max(1, _TILE // quads)
-        launch(
-            _quantize2_kernel,
-            (triton.cdiv(nb, rows),),
-            x,
-            packed,
-            table,
-            n,
-            nb,
-            block,
-            ROWS=rows,
-            QUADS=quads,
-            num_warps=8,
-            enable_fp_fusion=False,
-            device=x.device,
-        )
-    return packed, table
-
-
-_quantize_int2_op = register_op("quantize_int2", _quantize_int2, mutates_args=())
-
-
-@_quantize_int2_op.register_fake
-def _(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = x.numel()
-    return x.new_empty((n + 3) // 4, dtype=torch.uint8), x.new_empty(2 * -(-n // block), dtype=torch.float32)
-
-
-@no_grad
-def quantize_int2(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 x [n] → (packed uint8 [ceil(n/4)], table fp32 [2·ceil(n/block)]: (level0, level1) per block)."""
-    check_tensor("quantize_int2", "x", x, dtypes=(torch.float32,), ndim=1)
-    _check_block("quantize_int2", block)
-    return call(_quantize_int2_op, _quantize_int2, x, block)
+quantize_int2 = CODEC.quantize_op(
+    _quantize2_kernel,
+    quantize_int2_ref,
+    "fp32 x [n] → (packed uint8 [ceil(n/4)], table fp32 [2·ceil(n/block)]: (level0, level1) per block).",
+)
 
 
 # ----------------------------------------------------------------------------- dequantize_int2_mean
 
 
 @triton.jit
-def _dequantize2_mean_kernel(p_ptr, table_ptr, out_ptr, n, nbytes, nb, block, M, M_f, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # n + BLOCK < 2**31: checked on the host
-    mask = offs < n
-    shift = (offs % 4) * 2
-    blk = offs // block
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+def _level(code, level0, level1):
+    """±table[block, bit 0 of code] (bit 1: the sign) for a tile of 2-bit codes; level0/1: [ROWS, 1]."""
+    level = tl.where((code & 1) != 0, level1, level0)
+    return tl.where((code & 2) != 0, -level, level)
+
+
+@triton.jit
+def _dequantize2_mean_kernel(
+    p_ptr, table_ptr, out_ptr, n, nbytes, nt, block, quarter, M, inv_m, M_f,
+    EXACT_INV: tl.constexpr, ROWS: tl.constexpr, BP: tl.constexpr,
+):  # fmt: skip
+    v0 = tl.zeros([ROWS, BP], dtype=tl.float32)  # values 4j, 4j+1, 4j+2, 4j+3 of the rows' bytes j
+    v1 = tl.zeros([ROWS, BP], dtype=tl.float32)
+    v2 = tl.zeros([ROWS, BP], dtype=tl.float32)
+    v3 = tl.zeros([ROWS, BP], dtype=tl.float32)
+    b, at, bmask = byte_rows(quarter, nbytes, ROWS, BP)
     for _m in range(M):  # fixed order m = 0..M-1, as in the reference
-        code = (tl.load(p_ptr + offs // 4, mask=mask, other=0).to(tl.int32) >> shift) & 3
-        level = tl.load(table_ptr + 2 * blk + (code & 1), mask=mask, other=0.0)
-        acc = acc + tl.where((code & 2) != 0, -level, level)
+        byte = tl.load(p_ptr + at, mask=bmask, other=0).to(tl.int32)
+        l0 = tl.load(table_ptr + 2 * b, mask=2 * b < nt, other=0.0)[:, None]
+        l1 = tl.load(table_ptr + 2 * b + 1, mask=2 * b < nt, other=0.0)[:, None]
+        v0 = v0 + _level(byte, l0, l1)
+        v1 = v1 + _level(byte >> 2, l0, l1)
+        v2 = v2 + _level(byte >> 4, l0, l1)
+        v3 = v3 + _level(byte >> 6, l0, l1)
         p_ptr += nbytes
-        table_ptr += 2 * nb
-    tl.store(out_ptr + offs, tl.div_rn(acc, M_f), mask=mask)
+        table_ptr += nt
+    vals = tl.interleave(tl.interleave(v0, v2), tl.interleave(v1, v3))  # 4j, 4j+1, 4j+2, 4j+3
+    store_mean_rows(out_ptr, vals, b, n, block, inv_m, M_f, EXACT_INV, 4 * BP)
 
 
 def _decode_ref(packed: torch.Tensor, table: torch.Tensor, block: int, n: int) -> torch.Tensor:
@@ -183,61 +133,14 @@ def dequantize_int2_mean_ref(packed: torch.Tensor, table: torch.Tensor, block: i
     torch.div(acc, packed.shape[0], out=out)
 
 
-def _dequantize_int2_mean(packed: torch.Tensor, table: torch.Tensor, block: int, out: torch.Tensor) -> None:
-    if not use_triton(packed, table, out):
-        return dequantize_int2_mean_ref(packed, table, block, out)
-    M, nbytes = packed.shape
-    n = out.numel()
-    if n:
-        launch(
-            _dequantize2_mean_kernel,
-            (triton.cdiv(n, _BLOCK),),
-            packed,
-            table,
-            out,
-            n,
-            nbytes,
-            table.shape[1] // 2,
-            block,
-            M,
-            float(M),
-            BLOCK=_BLOCK,
-            num_warps=8,
-            enable_fp_fusion=False,
-            device=out.device,
-        )
-
-
-_dequantize_int2_mean_op = register_op("dequantize_int2_mean", _dequantize_int2_mean, mutates_args=("out",))
-
-
-@no_grad
-def dequantize_int2_mean(packed: torch.Tensor, table: torch.Tensor, block: int, out: torch.Tensor) -> None:
-    """out (fp32 [n]) = mean over m of replica m's values (packed uint8 [M, ceil(n/4)], table fp32 [M, 2·nb])."""
-    _check_block("dequantize_int2_mean", block)
-    check_tensor("dequantize_int2_mean", "out", out, dtypes=(torch.float32,), ndim=1)
-    n = out.numel()
-    if n + _BLOCK >= 2**31:
-        fail(f"dequantize_int2_mean: out must have n < 2**31 - {_BLOCK} elements, got {n}")
-    check_tensor("dequantize_int2_mean", "packed", packed, dtypes=(torch.uint8,), ndim=2, device=out.device)
-    M = packed.shape[0]
-    if M < 1 or packed.shape[1] != (n + 3) // 4:
-        fail(
-            f"dequantize_int2_mean: packed must be [M >= 1, ceil(n/4) = {(n + 3) // 4}] for out of {n} elements, "
-            f"got {tuple(packed.shape)}"
-        )
-    nb = -(-n // block)
-    check_tensor("dequantize_int2_mean", "table", table, dtypes=(torch.float32,), shape=(M, 2 * nb), device=out.device)
-    call(_dequantize_int2_mean_op, _dequantize_int2_mean, packed, table, block, out)
-
-
-def dequantize_int2(packed: torch.Tensor, table: torch.Tensor, block: int, out: torch.Tensor) -> None:
-    """out (fp32 [n]) = one replica's decoded values (packed uint8 [ceil(n/4)], table fp32 [2·nb]), exactly."""
-    if not isinstance(packed, torch.Tensor) or packed.dim() != 1:
-        fail("dequantize_int2: packed must be a 1-D tensor (use dequantize_int2_mean for [M, ceil(n/4)])")
-    if not isinstance(table, torch.Tensor) or table.dim() != 1:
-        fail("dequantize_int2: table must be a 1-D tensor (use dequantize_int2_mean for [M, 2·nb])")
-    dequantize_int2_mean(packed[None], table[None], block, out)
-
+dequantize_int2_mean = CODEC.mean_op(
+    _dequantize2_mean_kernel,
+    dequantize_int2_mean_ref,
+    "out (fp32 [n]) = mean over m of replica m's values (packed uint8 [M, ceil(n/4)], table fp32 [M, 2·nb]).",
+)
+dequantize_int2 = CODEC.one_replica_op(
+    dequantize_int2_mean,
+    "out (fp32 [n]) = one replica's decoded values (packed uint8 [ceil(n/4)], table fp32 [2·nb]), exactly.",
+)
 
 __all__ = ["quantize_int2", "quantize_int2_ref", "dequantize_int2_mean", "dequantize_int2_mean_ref", "dequantize_int2"]

@@ -8,9 +8,16 @@ dequantize_int4_mean: out = (Σ_m q[m] * scale[m, block(e)]) / M, summed m = 0..
 dequantize_int4:      the same for one replica (M = 1: out = q * scale exactly).
 
 The arithmetic is int8's (kernels/quant.py) with 7 for 127: correctly rounded
-division (tl.div_rn), rounding as a - floor(a) >= 0.5, FMA contraction off, so
-kernel and reference agree exactly. `block` is even so that a byte never holds
-two blocks. x must be finite.
+division (tl.div_rn), rounding half away from zero, FMA contraction off, so
+kernel and reference agree exactly. `block` is even so that a byte never
+holds two blocks. x must be finite.
+
+The kernels work on [rows, next_pow2(block)] tiles, one quant block a row: contiguous
+loads and stores of values and of packed bytes (a byte's two nibbles are one
+thread's registers: quantize reads whole tiles as int64 value pairs), the block's
+absmax a row reduction, and no float/int conversions (see `_nibbles`, `_centred`);
+the mean multiplies by 1/M when M is a power of two (the same correctly rounded
+result as dividing).
 """
 
 from __future__ import annotations
@@ -19,58 +26,71 @@ import functools
 
 import torch
 
-from kernels._util import call, check_tensor, fail, no_grad, register_op
-from kernels.backend import launch, tl, triton, use_triton
+from kernels._util import PackedCodec, byte_rows, load_block_rows, pack_pairs, store_block_bytes, store_mean_rows
+from kernels.backend import tl, triton
 
-_TILE = 4096  # bytes (element pairs) per program in quantize_int4
-_BLOCK = 4096  # elements per program in dequantize_int4_mean
-MAX_BLOCK = 16384  # one quant block is one register tile row (of block/2 pairs) in the kernel
+# about 1024 values a program in quantize_int4, 4096 in the mean (best of a sweep on an H200); one quant block
+# is one register tile row in the kernels
+CODEC = PackedCodec(bits=4, width=1, table_name="scales", tile=1024, mean_tile=4096, num_warps=4)
+MAX_BLOCK = CODEC.max_block
 QMAX = 7
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def _check_block(op: str, block: object) -> None:
-    if not isinstance(block, int) or isinstance(block, bool) or not 2 <= block <= MAX_BLOCK or block % 2:
-        fail(f"{op}: block must be an even int in [2, {MAX_BLOCK}] (a byte holds two of one block's), got {block!r}")
 
 
 # ----------------------------------------------------------------------------- quantize_int4
 
 
 @triton.jit
-def _round_q(x, scale):
-    """q = clamp(round_half_away(x / scale), -7, 7) as fp32; scale 0 gives 0 (x / 1 with x = 0)."""
+def _nibbles(x, scale):
+    """q + 8 (int32, 1..15), q = clamp(round_half_away(RN(x / scale)), -7, 7); scale 0 gives 8 (x / 1, x = 0).
+
+    y = tl.div_rn(x, scale); t = (a + 2**23) - 2**23 (a = |y| < 2**22) is a, rounded half to even; a tie
+    rounded down (a - t = 0.5, exact) goes up. The nibble 8 ± r, an integer below 16, is the low bits of
+    (8 ± r) + 2**23: no float-to-int conversion (a slow unit on the GPU).
+    """
     safe = tl.where(scale > 0.0, scale, 1.0)
     y = tl.div_rn(x, safe[:, None])
     a = tl.abs(y)
-    r = tl.floor(a)
-    r = r + tl.where(a - r >= 0.5, 1.0, 0.0)  # a - floor(a) is exact, unlike floor(a + 0.5)
-    r = tl.minimum(r, 7.0)
-    return tl.where(y < 0.0, -r, r)
+    t = (a + 8388608.0) - 8388608.0
+    r = tl.minimum(t + tl.where(a - t == 0.5, 1.0, 0.0), 7.0)
+    v = tl.where(y < 0.0, 8.0 - r, 8.0 + r)
+    return (v + 8388608.0).to(tl.int32, bitcast=True) & 15
 
 
 @triton.jit
-def _quantize4_kernel(x_ptr, p_ptr, scale_ptr, n, nb, block, ROWS: tl.constexpr, PAIRS: tl.constexpr):
-    # a [ROWS, PAIRS] tile holds ROWS quant blocks; column j is the pair (2j, 2j+1) of its block
+def _quantize4_rows(x_ptr, p_ptr, scale_ptr, n, nbytes, block, half, ROWS: tl.constexpr, BP: tl.constexpr):
+    """Any tile: values in order, masked; neighbours paired up in registers."""
+    b, x, m = load_block_rows(x_ptr, n, block, ROWS, BP)
+    scale = tl.div_rn(tl.max(tl.abs(x), axis=1), 7.0)
+    nib = tl.where(m, _nibbles(x, scale), 0)  # odd n: the last high nibble is 0
+    store_block_bytes(p_ptr, pack_pairs(nib, 4, ROWS, BP), b, half, nbytes, BP // 2)
+    tl.store(scale_ptr + b, scale, mask=b * block < n)
+
+
+@triton.jit
+def _quantize4_pairs(x_ptr, p_ptr, scale_ptr, half, ROWS: tl.constexpr, BP: tl.constexpr):
+    """A whole tile (block a power of two, x 8-byte aligned): value pairs (2j, 2j+1) loaded as int64s, so a
+    byte's two values are one thread's from the load on (nothing to pair up, no masks)."""
     b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    j = tl.arange(0, PAIRS)
-    half = block // 2
-    lo = b[:, None] * block + 2 * j[None, :]
-    in_blk = (b[:, None] < nb) & (j[None, :] < half)
-    m_lo = in_blk & (lo < n)
-    m_hi = in_blk & (lo + 1 < n)
-    x_lo = tl.load(x_ptr + lo, mask=m_lo, other=0.0)
-    x_hi = tl.load(x_ptr + lo + 1, mask=m_hi, other=0.0)
-    absmax = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))
-    scale = tl.div_rn(absmax, 7.0)
-    q_lo = _round_q(x_lo, scale).to(tl.int32) + 8
-    q_hi = tl.where(m_hi, _round_q(x_hi, scale).to(tl.int32) + 8, 0)  # odd n: last high nibble 0
-    byte = q_lo | (q_hi << 4)
-    tl.store(p_ptr + b[:, None] * half + j[None, :], byte.to(tl.uint8), mask=m_lo)
-    tl.store(scale_ptr + b, scale, mask=b < nb)
+    at = b[:, None] * half + tl.arange(0, BP // 2)[None, :]  # pair j of a block is its byte j
+    pair = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + at)
+    lo = (pair & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)  # little-endian: value 2j is the low half
+    hi = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    scale = tl.div_rn(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1), 7.0)
+    tl.store(p_ptr + at, (_nibbles(lo, scale) | (_nibbles(hi, scale) << 4)).to(tl.uint8))
+    tl.store(scale_ptr + b, scale)
+
+
+@triton.jit
+def _quantize4_kernel(
+    x_ptr, p_ptr, scale_ptr, n, nbytes, block, half, ROWS: tl.constexpr, BP: tl.constexpr, DENSE: tl.constexpr
+):
+    if DENSE:
+        if (tl.program_id(0).to(tl.int64) + 1) * ROWS * block <= n:
+            _quantize4_pairs(x_ptr, p_ptr, scale_ptr, half, ROWS, BP)
+        else:
+            _quantize4_rows(x_ptr, p_ptr, scale_ptr, n, nbytes, block, half, ROWS, BP)
+    else:
+        _quantize4_rows(x_ptr, p_ptr, scale_ptr, n, nbytes, block, half, ROWS, BP)
 
 
 def _blocks_q_ref(x: torch.Tensor, block: int, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,71 +121,38 @@ def quantize_int4_ref(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
     return packed.to(torch.uint8), scales
 
 
-def _quantize_int4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if not use_triton(x):
-        return quantize_int4_ref(x, block)
-    n = x.numel()
-    nb = -(-n // block)
-    packed = torch.empty((n + 1) // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
-    if n:
-        pairs = _next_pow2(block // 2)
-        rows = max(1, _TILE // pairs)
-        launch(
-            _quantize4_kernel,
-            (triton.cdiv(nb, rows),),
-            x,
-            packed,
-            scales,
-            n,
-            nb,
-            block,
-            ROWS=rows,
-            PAIRS=pairs,
-            num_warps=8,
-            enable_fp_fusion=False,
-            device=x.device,
-        )
-    return packed, scales
-
-
-_quantize_int4_op = register_op("quantize_int4", _quantize_int4, mutates_args=())
-
-
-@_quantize_int4_op.register_fake
-def _(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = x.numel()
-    return x.new_empty((n + 1) // 2, dtype=torch.uint8), x.new_empty(-(-n // block), dtype=torch.float32)
-
-
-@no_grad
-def quantize_int4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize fp32 x [n] to (packed uint8 [ceil(n/2)], scales fp32 [ceil(n/block)]); block even. One launch."""
-    check_tensor("quantize_int4", "x", x, dtypes=(torch.float32,), ndim=1)
-    _check_block("quantize_int4", block)
-    return call(_quantize_int4_op, _quantize_int4, x, block)
+quantize_int4 = CODEC.quantize_op(
+    _quantize4_kernel,
+    quantize_int4_ref,
+    "Quantize fp32 x [n] to (packed uint8 [ceil(n/2)], scales fp32 [ceil(n/block)]); block even. One launch.",
+)
 
 
 # ----------------------------------------------------------------------------- dequantize_int4_mean
 
 
 @triton.jit
-def _dequantize4_mean_kernel(p_ptr, scale_ptr, out_ptr, n, nbytes, nb, block, M, M_f, BLOCK: tl.constexpr):
-    # n + BLOCK < 2**31 is checked on the host, so int32 offsets suffice
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    byte_offs = offs // 2
-    shift = (offs % 2) * 4
-    blk = offs // block
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+def _centred(nib):
+    """A nibble (int32, 0..15) minus 8 as fp32, exactly, with no int-to-float conversion: 2**23 + nib - (2**23 + 8)."""
+    return (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
+def _dequantize4_mean_kernel(
+    p_ptr, scale_ptr, out_ptr, n, nbytes, nb, block, half, M, inv_m, M_f,
+    EXACT_INV: tl.constexpr, ROWS: tl.constexpr, BP: tl.constexpr,
+):  # fmt: skip
+    b, at, bmask = byte_rows(half, nbytes, ROWS, BP)
+    lo = tl.zeros([ROWS, BP], dtype=tl.float32)  # values 2j
+    hi = tl.zeros([ROWS, BP], dtype=tl.float32)  # values 2j+1
     for _m in range(M):  # fixed order m = 0..M-1, as in the reference
-        byte = tl.load(p_ptr + byte_offs, mask=mask, other=0).to(tl.int32)
-        q = ((byte >> shift) & 15) - 8
-        s = tl.load(scale_ptr + blk, mask=mask, other=0.0)
-        acc = acc + q.to(tl.float32) * s
+        byte = tl.load(p_ptr + at, mask=bmask, other=0).to(tl.int32)
+        s = tl.load(scale_ptr + b, mask=b < nb, other=0.0)[:, None]
+        lo = lo + _centred(byte & 15) * s
+        hi = hi + _centred(byte >> 4) * s
         p_ptr += nbytes  # next row; advancing the pointer avoids an int32 m*n overflow
         scale_ptr += nb
-    tl.store(out_ptr + offs, tl.div_rn(acc, M_f), mask=mask)
+    store_mean_rows(out_ptr, tl.interleave(lo, hi), b, n, block, inv_m, M_f, EXACT_INV, 2 * BP)
 
 
 @functools.lru_cache(maxsize=8)
@@ -195,62 +182,15 @@ def dequantize_int4_mean_ref(packed: torch.Tensor, scales: torch.Tensor, block: 
     torch.div(acc, M, out=out)
 
 
-def _dequantize_int4_mean(packed: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> None:
-    if not use_triton(packed, scales, out):
-        return dequantize_int4_mean_ref(packed, scales, block, out)
-    M, nbytes = packed.shape
-    n = out.numel()
-    if n:
-        launch(
-            _dequantize4_mean_kernel,
-            (triton.cdiv(n, _BLOCK),),
-            packed,
-            scales,
-            out,
-            n,
-            nbytes,
-            scales.shape[1],
-            block,
-            M,
-            float(M),
-            BLOCK=_BLOCK,
-            num_warps=8,
-            enable_fp_fusion=False,
-            device=out.device,
-        )
-
-
-_dequantize_int4_mean_op = register_op("dequantize_int4_mean", _dequantize_int4_mean, mutates_args=("out",))
-
-
-@no_grad
-def dequantize_int4_mean(packed: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> None:
-    """out (fp32 [n]) = mean over m of q[m] (packed uint8 [M, ceil(n/2)]) * scales[m] (fp32 [M, nb]). One launch."""
-    _check_block("dequantize_int4_mean", block)
-    check_tensor("dequantize_int4_mean", "out", out, dtypes=(torch.float32,), ndim=1)
-    n = out.numel()
-    if n + _BLOCK >= 2**31:
-        fail(f"dequantize_int4_mean: out must have n < 2**31 - {_BLOCK} elements, got {n}")
-    check_tensor("dequantize_int4_mean", "packed", packed, dtypes=(torch.uint8,), ndim=2, device=out.device)
-    M = packed.shape[0]
-    if M < 1 or packed.shape[1] != (n + 1) // 2:
-        fail(
-            f"dequantize_int4_mean: packed must be [M >= 1, ceil(n/2) = {(n + 1) // 2}] for out of {n} elements, "
-            f"got {tuple(packed.shape)}"
-        )
-    nb = -(-n // block)
-    check_tensor("dequantize_int4_mean", "scales", scales, dtypes=(torch.float32,), shape=(M, nb), device=out.device)
-    call(_dequantize_int4_mean_op, _dequantize_int4_mean, packed, scales, block, out)
-
-
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> None:
-    """out (fp32 [n]) = q * scale for one replica's packed uint8 [ceil(n/2)] and scales fp32 [nb] (exact)."""
-    if not isinstance(packed, torch.Tensor) or packed.dim() != 1:
-        fail("dequantize_int4: packed must be a 1-D tensor (use dequantize_int4_mean for [M, ceil(n/2)])")
-    if not isinstance(scales, torch.Tensor) or scales.dim() != 1:
-        fail("dequantize_int4: scales must be a 1-D tensor (use dequantize_int4_mean for [M, nb])")
-    dequantize_int4_mean(packed[None], scales[None], block, out)
-
+dequantize_int4_mean = CODEC.mean_op(
+    _dequantize4_mean_kernel,
+    dequantize_int4_mean_ref,
+    "out (fp32 [n]) = mean over m of q[m] (packed uint8 [M, ceil(n/2)]) * scales[m] (fp32 [M, nb]). One launch.",
+)
+dequantize_int4 = CODEC.one_replica_op(
+    dequantize_int4_mean,
+    "out (fp32 [n]) = q * scale for one replica's packed uint8 [ceil(n/2)] and scales fp32 [nb] (exact).",
+)
 
 __all__ = [
     "quantize_int4",

@@ -21,10 +21,13 @@ idx has the narrowest dtype that holds chunk-1 (`topk_index_dtype`): uint8 for
 chunk <= 256, int16 for chunk <= 32768 (int16 rather than uint16, whose torch
 support is limited), int32 above; chunk is capped at MAX_CHUNK.
 
-The kernel runs one program per chunk: a radix select on the 31 magnitude bits
-finds the k_c-th largest |acc| (31 counting passes over the register tile), the
-first (k_c - #larger) elements equal to it are taken in index order (a prefix
-sum), and a second prefix sum compacts the selection to ascending positions.
+The kernel runs one chunk (or a few short ones, one a row of its register tile)
+per warp-sized program: a search over the 31 magnitude bits finds the k_c-th
+largest |acc| with a few counting passes (galloping down from the max, then
+bisecting; it stops once exactly k_c elements lie at or above the lower bound:
+the k_c-th largest is then their minimum), the first (k_c - #larger) elements
+equal to it are taken in index order, and one prefix sum (ties and larger
+elements counted in one int32) places the selection at ascending positions.
 The reference does the same selection with torch.topk on unique int64 keys
 (|acc| bits, then the inverted index), so the two agree exactly.
 """
@@ -33,15 +36,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels._util import call, check_tensor, fail, no_grad, register_op
+from kernels._util import call, check_tensor, fail, next_pow2, no_grad, register_op
 from kernels.backend import launch, tl, triton, use_triton
 
 MAX_CHUNK = 8192  # one chunk is one register tile of one program
 _SCATTER_BLOCK = 2048
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+# The selection's tile: ROWS = _TOPK_TILE // next_pow2(chunk) chunks (at least one), a warp per
+# _TOPK_WARP_VALUES of them (1 to 8). A chunk of <= 1024 within one warp counts with shuffles alone (no barrier).
+_TOPK_TILE = 1024
+_TOPK_WARP_VALUES = 1024
+_TOPK_ARITY = 2  # pivots a counting pass + 1 (a power of two): 2 (bisection) beat 4 and 8 on an H200
 
 
 def topk_index_dtype(chunk: int) -> torch.dtype:
@@ -72,35 +76,64 @@ def _check_chunk_k(op: str, chunk: object, k: object) -> None:
 
 
 @triton.jit
-def _topk_kernel(delta_ptr, err_ptr, idx_ptr, val_ptr, n, chunk, k, HAS_ERR: tl.constexpr, CP: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    start = c * chunk
+def _topk_kernel(
+    delta_ptr, err_ptr, idx_ptr, val_ptr, n, chunk, k,
+    HAS_ERR: tl.constexpr, ROWS: tl.constexpr, CP: tl.constexpr, ARITY: tl.constexpr,
+):  # fmt: skip
+    # a [ROWS, CP] tile: ROWS chunks, one a row (CP = next_pow2(chunk)); rows past the last chunk are empty
+    c = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     i = tl.arange(0, CP)
-    length = tl.minimum(n - start, chunk)
-    mask = i < length
-    acc = tl.load(delta_ptr + start + i, mask=mask, other=0.0)
+    start = c * chunk
+    length = tl.maximum(tl.minimum(n - start, chunk), 0).to(tl.int32)
+    mask = i[None, :] < length[:, None]
+    offs = start[:, None] + i[None, :]
+    acc = tl.load(delta_ptr + offs, mask=mask, other=0.0)
     if HAS_ERR:
-        acc = acc + tl.load(err_ptr + start + i, mask=mask, other=0.0)
-    mag = tl.where(mask, acc.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)  # padding below every real element
-    kc = tl.minimum(length, k).to(tl.int32)
-    # radix select: thr = the largest t with #{mag >= t} >= kc, i.e. the kc-th largest mag
-    thr = tl.full([], 0, tl.int32)
-    bit = tl.full([], 1 << 30, tl.int32)
-    for _ in range(31):
-        cand = thr | bit
-        cnt = tl.sum((mag >= cand).to(tl.int32), axis=0)
-        thr = tl.where(cnt >= kc, cand, thr)
-        bit = bit >> 1
-    above = mag > thr
-    tie = (mag == thr).to(tl.int32)
-    need = kc - tl.sum(above.to(tl.int32), axis=0)
-    sel = above | ((tie != 0) & (tl.cumsum(tie, axis=0) <= need))  # ties: lowest indices first
-    slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    out = c * k + slot
-    tl.store(idx_ptr + out, i.to(idx_ptr.dtype.element_ty), mask=sel)
+        acc = acc + tl.load(err_ptr + offs, mask=mask, other=0.0)
+    bits = acc.to(tl.int32, bitcast=True)  # |acc| is bits & 0x7FFFFFFF, taken where needed (one array live)
+    kc = tl.minimum(length, k)
+    # thr* = the kc-th largest mag = the largest t with #{mag >= t} >= kc, searched in [lo, hi] with
+    # cnt = #{mag >= lo} >= kc: hi starts at max(mag), lo at 0. Each pass counts at ARITY - 1 pivots (independent
+    # sums: more work per pass, fewer dependent passes). The first passes gallop down from hi in factors of two
+    # of |acc| (hi - step << q: a top-k's k-th largest usually lies within a binade or two of the max), then the
+    # pivots cut [lo, hi] in ARITY parts. A row is done when lo == hi (thr* = lo) or cnt == kc (thr* = the least
+    # mag >= lo); all rows of the tile go on until each is done (ARITY 2: ~6 passes for 10 of 1024 random values).
+    # Padding counts as 0 (never above a pivot > lo).
+    hi = tl.max(bits & 0x7FFFFFFF, axis=1)
+    lo = tl.zeros([ROWS], dtype=tl.int32)
+    cnt = length
+    step = tl.full([ROWS], 1 << 23, tl.int32)  # the galloping step; 0 once a pivot held: divide
+    todo = tl.max(((cnt != kc) & (lo < hi)).to(tl.int32), axis=0)
+    while todo > 0:
+        gap = hi - lo
+        new_lo, new_cnt, new_hi = lo, cnt, hi
+        for q in tl.static_range(1, ARITY):  # pivots ascending, so the held ones (count >= kc) come first
+            gallop = tl.maximum(hi - (step << (ARITY - 1 - q)), lo + 1)
+            divide = lo + (gap // ARITY) * q + ((gap % ARITY) * q + ARITY - 1) // ARITY  # ceil(q·gap / ARITY)
+            pivot = tl.where(gap > 0, tl.where(step > 0, gallop, divide), lo)  # a done row keeps its bounds
+            got = tl.sum(((bits & 0x7FFFFFFF) >= pivot[:, None]).to(tl.int32), axis=1)
+            held = got >= kc
+            new_lo = tl.where(held, pivot, new_lo)
+            new_cnt = tl.where(held, got, new_cnt)
+            new_hi = tl.where(held, new_hi, tl.minimum(new_hi, pivot - 1))
+        step = tl.where(new_lo > lo, 0, tl.minimum(step, 1 << (33 - 2 * ARITY)) << (ARITY - 1))
+        lo, cnt, hi = new_lo, new_cnt, new_hi
+        todo = tl.max(((cnt != kc) & (lo < hi)).to(tl.int32), axis=0)
+    mag = bits & 0x7FFFFFFF
+    thr = tl.min(tl.where(mask & (mag >= lo[:, None]), mag, 0x7FFFFFFF), axis=1)
+    above = (mask & (mag > thr[:, None])).to(tl.int32)
+    tie = (mask & (mag == thr[:, None])).to(tl.int32)
+    need = kc - tl.sum(above, axis=1)
+    # one scan for both prefix counts (each < 2**16): ties before j (low half), elements above before j (high)
+    pre = tl.cumsum(tie | (above << 16), axis=1)
+    tie_pre = pre & 0xFFFF
+    sel = (above != 0) | ((tie != 0) & (tie_pre <= need[:, None]))  # ties: lowest indices first
+    slot = (pre >> 16) + tl.minimum(tie_pre, need[:, None]) - 1  # = #selected at or before j, minus one
+    out = c[:, None] * k + slot
+    tl.store(idx_ptr + out, i[None, :].to(idx_ptr.dtype.element_ty), mask=sel)
     tl.store(val_ptr + out, acc, mask=sel)
     if HAS_ERR:
-        tl.store(err_ptr + start + i, tl.where(sel, 0.0, acc), mask=mask)
+        tl.store(err_ptr + offs, tl.where(sel, 0.0, acc), mask=mask)
 
 
 def _select_ref(acc: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
@@ -144,10 +177,12 @@ def _topk(delta: torch.Tensor, err: torch.Tensor | None, chunk: int, k: int) -> 
     idx = torch.empty(total, dtype=topk_index_dtype(chunk), device=delta.device)
     vals = torch.empty(total, dtype=torch.float32, device=delta.device)
     if n:
-        cp = _next_pow2(chunk)
+        cp = next_pow2(chunk)
+        rows = max(1, _TOPK_TILE // cp)
+        warps = min(8, max(1, rows * cp // _TOPK_WARP_VALUES))
         launch(
             _topk_kernel,
-            (triton.cdiv(n, chunk),),
+            (triton.cdiv(triton.cdiv(n, chunk), rows),),
             delta,
             delta if err is None else err,
             idx,
@@ -156,8 +191,10 @@ def _topk(delta: torch.Tensor, err: torch.Tensor | None, chunk: int, k: int) -> 
             chunk,
             k,
             HAS_ERR=err is not None,
+            ROWS=rows,
             CP=cp,
-            num_warps=4 if cp <= 1024 else 8,
+            ARITY=_TOPK_ARITY,
+            num_warps=warps,
             enable_fp_fusion=False,
             device=delta.device,
         )

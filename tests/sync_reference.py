@@ -24,6 +24,18 @@ Per step s:
      before any sync that starts there, the outer step above runs with that Δ and
      θ_m ← α·θ_m + (1 − α)·θ_g (θ_m has trained τ more steps). A sync whose s+τ is
      past the last step lands right after the last step.
+  6. sync.schedule torchft (docs/design.md §2.9): fragment f's sync starts after step s
+     iff f is due (step 4's rule) after s + τ, and lands after s + τ; it always takes
+     step 5's path, so with τ = 0 it starts and lands after s and α mixes there too.
+  7. sync.eager (§2.10): when a sync starts, replica m's Δ_m = θ_g − θ_m (fp32, before any
+     codec) gives θ̂_m = θ_g − η·ŝ_m, the outer step of step 4 with Δ_m for Δ and b left
+     as it is (ŝ_m = Δ_m + μ·(μ·b + Δ_m) with Nesterov, b ← Δ_m on a unit's first); then
+     θ_m ← θ̂_m. When it lands: the outer step with the mean Δ, then θ_m ← θ_m + (θ_g − θ̂_m).
+  8. η and μ per round (§2.11): a unit's r-th outer step (r = 0 first) uses
+     μ_r = μ·min(r, W_μ)/W_μ (W_μ = outer_momentum_warmup, 0: μ), and η_r = η·(r+1)/W_η for
+     r < W_η (outer_lr_warmup), then η (constant), or with p = min(1, (r − W_η)/(R − 1 − W_η))
+     (R = outer_lr_rounds) η_min + (η − η_min)·(1 + cos πp)/2 (cosine) or η + (η_min − η)·p
+     (linear), η_min = outer_min_lr.
 
 int8 follows the engine's layout: each rank quantizes the flat held shard of
 each unit separately; the held shard of a unit on shard rank k is the
@@ -103,6 +115,22 @@ def outer_hparams(method: str, outer_lr: Optional[float], outer_momentum: Option
     """η, μ with the defaults of docs/design.md §2 (average: 1, 0; diloco: 0.7, 0.9)."""
     lr0, mom0 = (1.0, 0.0) if method == "average" else (0.7, 0.9)
     return (lr0 if outer_lr is None else outer_lr, mom0 if outer_momentum is None else outer_momentum)
+
+
+def outer_at(r: int, sc, eta: float, mu: float) -> tuple[float, float]:
+    """η_r, μ_r of a unit's r-th outer step (item 8 of the module docstring)."""
+    wm = sc.outer_momentum_warmup
+    mu_r = mu * min(r, wm) / wm if wm > 0 else mu
+    w = sc.outer_lr_warmup
+    if r < w:
+        return eta * (r + 1) / w, mu_r
+    if sc.outer_lr_schedule == "constant":
+        return eta, mu_r
+    p = min(1.0, (r - w) / max(1, sc.outer_lr_rounds - 1 - w))
+    lo = sc.outer_min_lr
+    if sc.outer_lr_schedule == "cosine":
+        return lo + (eta - lo) * (1 + math.cos(math.pi * p)) / 2, mu_r
+    return eta + (lo - eta) * p, mu_r
 
 
 # ---------------------------------------------------------------- int8 (block quantization)
@@ -355,8 +383,11 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
     eta, mu = outer_hparams(sc.method, sc.outer_lr, sc.outer_momentum)
     codec = CodecSpec.of(sc)  # None: fp32
     delay, alpha = sc.delay, sc.alpha
+    torchft, eager = sc.schedule == "torchft", sc.eager
+    shift = delay if torchft else 0  # torchft: a sync starts τ steps before its slot and lands at it
+    overlapped = delay > 0 or torchft  # item 5's path (torchft: also with τ = 0, where α mixes)
     # A delayed sync always takes the outer-step path: Δ is snapshotted against θ_g.
-    plain_average = sc.method == "average" and codec is None and eta == 1.0 and mu == 0.0 and delay == 0
+    plain_average = sc.method == "average" and codec is None and eta == 1.0 and mu == 0.0 and not overlapped
 
     models = [build_model(cfg.model, cfg.run.seed) for _ in range(M)]
     opts = [build_optimizer(list(mdl.named_parameters()), cfg.optim) for mdl in models]
@@ -371,6 +402,7 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
     accum = cfg.optim.grad_accum
     theta_g: Optional[dict[str, torch.Tensor]] = None
     buf: dict[str, Optional[torch.Tensor]] = {n: None for n in names}
+    rounds = [0] * len(unit_names)  # each unit's outer steps so far
 
     def snapshot() -> dict[str, torch.Tensor]:
         return {n: params[0][n].detach().clone() for n in names}
@@ -379,7 +411,8 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
         theta_g = snapshot()
 
     losses, synced_flags, frag_log, land_log = [], [], [], []
-    in_flight: list[tuple[int, int, dict[int, dict[str, torch.Tensor]]]] = []  # (land step, fragment, Δ per unit)
+    # (land step, fragment, mean Δ per unit, eager: θ̂ per unit per replica)
+    in_flight: list[tuple[int, int, dict[int, dict[str, torch.Tensor]], dict[int, list[dict[str, torch.Tensor]]]]] = []
     int8_trace: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     codec_trace: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     # error feedback: unit → [replica m][shard rank k] residual, flat fp32 (allocated at the unit's first sync)
@@ -397,13 +430,31 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
         if trace:
             (int8_trace if codec.legacy_int8 else codec_trace).setdefault(step, {}).update(trace)
 
-    def land(entry: tuple[int, int, dict[int, dict[str, torch.Tensor]]], landed: list[int]) -> None:
+    def land(entry, landed: list[int]) -> None:
         """A delayed sync's outer step and merge, with the mean Δ taken when it started."""
-        _, f, mean_deltas = entry
+        _, f, mean_deltas, estimates = entry
         for u in frag_units[f]:
-            _outer_update(unit_names[u], params, theta_g, buf, mean_deltas[u], eta, mu, sc.nesterov, alpha)
+            eta_r, mu_r = outer_at(rounds[u], sc, eta, mu)
+            merge = alpha if u not in estimates else None
+            _outer_update(
+                unit_names[u], params, theta_g, buf, mean_deltas[u], eta_r, mu_r, sc.nesterov, merge, estimates.get(u)
+            )
+            rounds[u] += 1
         in_flight.remove(entry)
         landed.append(f)
+
+    def eager_estimates(u: int) -> list[dict[str, torch.Tensor]]:
+        """θ̂_m per replica (item 7), from θ_m as it is now; b and θ_g are not changed."""
+        eta_r, mu_r = outer_at(rounds[u], sc, eta, mu)
+        out = []
+        for m in range(M):
+            est = {}
+            for n in unit_names[u]:
+                d = theta_g[n] - params[m][n].detach()
+                b = d.clone() if buf[n] is None else mu_r * buf[n] + d
+                est[n] = theta_g[n] - eta_r * (d + mu_r * b if sc.nesterov else b)
+            out.append(est)
+        return out
 
     for step in range(cfg.run.steps):
         lr = lr_at(step, cfg.optim, cfg.run.steps)
@@ -439,20 +490,30 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
         if warmup is not None and step == warmup - 1:
             theta_g = snapshot()  # every replica holds the same params here
 
-        due = [f for f in range(P) if fragment_due(step, f, warmup, every, P)]
+        due = [f for f in range(P) if fragment_due(step + shift, f, warmup, every, P)]
         landed: list[int] = []
         with torch.no_grad():
             for entry in [e for e in in_flight if e[0] == step]:  # delayed syncs landing now, oldest first
                 land(entry, landed)
             for f in due:
-                if delay > 0:  # only the mean Δ now; the outer step after step + delay
-                    mean_deltas = {}
+                if overlapped:  # only the mean Δ now; the outer step after step + delay
+                    mean_deltas, estimates = {}, {}
                     for u in frag_units[f]:
+                        if eager:
+                            estimates[u] = eager_estimates(u)
                         mean_deltas[u], trace = _mean_delta(unit_names[u], params, theta_g, codec, S, unit_errors(u))
                         record(step, trace)
-                    in_flight.append((step + delay, f, mean_deltas))
+                        for m, est in enumerate(estimates.get(u, [])):  # the replica trains on from θ̂_m
+                            for n in unit_names[u]:
+                                params[m][n].copy_(est[n])
+                    entry = (step + delay, f, mean_deltas, estimates)
+                    in_flight.append(entry)
+                    if delay == 0:  # torchft with τ = 0: it lands where it starts (α mixes)
+                        land(entry, landed)
                     continue
+                eta_r, mu_r = outer_at(rounds[frag_units[f][0]], sc, eta, mu)
                 for u in frag_units[f]:
+                    rounds[u] += 1
                     trace = _sync_unit(
                         unit_names[u],
                         params,
@@ -460,8 +521,8 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
                         buf,
                         plain_average,
                         codec,
-                        eta,
-                        mu,
+                        eta_r,
+                        mu_r,
                         sc.nesterov,
                         S,
                         unit_errors(u),
@@ -549,13 +610,20 @@ def _outer_update(
     mu: float,
     nesterov: bool,
     alpha: Optional[float],
+    estimates: Optional[list[dict[str, torch.Tensor]]] = None,
 ) -> None:
-    """Outer SGD step on θ_g with Δ; then θ_m ← θ_g (alpha None: blocking) or α·θ_m + (1 − α)·θ_g."""
+    """Outer SGD step on θ_g with Δ; then θ_m ← θ_g (alpha None: blocking) or α·θ_m + (1 − α)·θ_g, or with
+    eager `estimates` θ_m ← θ_m + (θ_g − θ̂_m)."""
     for n in unit:
         d = mean_delta[n]
         buf[n] = d.clone() if buf[n] is None else mu * buf[n] + d
         step = d + mu * buf[n] if nesterov else buf[n]
         theta_g[n] -= eta * step
         for m in range(len(params)):
-            new = theta_g[n] if alpha is None else alpha * params[m][n].detach() + (1 - alpha) * theta_g[n]
+            if estimates is not None:
+                new = params[m][n].detach() + (theta_g[n] - estimates[m][n])
+            elif alpha is None:
+                new = theta_g[n]
+            else:
+                new = alpha * params[m][n].detach() + (1 - alpha) * theta_g[n]
             params[m][n].copy_(new)

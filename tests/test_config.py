@@ -12,6 +12,7 @@ from hsdp.config.loader import from_dict, load_config, parse_override, save_conf
 from hsdp.config.schema import Config, ConfigError, ModelConfig, OptimConfig, RunConfig, to_dict
 from hsdp.config.validate import validate
 from hsdp.run.preflight import load_checked_config, preflight
+from hsdp.sync.schedule import steps_after_last_sync
 from tests.helpers import REPO, RunResult, run_train
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -50,7 +51,12 @@ def test_load_tiny_yaml_into_dataclasses():
     assert (cfg.mesh.sync, cfg.mesh.shard) == (2, 2) and cfg.world_size == 4
     assert cfg.optim.lr_warmup == 30
     assert cfg.optim.lr == pytest.approx(3e-3) and cfg.optim.min_lr == pytest.approx(3e-4)
-    assert cfg.sync.warmup_steps is None  # `null` in the file
+    # the default run's cycle: a grad-sync warmup, then DiLoCo (its default outer lr / momentum) every 20 steps,
+    # ending on a param sync; checkpoints every 100 steps, the last after the final step (step_599)
+    assert (cfg.sync.warmup_steps, cfg.sync.method, cfg.sync.every) == (100, "diloco", 20)
+    assert cfg.sync.outer_lr is None and cfg.sync.outer_momentum is None
+    assert 0 < cfg.sync.warmup_steps < cfg.run.steps and steps_after_last_sync(cfg.run.steps, cfg.sync) == 0
+    assert cfg.run.checkpoint_every == 100 and cfg.run.steps % cfg.run.checkpoint_every == 0
     # keys absent from the file keep their defaults
     assert cfg.optim.beta1 == 0.9 and cfg.optim.beta2 == 0.95
     assert cfg.data.val_fraction == 0.1 and cfg.run.save_model is False
@@ -95,7 +101,8 @@ def test_yaml_file_scientific_notation_without_dot(tmp_path):
     ],
 )
 def test_set_override_is_parsed_to_the_field_type(override, section, key, expected, tp):
-    cfg = load_checked_config(TINY, ["sync.method=diloco", override])  # outer_* are diloco-only
+    # outer_* are diloco-only; exact HSDP (warmup null) so that the baseline engines load too
+    cfg = load_checked_config(TINY, ["sync.method=diloco", "sync.warmup_steps=null", override])
     got = getattr(getattr(cfg, section), key)
     assert type(got) is tp, f"{override}: got {got!r} of type {type(got).__name__}"
     assert got == (pytest.approx(expected) if tp is float else expected)
@@ -170,7 +177,9 @@ def test_periodic_sync_with_hsdp_or_full_warmup_with_fsdp2_is_fine():
     # the engine restriction is only for periodic sync (warmup_steps < steps)
     assert load_checked_config(TINY, ["sync.warmup_steps=10", "mesh.engine=hsdp"]).sync.warmup_steps == 10
     assert load_checked_config(TINY, ["sync.warmup_steps=600", "mesh.engine=fsdp2"]).mesh.engine == "fsdp2"
-    assert load_checked_config(TINY, ["mesh.engine=fsdp2"]).sync.warmup_steps is None  # exact HSDP
+    # tiny.yaml syncs periodically after its warmup: a baseline engine runs it as exact HSDP
+    assert load_checked_config(TINY, ["mesh.engine=fsdp2", "sync.warmup_steps=null"]).sync.warmup_steps is None
+    assert "mesh.engine" in one_line_error(load_checked_config, TINY, ["mesh.engine=fsdp2"])
     assert load_checked_config(TINY, ["sync.every=4", "sync.fragments=2"]).sync.fragments == 2
 
 
@@ -327,3 +336,56 @@ def test_llama_takes_its_own_bias_default_and_refuses_an_explicit_bias():
     assert load_config(None, []).model.bias is True
     with pytest.raises(ConfigError, match="model.bias"):
         load_config(None, ["model.arch=llama", "model.bias=true"])
+
+
+# ------------------------------------------------------------------ the ablations keep their meaning
+ABLATIONS = sorted((REPO / "configs" / "ablations").glob("*.yaml"))
+
+
+def _spec_runs(path: Path) -> tuple[str, dict[str, list[str]]]:
+    """A sweep or slow-link spec's base and each run's overrides (shared, then its own; nocomm twins too)."""
+    from hsdp.bench.plan import with_nocomm_twins
+    from hsdp.bench.spec import load_link_spec, load_sweep
+
+    if "rates" in yaml.safe_load(path.read_text()):
+        link = load_link_spec(str(path))
+        assert link.base is not None
+        return link.base, {run: [*link.shared, *spec.overrides] for run, spec in link.runs.items()}
+    sweep = load_sweep(str(path))
+    runs = with_nocomm_twins(sweep["runs"]) if sweep["nocomm"] else sweep["runs"]
+    return sweep["base"], {run: [*sweep["set"], *own] for run, own in runs.items()}
+
+
+@pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: p.stem)
+def test_ablation_runs_do_not_depend_on_the_default_runs_cycle(path, tmp_path):
+    """configs/tiny.yaml's default run warms up, syncs with DiLoCo and keeps checkpoints; every ablation run
+    resolves to the config it has with none of that in its base (the schema's defaults: exact HSDP, no
+    checkpoints), i.e. what it computed when it was measured, and a run that sets no sync is exact HSDP."""
+    base, runs = _spec_runs(path)
+    raw = yaml.safe_load(Path(base).read_text())
+    raw.pop("sync", None)
+    raw["run"].pop("checkpoint_every", None)
+    neutral = tmp_path / "base.yaml"
+    neutral.write_text(yaml.safe_dump(raw))
+    for run, overrides in runs.items():
+        cfg = load_config(base, overrides)
+        assert cfg == load_config(str(neutral), overrides), f"{path.name}: {run} depends on {base}'s sync/checkpoints"
+        if not any(o.startswith("sync.") for o in overrides if o not in _PINS):
+            assert cfg.sync.warmup_steps is None and cfg.sync.method == "average", f"{run}: not exact HSDP"
+        assert cfg.run.checkpoint_every == 0, f"{path.name}: {run} keeps checkpoints"
+
+
+_PINS = {"sync.warmup_steps=null", "sync.method=average", "sync.every=1", "run.checkpoint_every=0"}
+
+
+@pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: p.stem)
+def test_ablation_files_plan(path, tmp_path, monkeypatch):
+    """Each sweep / slow-link file plans as its command would (every run's config checked against this machine)."""
+    from hsdp.bench.plan import LinkOptions, make_plan, plan_sweep
+
+    monkeypatch.chdir(tmp_path)  # run.out_dir (runs/) is relative to where the command starts
+    if "rates" in yaml.safe_load(path.read_text()):
+        assert make_plan(LinkOptions(spec=str(path))).runs
+    else:
+        assert plan_sweep(str(path), [], set(), no_run=True).configs
+    assert not (tmp_path / "runs").exists()

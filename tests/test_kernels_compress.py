@@ -9,9 +9,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 from decimal import ROUND_HALF_UP, Decimal  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -24,22 +21,7 @@ import kernels  # noqa: E402
 from kernels import backend  # noqa: E402
 from kernels.quant4 import MAX_BLOCK, quantize_int4_ref  # noqa: E402
 from kernels.topk import MAX_CHUNK, topk_error_feedback_ref, topk_select_ref  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _restore_backend():
-    old = backend.get_backend()
-    yield
-    backend.set_backend(old)
-
-
-def on(name: str, fn, *args):
-    """Run fn under kernel backend `name`."""
-    backend.set_backend(name)
-    try:
-        return fn(*args)
-    finally:
-        backend.set_backend("auto")
+from tests.test_kernel_harness import _restore_backend, assert_exact_codegen, on, sm90_facts_of  # noqa: E402, F401
 
 
 def both(fn, *args):
@@ -410,10 +392,10 @@ def test_compile_sees_one_op_per_call():
 
 
 def test_kernels_launch_without_fma(monkeypatch):
-    from kernels import quant4, topk
+    from kernels import _util, topk
 
     seen = {}
-    for mod in (quant4, topk):
+    for mod in (_util, topk):  # quant4's kernels launch through kernels/_util.py's packed-codec helpers
         real = mod.launch
 
         def spy(kernel, grid, *args, _real=real, **meta):
@@ -431,41 +413,61 @@ def test_kernels_launch_without_fma(monkeypatch):
 
 # ----------------------------------------------------------------------------- GPU code generation (no GPU needed)
 
-_F32X = {"num_warps": 8, "enable_fp_fusion": False}
+_F32X4 = {"num_warps": 4, "enable_fp_fusion": False}
+_Q4_SIG = {
+    "x_ptr": "*fp32",
+    "p_ptr": "*u8",
+    "scale_ptr": "*fp32",
+    "n": "i32",
+    "nbytes": "i32",
+    "block": "i32",
+    "half": "i32",
+}
+_DQ4_SIG = {
+    "p_ptr": "*u8",
+    "scale_ptr": "*fp32",
+    "out_ptr": "*fp32",
+    "n": "i32",
+    "nbytes": "i32",
+    "nb": "i32",
+    "block": "i32",
+    "half": "i32",
+    "M": "i32",
+    "inv_m": "fp32",
+    "M_f": "fp32",
+}
 GPU_CASES = {  # name -> (module, kernel, signature, constexprs, options), as the dispatchers launch them
-    "quantize4": (
+    "quantize4": ("kernels.quant4", "_quantize4_kernel", _Q4_SIG, {"ROWS": 8, "BP": 256, "DENSE": True}, _F32X4),
+    "quantize4_odd_block": (
         "kernels.quant4",
         "_quantize4_kernel",
-        {"x_ptr": "*fp32", "p_ptr": "*u8", "scale_ptr": "*fp32", "n": "i32", "nb": "i32", "block": "i32"},
-        {"ROWS": 32, "PAIRS": 128},
-        _F32X,
+        _Q4_SIG,
+        {"ROWS": 2, "BP": 1024, "DENSE": False},
+        _F32X4,
     ),
     "quantize4_max_block": (
         "kernels.quant4",
         "_quantize4_kernel",
-        {"x_ptr": "*fp32", "p_ptr": "*u8", "scale_ptr": "*fp32", "n": "i32", "nb": "i32", "block": "i32"},
-        {"ROWS": 1, "PAIRS": MAX_BLOCK // 2},
-        _F32X,
+        _Q4_SIG,
+        {"ROWS": 1, "BP": MAX_BLOCK, "DENSE": True},
+        _F32X4,
     ),
     "dequantize4": (
         "kernels.quant4",
         "_dequantize4_mean_kernel",
-        {
-            "p_ptr": "*u8",
-            "scale_ptr": "*fp32",
-            "out_ptr": "*fp32",
-            "n": "i32",
-            "nbytes": "i32",
-            "nb": "i32",
-            "block": "i32",
-            "M": "i32",
-            "M_f": "fp32",
-        },
-        {"BLOCK": 4096},
-        _F32X,
+        _DQ4_SIG,
+        {"EXACT_INV": False, "ROWS": 16, "BP": 128},
+        _F32X4,
+    ),
+    "dequantize4_pow2_m": (  # M a power of two: a multiplication by 1/M, no division
+        "kernels.quant4",
+        "_dequantize4_mean_kernel",
+        _DQ4_SIG,
+        {"EXACT_INV": True, "ROWS": 16, "BP": 128},
+        _F32X4,
     ),
     **{
-        f"topk_{cp}_{ty}": (
+        f"topk_{cp}_{ty}_arity{arity}": (
             "kernels.topk",
             "_topk_kernel",
             {
@@ -477,10 +479,15 @@ GPU_CASES = {  # name -> (module, kernel, signature, constexprs, options), as th
                 "chunk": "i32",
                 "k": "i32",
             },
-            {"HAS_ERR": True, "CP": cp},
-            {"num_warps": 4 if cp <= 1024 else 8, "enable_fp_fusion": False},
+            {
+                "HAS_ERR": True,
+                "ROWS": max(1, 1024 // cp),
+                "CP": cp,
+                "ARITY": arity,
+            },
+            {"num_warps": max(1, cp // 1024), "enable_fp_fusion": False},
         )
-        for cp, ty in ((256, "u8"), (1024, "i16"), (MAX_CHUNK, "i16"))
+        for cp, ty, arity in ((256, "u8", 2), (1024, "i16", 2), (1024, "i16", 4), (MAX_CHUNK, "i16", 2))
     },
     "scatter_add": (
         "kernels.topk",
@@ -500,49 +507,60 @@ GPU_CASES = {  # name -> (module, kernel, signature, constexprs, options), as th
     ),
 }
 
-_AOT_SCRIPT = """
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-facts = {}
-for name, (mod, kname, sig, consts, opts) in json.loads(sys.argv[1]).items():
-    fn = getattr(importlib.import_module(mod), kname)
-    try:
-        src = ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, consts)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
-    except Exception as e:
-        facts[name] = {"error": f"{type(e).__name__}: {e}"}
-        continue
-    facts[name] = {"fma": "fma.rn.f32" in ptx, "div_rn": "div.rn.f32" in ptx,
-                   "approx_div": "div.full.f32" in ptx or "div.approx.f32" in ptx}
-print(json.dumps(facts))
-"""
-
 
 @pytest.fixture(scope="module")
 def sm90_facts():
-    pytest.importorskip("triton.backends.nvidia", reason="triton without the NVIDIA backend")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root
-    res = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, json.dumps(GPU_CASES)], env=env, capture_output=True, text=True, timeout=300
-    )
-    if res.returncode != 0:
-        last = (res.stderr.strip().splitlines() or ["?"])[-1]
-        if "ptxas" in res.stderr or "ImportError" in last:
-            pytest.skip(f"cannot compile for sm_90 here: {last}")
-        raise AssertionError(res.stderr)
-    facts = json.loads(res.stdout.strip().splitlines()[-1])
-    if any("ptxas" in f.get("error", "") for f in facts.values()):
-        pytest.skip("triton's ptxas is not usable here")
-    return facts
+    return sm90_facts_of(GPU_CASES)
 
 
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_kernels_compile_for_cuda(sm90_facts, case):
-    facts = sm90_facts[case]
-    assert "error" not in facts, facts.get("error")
-    assert not facts["fma"] and not facts["approx_div"]
-    assert facts["div_rn"] == case.startswith(("quantize4", "dequantize4"))
+    # division only where the arithmetic divides: int4's scale and q (quantize), a mean over M = 3 (dequantize)
+    assert_exact_codegen(sm90_facts[case], div_rn=case.startswith("quantize4") or case == "dequantize4")
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 6])
+def test_mean_multiplies_only_for_a_power_of_two(monkeypatch, M):
+    """dequantize_int4_mean multiplies by 1/M (EXACT_INV) only where that is the correctly rounded x / M."""
+    from kernels import _util
+
+    seen = []
+    real = _util.launch
+    monkeypatch.setattr(
+        _util, "launch", lambda kernel, grid, *a, **meta: seen.append(meta) or real(kernel, grid, *a, **meta)
+    )
+    p, s = torch.randint(0, 256, (M, 4), dtype=torch.uint8), torch.rand(M, 2)
+    outs = {b: torch.empty(8) for b in ("torch", "triton")}
+    for b, o in outs.items():
+        on(b, kernels.dequantize_int4_mean, p, s, 4, o)
+    assert torch.equal(outs["torch"], outs["triton"])
+    assert [m["EXACT_INV"] for m in seen] == [M in (1, 2, 4)]
+
+
+def test_quantize_int4_near_half_steps():
+    """Values at, and a few ulps or 2**-17 to 2**-15 from, the half-steps (scale 1: absmax 7 in every block):
+    the kernel's multiply-by-1/scale path must give up to the dividing one exactly where it could round
+    differently, and agree with the reference everywhere."""
+    half = torch.arange(-7, 8, dtype=torch.float32) + 0.5
+    eps = torch.tensor([0.0, 2.0**-22, 2.0**-20, 2.0**-17, 2.0**-16, 2.0**-15])
+    vals = torch.cat([half[:, None] + eps, half[:, None] - eps], dim=1).reshape(-1).clamp(-7, 7)
+    x = vals.repeat(4)[:1024].clone()
+    x[::256] = 7.0  # each block's absmax: scale = 7 / 7 = 1
+    x2 = torch.randn(1024) * 0.01
+    x2[:256] = x[:256]  # one block of near-ties among random blocks: only its tile takes the dividing path
+    for data in (x, x2, x * 3.0**-20, x * 1e-39):  # scaled: scale 3**-20 (inexact), subnormal
+        p_ref, s_ref = on("torch", kernels.quantize_int4, data, 256)
+        p_tri, s_tri = on("triton", kernels.quantize_int4, data, 256)
+        assert torch.equal(p_tri, p_ref) and torch.equal(s_tri, s_ref)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_quantize_int4_whole_tiles_and_alignment(offset):
+    """Whole tiles of a power-of-two block read as int64 value pairs (x 8-byte aligned), else value by value (a
+    view 4 bytes in); both, and the partial last tile, as the reference."""
+    base = _quant_input(3 * 4096 + 2 + 300, 64, seed=offset)
+    x = base[offset : offset + 3 * 4096 + 300]  # a contiguous view: 8-byte aligned for offsets 0 and 2
+    for block in (64, 256, 96):
+        p_ref, s_ref = on("torch", kernels.quantize_int4, x, block)
+        p_tri, s_tri = on("triton", kernels.quantize_int4, x, block)
+        assert torch.equal(p_tri, p_ref) and torch.equal(s_tri, s_ref), block

@@ -4,6 +4,7 @@ columns built on it, and the step memory probe (summary.json's step_alloc_peak_m
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,8 @@ from hsdp.run.metrics import StepMemoryProbe
 from tests.helpers import REPO, SMALL
 
 TINY = str(REPO / "configs" / "tiny.yaml")
-PAIR = [*SMALL, "run.save_model=false", "mesh.sync=1", "mesh.shard=2", "run.steps=3"]
+# run.checkpoint_every=0: the fake backend refuses saved state, whatever configs/tiny.yaml checkpoints
+PAIR = [*SMALL, "run.save_model=false", "run.checkpoint_every=0", "mesh.sync=1", "mesh.shard=2", "run.steps=3"]
 
 
 @pytest.mark.parametrize(
@@ -36,7 +38,7 @@ PAIR = [*SMALL, "run.save_model=false", "mesh.sync=1", "mesh.shard=2", "run.step
 )
 def test_fake_backend_refuses_saving_or_loading_state(tmp_path, override, key):
     with pytest.raises(ConfigError) as info:
-        load_config(TINY, ["mesh.backend=fake", f"run.out_dir={tmp_path}", override])
+        load_config(TINY, ["mesh.backend=fake", f"run.out_dir={tmp_path}", "run.checkpoint_every=0", override])
     msg = str(info.value)
     assert msg.startswith(key) and "mesh.backend=fake" in msg and "\n" not in msg
 
@@ -170,3 +172,133 @@ def test_compile_clock_times_first_calls_and_counts_recompiles():
         fn(torch.ones(5))  # another shape: dynamo captures a new graph
     assert clock.recompiles == 1
     assert clock.stats()["recompiles"] == 1
+
+
+def test_compile_clock_synchronizes_the_device_around_its_timed_calls_only(monkeypatch):
+    """The first and second call of each variant are timed from an idle device to an idle device (on a GPU the
+    second call would otherwise time only its launches); later calls are not synchronized."""
+    from hsdp.engines import clock as clock_module
+
+    synced = []
+    monkeypatch.setattr(clock_module, "device_synchronize", lambda: synced.append(len(synced)))
+    clock = CompileClock()
+    for variant in ["a", "a", "b", "a", "b", "b"]:
+        with clock.call(variant):
+            pass
+    assert len(synced) == 2 * 4  # a: calls 1 and 2, b: calls 1 and 2; before and after each
+    assert set(clock.first_call_s) == set(clock.second_call_s) == {"a", "b"}
+
+
+# ----------------------------------------------------------------------------- scripts/gpu_summary.py
+
+
+def _gpu_work(work: Path, *, fsdp2_rc: int = 0, bf16_loss_shift: float = 1e-3) -> None:
+    """A gpu_check.sh work folder as an H200 run leaves it (made-up numbers): every stage, the run folders."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_summary", REPO / "scripts" / "gpu_summary.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    stages = ["parity", "d-fp32-triton", "d-fp32-torch", "d-bf16-int8-triton", "d-bf16-int8-torch", "bench"]
+    stages += ["c-hsdp-eager", "c-hsdp-compiled", "c-fsdp2-compiled"]
+    (work / "runs").mkdir(parents=True)
+    lines = [
+        {"stage": s, "rc": fsdp2_rc if s == "c-fsdp2-compiled" else 0, "seconds": 10.0, "limit_s": 60} for s in stages
+    ]
+    (work / "stages.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (work / "env.txt").write_text("NVIDIA H200, 143771 MiB, 580.159.04\ntorch 2.11.0 triton 3.6.0\n")
+    row = {"output": "out", "equal": True, "max_rel": 0.0}
+    kernels = {
+        k: {"elements": 1000, "bound": "out: bitwise", "cpu": [row], "cuda": [row], "ok": True} for k in gs.DENSE
+    }
+    parity = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "kernels": kernels}
+    (work / "parity.json").write_text(json.dumps(parity))
+    bench = ["device: NVIDIA H200; copy bandwidth 4,210 GB/s; torch 2.11.0", ""]
+    bench += [
+        "| kernel | size | time (ms) | GB/s | % of copy | torch ref (ms) | speedup |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    bench += [
+        f"| {k} | N=25.2M | 0.050 | {3000 if k != 'quantize' else 2500} | 71% | 0.060 | 1.20x |" for k in gs.DENSE
+    ]
+    (work / "bench.md").write_text("\n".join(bench) + "\n")
+
+    def run(name: str, times: list[float], losses: list[float], **extra) -> None:
+        folder = work / "runs" / name
+        folder.mkdir()
+        per_step = 16384
+        records = [{"step": i, "loss": x, "step_time_s": t} for i, (t, x) in enumerate(zip(times, losses))]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        median = statistics.median(times)
+        summary = {
+            "final_loss": losses[-1],
+            "steps": len(times),
+            "tokens": per_step * len(times),
+            "tokens_per_step": per_step,
+            "tokens_per_s": per_step / median,
+            "median_step_time_s": median,
+            "wall_tokens_per_s": per_step * len(times) / sum(times),
+            "rate_basis": "tokens_per_step / median_step_time_s",
+            "mfu": round(0.4 * 0.04 / median, 4),
+            "wall_mfu": 0.02,
+            "peak_mem_mb": 20000.0,
+            **extra,
+        }
+        (folder / "summary.json").write_text(json.dumps(summary))
+
+    losses = [10.0 - 0.1 * i for i in range(30)]
+    run("c-hsdp-eager", [3.0] + [0.05] * 29, losses)
+    run("c-hsdp-compiled", [60.0] + [0.04] * 29, losses, compile_time_s=58.2, recompiles=0, compile_first_call_s=60.0)
+    if not fsdp2_rc:
+        run("c-fsdp2-compiled", [40.0] + [0.045] * 29, losses, compile_time_s=38.0, recompiles=0)
+    engine = [5.5 - 0.05 * i for i in range(60)]
+    run("d-fp32-triton", [0.01] * 60, engine)
+    run("d-fp32-torch", [0.01] * 60, engine)
+    run("d-bf16-int8-triton", [0.01] * 60, [x * (1 + bf16_loss_shift * (i > 17)) for i, x in enumerate(engine)])
+    run("d-bf16-int8-torch", [0.01] * 60, engine)
+
+
+def _gpu_summary(work: Path, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_summary.py"), str(work), str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads((out / "summary.json").read_text())
+
+
+def test_gpu_summary_passes_a_good_gpu_run_and_writes_two_files(tmp_path):
+    _gpu_work(tmp_path / "work")
+    proc, s = _gpu_summary(tmp_path / "work", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["summary.json", "summary.md"]
+    assert s["result"] == "PASS", proc.stdout
+    statuses = {r["check"]: r["status"] for r in s["checks"]}
+    assert set(statuses.values()) == {"PASS"} and len(statuses) == 15, statuses
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "gpu_check: PASS" and all(ln.split()[0] in ("PASS", "FAIL", "SKIP") for ln in lines[:-1])
+    hc = s["runs"]["c-hsdp-compiled"]["steady"]
+    assert hc["steady_tokens_per_s"] == pytest.approx(16384 / 0.04) and hc["steady_mfu"] == 0.4
+    assert s["engine"]["fp32"]["bitwise"] and s["engine"]["bf16-int8"]["max_rel_loss_diff"] == pytest.approx(1e-3)
+    md = (tmp_path / "out" / "summary.md").read_text()
+    for heading in ["## Checks", "## (a)", "## (b)", "## (c)", "## (d)", "## Stages"]:
+        assert heading in md
+    assert "| c-hsdp-compiled | 409,600 | 0.4 |" in md and "| quantize | N=25.2M |" in md
+
+
+def test_gpu_summary_fails_what_is_off_its_bound_and_skips_what_did_not_run(tmp_path):
+    _gpu_work(tmp_path / "work", fsdp2_rc=137, bf16_loss_shift=0.05)
+    with (tmp_path / "work" / "stages.jsonl").open("a") as f:  # the budget ran out before the bench
+        f.write(json.dumps({"stage": "bench", "skipped": "out of time (12 s left)"}) + "\n")
+    (tmp_path / "work" / "bench.md").unlink()
+    proc, s = _gpu_summary(tmp_path / "work", tmp_path / "out", "--quiet")
+    assert proc.stdout == "" and s["result"] == "FAIL"
+    statuses = {r["check"]: (r["status"], r["note"]) for r in s["checks"]}
+    assert (
+        statuses["(c) c-fsdp2-compiled finishes"][0] == "FAIL"
+        and "timed out" in statuses["(c) c-fsdp2-compiled finishes"][1]
+    )
+    assert statuses["(d) engine triton vs torch, bf16 params, int8 DiLoCo"][0] == "FAIL"  # 5e-2 > 2^-6
+    assert statuses["(b) copy bandwidth"][0] == "SKIP"
+    assert statuses["(d) engine triton vs torch, fp32 params, DiLoCo unquantized"][0] == "PASS"

@@ -43,6 +43,11 @@ SMOKE = [
     "run.eval_batches=1",
     "wandb.mode=disabled",
     "mesh.timeout_s=60",
+    # configs/tiny.yaml's default run warms up and then syncs with DiLoCo: the runs below are exact HSDP
+    # unless they set sync.warmup_steps, and plain averaging when they do
+    "sync.warmup_steps=null",
+    "sync.method=average",
+    "sync.every=1",
 ]
 
 

@@ -8,34 +8,14 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import backend  # noqa: E402
 from kernels.bitpack import index_bits, pack_bits, pack_bits_ref, packed_nbytes, unpack_bits  # noqa: E402
 from kernels.quant2 import dequantize_int2, dequantize_int2_mean, quantize_int2, quantize_int2_ref  # noqa: E402
 from kernels.sparse_decode import decode_topk_int2_add  # noqa: E402
 from kernels.topk import scatter_add_chunks, topk_numel, topk_select  # noqa: E402
-from tests.test_kernels_compress import _AOT_SCRIPT  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _restore_backend():
-    old = backend.get_backend()
-    yield
-    backend.set_backend(old)
-
-
-def on(name: str, fn, *args):
-    backend.set_backend(name)
-    try:
-        return fn(*args)
-    finally:
-        backend.set_backend("auto")
+from tests.test_kernel_harness import _restore_backend, assert_exact_codegen, on, sm90_facts_of  # noqa: E402, F401
 
 
 def _values(n: int, seed: int) -> torch.Tensor:
@@ -193,31 +173,45 @@ def test_custom_ops_registered():
 
 # ----------------------------------------------------------------------------- GPU code generation (no GPU needed)
 
+_F32X4 = {"num_warps": 4, "enable_fp_fusion": False}
 GPU_CASES = {
     "quantize2": (
         "kernels.quant2",
         "_quantize2_kernel",
-        {"x_ptr": "*fp32", "p_ptr": "*u8", "table_ptr": "*fp32", "n": "i32", "nb": "i32", "block": "i32"},
-        {"ROWS": 128, "QUADS": 16},
-        {"num_warps": 8, "enable_fp_fusion": False},
-    ),
-    "dequantize2": (
-        "kernels.quant2",
-        "_dequantize2_mean_kernel",
         {
+            "x_ptr": "*fp32",
             "p_ptr": "*u8",
             "table_ptr": "*fp32",
-            "out_ptr": "*fp32",
             "n": "i32",
             "nbytes": "i32",
-            "nb": "i32",
             "block": "i32",
-            "M": "i32",
-            "M_f": "fp32",
+            "quarter": "i32",
         },
-        {"BLOCK": 4096},
-        {"num_warps": 8, "enable_fp_fusion": False},
+        {"ROWS": 32, "BP": 64, "DENSE": True},
+        _F32X4,
     ),
+    **{
+        f"dequantize2{'_pow2_m' if exact else ''}": (
+            "kernels.quant2",
+            "_dequantize2_mean_kernel",
+            {
+                "p_ptr": "*u8",
+                "table_ptr": "*fp32",
+                "out_ptr": "*fp32",
+                "n": "i32",
+                "nbytes": "i32",
+                "nt": "i32",
+                "block": "i32",
+                "quarter": "i32",
+                "M": "i32",
+                "inv_m": "fp32",
+                "M_f": "fp32",
+            },
+            {"EXACT_INV": exact, "ROWS": 32, "BP": 16},
+            _F32X4,
+        )
+        for exact in (False, True)
+    },
     "pack12": (
         "kernels.bitpack",
         "_pack_kernel",
@@ -256,27 +250,9 @@ GPU_CASES = {
 
 @pytest.fixture(scope="module")
 def sm90_facts():
-    pytest.importorskip("triton.backends.nvidia", reason="triton without the NVIDIA backend")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root
-    res = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, json.dumps(GPU_CASES)], env=env, capture_output=True, text=True, timeout=300
-    )
-    if res.returncode != 0:
-        last = (res.stderr.strip().splitlines() or ["?"])[-1]
-        if "ptxas" in res.stderr or "ImportError" in last:
-            pytest.skip(f"cannot compile for sm_90 here: {last}")
-        raise AssertionError(res.stderr)
-    facts = json.loads(res.stdout.strip().splitlines()[-1])
-    if any("ptxas" in f.get("error", "") for f in facts.values()):
-        pytest.skip("triton's ptxas is not usable here")
-    return facts
+    return sm90_facts_of(GPU_CASES)
 
 
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_kernels_compile_for_cuda(sm90_facts, case):
-    facts = sm90_facts[case]
-    assert "error" not in facts, facts.get("error")
-    assert not facts["fma"] and not facts["approx_div"]
-    assert facts["div_rn"] == (case == "dequantize2")
+    assert_exact_codegen(sm90_facts[case], div_rn=case == "dequantize2")  # a mean over M = 3 divides

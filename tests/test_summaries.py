@@ -120,9 +120,12 @@ def test_a_restarted_replica_continues_its_counters_from_its_last_record(tmp_pat
 @pytest.mark.parametrize(
     "overrides,named",
     [
-        (["sync.quantize=int8"], "sync.quantize=int8"),  # warmup_steps null: exact HSDP
+        (["sync.warmup_steps=null", "sync.quantize=int8"], "sync.quantize=int8"),  # exact HSDP
         (["sync.warmup_steps=100", "run.steps=50", "sync.topk=0.1"], "sync.topk=0.1"),
-        (["mesh.engine=fsdp2", "sync.quantize=int4", "sync.error_feedback=true"], "sync.error_feedback=true"),
+        (
+            ["mesh.engine=fsdp2", "sync.warmup_steps=null", "sync.quantize=int4", "sync.error_feedback=true"],
+            "sync.error_feedback=true",
+        ),
     ],
 )
 def test_a_codec_every_step_ignores_is_named(overrides: list[str], named: str) -> None:

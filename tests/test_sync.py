@@ -14,6 +14,11 @@ Every multi-process run goes through `run_train` (with a timeout) and is made on
   delay_frag  frag with τ 3, α 0                   16 steps (two fragments in flight at once; one lands at the end)
   delay_avg   average with τ 1, α 0.5              16 steps (lands after 7, 11, 15)
   delay_int8  int8 with τ 3, α 0.5                 16 steps (the sync after step 14 lands at the end)
+  torchft_frag  frag with schedule torchft, τ 1, α 0.5   (starts after 3, 5, 7, …; lands at the slots 4, 6, 8, …)
+  torchft_tau0  frag with schedule torchft, τ 0, α 0.3   (α mixes at every blocking sync)
+  eager       frag with τ 2 and eager updates       16 steps (fragment 1's last sync lands at the end)
+  eager_int8  int8 + schedule torchft + eager, P 2, τ 1
+  outer_sched diloco, μ warmup 2 rounds, η warmup 1 round then cosine to 0.1 at round 3
 
 The policy alone (no model) runs on 2 gloo ranks in `python tests/test_sync.py policy OUT`:
 a delayed sync landed at once equals the blocking one bit for bit, and state_dict → load into a
@@ -50,6 +55,7 @@ M, S = 2, 2
 MESH = [f"mesh.sync={M}", f"mesh.shard={S}"]
 TOL = 1e-5
 PERIODIC = ["sync.warmup_steps=3", "sync.every=4"]
+FRAG2 = [*PERIODIC, "run.steps=16", "sync.method=diloco", "sync.fragments=2"]
 SGD = ["optim.name=sgd", "optim.momentum=0", "optim.lr=0.05", "optim.min_lr=0.005", "optim.grad_clip=0", "run.steps=16"]
 
 CASES: dict[str, list[str]] = {
@@ -72,6 +78,13 @@ CASES: dict[str, list[str]] = {
         "sync.delay=3",
         "sync.alpha=0.5",
     ],
+    "torchft_frag": [*FRAG2, "sync.schedule=torchft", "sync.delay=1", "sync.alpha=0.5"],
+    "torchft_tau0": [*FRAG2, "sync.schedule=torchft", "sync.alpha=0.3"],
+    "eager": [*FRAG2, "sync.delay=2", "sync.eager=true"],
+    "eager_int8": [*FRAG2, "sync.quantize=int8", "sync.quant_block=64", "sync.schedule=torchft", "sync.delay=1"]
+    + ["sync.eager=true"],
+    "outer_sched": [*PERIODIC, "run.steps=16", "sync.method=diloco", "sync.outer_momentum_warmup=2"]
+    + ["sync.outer_lr_warmup=1", "sync.outer_lr_schedule=cosine", "sync.outer_lr_rounds=3", "sync.outer_min_lr=0.1"],
 }
 
 
@@ -159,7 +172,10 @@ def test_reference_quantizer_rounds_half_away_from_zero():
 
 
 # ---------------------------------------------------------------- distributed run == reference
-@pytest.mark.parametrize("case", ["average", "diloco", "frag", "delay_frag", "delay_avg"])
+@pytest.mark.parametrize(
+    "case",
+    ["average", "diloco", "frag", "delay_frag", "delay_avg", "torchft_frag", "torchft_tau0", "eager"] + ["outer_sched"],
+)
 def test_matches_reference(runs: Runs, case: str):
     run, ref = runs.run(case), runs.ref(case)
     assert max_loss_rel_err(run.losses, ref.losses) <= TOL
@@ -206,7 +222,7 @@ def check_equal_up_to_int8_ties(params: list[dict[str, torch.Tensor]], ref: Sync
     assert flipped <= 1e-3 * total, f"{flipped} of {total} elements differ by an int8 step"
 
 
-@pytest.mark.parametrize("case", ["int8", "delay_int8"])
+@pytest.mark.parametrize("case", ["int8", "delay_int8", "eager_int8"])
 def test_int8_long_run_matches_reference(runs: Runs, case: str):
     """Losses to 1e-5; params within 1e-3, well below the effect of quantizing at all.
 
@@ -215,7 +231,8 @@ def test_int8_long_run_matches_reference(runs: Runs, case: str):
     kernel revisions), so 1e-5 cannot hold for params here.
     The bound is kept meaningful by asserting it is < 0.3× the distance between the int8 and the
     fp32 reference (3.2e-3); quantizing with the wrong shard layout moves params as far (3.4e-3).
-    delay_int8 (τ 3, α 0.5, ending with a sync landed at the end) is held to the same bounds.
+    delay_int8 (τ 3, α 0.5, ending with a sync landed at the end) and eager_int8 (schedule torchft, eager)
+    are held to the same bounds.
     """
     run, ref = runs.run(case), runs.ref(case)
     assert max_loss_rel_err(run.losses, ref.losses) <= TOL
@@ -270,8 +287,9 @@ def expected_sync_bytes(case: str) -> list[int]:
     out = []
     for s in range(cfg.run.steps):
         b = sum(fp32_all_reduce_bytes(n) for n in sizes) if sc.warmup_steps is None or s < sc.warmup_steps else 0
+        shift = sc.delay if sc.schedule == "torchft" else 0  # torchft: a sync starts τ before its slot
         for f in range(sc.fragments):
-            if fragment_due(s, f, sc.warmup_steps, sc.every, sc.fragments):
+            if fragment_due(s + shift, f, sc.warmup_steps, sc.every, sc.fragments):
                 for u in range(f, len(sizes), sc.fragments):
                     b += (
                         int8_sync_bytes(sizes[u], sc.quant_block)
@@ -283,7 +301,9 @@ def expected_sync_bytes(case: str) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "case", ["average", "diloco", "frag", "int8", "sgd_w0", "sgd_hsdp", "delay_frag", "delay_avg", "delay_int8"]
+    "case",
+    ["average", "diloco", "frag", "int8", "sgd_w0", "sgd_hsdp", "delay_frag", "delay_avg", "delay_int8"]
+    + ["torchft_frag", "torchft_tau0", "eager_int8"],
 )
 def test_synced_flags_and_sync_bytes(runs: Runs, case: str):
     """`synced` marks the steps a sync starts after (τ = 0: also lands); its bytes count on that step."""
@@ -303,6 +323,9 @@ def test_synced_steps_follow_the_formula(runs: Runs):
     assert steps("diloco") == [6, 10, 14]
     assert steps("frag") == [4, 6, 8, 10, 12, 14]  # fragment 0 after 4, 8, 12; fragment 1 after 6, 10, 14
     assert steps("delay_frag") == steps("frag")  # τ moves where a sync lands, not where it starts
+    assert steps("torchft_tau0") == steps("frag")
+    # schedule torchft: τ before the slot (§2.9); the one after step 15 (slot 16) lands at the end
+    assert steps("torchft_frag") == [3, 5, 7, 9, 11, 13, 15]
 
 
 def test_reference_lands_delayed_syncs_tau_steps_later(runs: Runs):
@@ -312,8 +335,26 @@ def test_reference_lands_delayed_syncs_tau_steps_later(runs: Runs):
     assert landed("delay_frag") == {7: [0], 9: [1], 11: [0], 13: [1], 15: [0, 1]}  # 14 + 3 is past step 15
     assert landed("delay_avg") == {7: [0], 11: [0], 15: [0]}
     assert landed("delay_int8") == {9: [0], 13: [0], 15: [0]}
+    assert landed("torchft_frag") == {**landed("frag"), 15: [0]} and landed("torchft_tau0") == landed("frag")
+    assert landed("eager") == {6: [0], 8: [1], 10: [0], 12: [1], 14: [0], 15: [1]}
     # the delay changes the result (so matching the reference checks the delayed path)
     assert max_param_rel_err(runs.ref("delay_frag").params[0], runs.ref("frag").params[0]) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "case,without",
+    [
+        ("torchft_frag", "sync.schedule=torchft"),  # the same τ and α on schedule hsdp
+        ("torchft_tau0", "sync.alpha=0.3"),
+        ("eager", "sync.eager=true"),
+        ("outer_sched", "sync.outer_lr_schedule=cosine"),
+    ],
+)
+def test_each_option_changes_the_reference(runs: Runs, case: str, without: str):
+    """So matching the reference checks the option's own path (items 6-8 of tests/sync_reference.py)."""
+    drop = {without} | ({"sync.outer_lr_rounds=3", "sync.outer_min_lr=0.1"} if case == "outer_sched" else set())
+    other = sync_reference_run([o for o in overrides(case) if o not in drop], M, S)
+    assert max_param_rel_err(runs.ref(case).params[0], other.params[0]) > 1e-3, case
 
 
 def test_int8_sync_sends_about_a_quarter_of_fp32(runs: Runs):

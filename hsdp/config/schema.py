@@ -103,7 +103,15 @@ class SyncConfig:
     error_feedback_decay: float = 1.0  # β in [0, 1]: e ← β·e + Δ before compressing (1 = plain error feedback)
     topk_mean: str = "all"  # top-k: each coordinate ÷ M (all) or ÷ the replicas that sent it (chosen)
     delay: int = 0  # τ: local steps a param sync's reduction overlaps before it lands (0 = blocking sync)
-    alpha: float = 0.0  # α: when a delayed sync lands, θ_m ← α·θ_m + (1 − α)·θ_g (needs delay ≥ 1)
+    alpha: float = 0.0  # α: when a sync lands, θ_m ← α·θ_m + (1 − α)·θ_g (hsdp: needs delay ≥ 1; torchft: any delay)
+    # when a fragment's Δ is taken: hsdp (at its slot, landing τ steps later) | torchft (τ steps before, landing at it)
+    schedule: str = "hsdp"
+    eager: bool = False  # eager updates (delay ≥ 1, alpha 0): each replica's own Δ_m stands in for the mean in flight
+    outer_momentum_warmup: int = 0  # rounds over which the outer momentum ramps from 0 to its value (0 = off)
+    outer_lr_schedule: str = "constant"  # constant | cosine | linear: the outer lr per round, after its warmup
+    outer_lr_warmup: int = 0  # rounds over which the outer lr ramps up linearly to its value (0 = off)
+    outer_lr_rounds: int = 0  # cosine / linear: the round (counted from 1) at which the outer lr reaches outer_min_lr
+    outer_min_lr: float = 0.0  # cosine / linear: the outer lr at the end of its decay
 
 
 @dataclass
@@ -177,6 +185,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sync.method": ("average", "diloco"),
     "sync.quantize": ("none", "int8", "int4", "int2"),
     "sync.topk_mean": ("all", "chosen"),
+    "sync.schedule": ("hsdp", "torchft"),
+    "sync.outer_lr_schedule": ("constant", "cosine", "linear"),
     "compile.passes": ("ours", "inductor", "none"),
     "kernels.backend": ("auto", "triton", "torch"),
     "wandb.mode": ("offline", "online", "disabled"),

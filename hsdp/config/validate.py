@@ -44,6 +44,10 @@ NON_NEGATIVE = [
     "sync.outer_momentum",
     "run.checkpoint_every",
     "sync.delay",
+    "sync.outer_momentum_warmup",
+    "sync.outer_lr_warmup",
+    "sync.outer_lr_rounds",
+    "sync.outer_min_lr",
     "compile.prefetch",
     "compile.bucket_mb",
     "elastic.max_restarts",
@@ -135,10 +139,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sync.topk_mean: only used by top-k (sync.topk > 0), got {s.topk_mean!r}")
     if not 0 <= s.alpha <= 1:
         raise ConfigError(f"sync.alpha: expected a value in [0, 1], got {s.alpha}")
-    if s.alpha > 0 and s.delay == 0:
+    if s.alpha > 0 and s.delay == 0 and s.schedule != "torchft":
         raise ConfigError(
-            f"sync.alpha: only used by an overlapped sync (sync.delay >= 1), got alpha {s.alpha} with delay 0"
+            f"sync.alpha: with sync.schedule=hsdp only used by an overlapped sync (sync.delay >= 1), got alpha "
+            f"{s.alpha} with delay 0 (sync.schedule=torchft mixes α at every sync)"
         )
+    check_outer_options(cfg)
     saves = {"run.checkpoint_every": cfg.run.checkpoint_every, "run.save_model": cfg.run.save_model}
     saves["run.resume"] = cfg.run.resume not in ("auto", "never")
     if cfg.mesh.backend == "fake" and any(saves.values()):
@@ -163,6 +169,51 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"elastic.faults: faults of an elastic run, so needs elastic.enabled=true ({faults!r})")
     if cfg.elastic.enabled:
         check_elastic(cfg)
+
+
+def check_outer_options(cfg: Config) -> None:
+    """sync.schedule, sync.eager and the per-round outer lr / momentum (docs/design.md §2.9–§2.11)."""
+    s = cfg.sync
+    if s.schedule == "torchft" and s.delay >= s.every // s.fragments:
+        raise ConfigError(
+            f"sync.delay: sync.schedule=torchft takes a fragment's Δ τ steps before its slot, so expected a value "
+            f"< sync.every / sync.fragments = {s.every // s.fragments} (torchft's fragment_sync_delay), got {s.delay}"
+        )
+    if s.eager and s.delay == 0:
+        raise ConfigError("sync.eager: stands in for a mean still in flight, so needs sync.delay >= 1, got delay 0")
+    if s.eager and s.alpha > 0:
+        raise ConfigError(
+            f"sync.eager: keeps the local steps whole (θ_m ← θ_m + θ_g − θ̂_m), so takes no sync.alpha, got {s.alpha}"
+        )
+    if s.eager and cfg.elastic.enabled:
+        raise ConfigError("sync.eager: not in an elastic run (a dropped round would leave the eager step applied)")
+    set_keys = [
+        k
+        for k, on in (
+            ("outer_momentum_warmup", s.outer_momentum_warmup > 0),
+            ("outer_lr_warmup", s.outer_lr_warmup > 0),
+            ("outer_lr_schedule", s.outer_lr_schedule != "constant"),
+            ("outer_lr_rounds", s.outer_lr_rounds > 0),
+            ("outer_min_lr", s.outer_min_lr > 0),
+        )
+        if on
+    ]
+    if set_keys and s.method == "average":
+        raise ConfigError(f"sync.{set_keys[0]}: only used by sync.method=diloco, got method average")
+    decays = s.outer_lr_schedule != "constant"
+    if not decays and (s.outer_lr_rounds or s.outer_min_lr):
+        key = "outer_lr_rounds" if s.outer_lr_rounds else "outer_min_lr"
+        raise ConfigError(f"sync.{key}: only used by sync.outer_lr_schedule cosine or linear, got constant")
+    if decays and s.outer_lr_rounds < s.outer_lr_warmup + 2:
+        per_fragment = 0 if s.warmup_steps is None else max(0, cfg.run.steps - s.warmup_steps) // s.every
+        raise ConfigError(
+            f"sync.outer_lr_rounds: the round at which the {s.outer_lr_schedule} decay ends, so expected at least "
+            f"sync.outer_lr_warmup + 2 = {s.outer_lr_warmup + 2} (this run has {per_fragment} per fragment), "
+            f"got {s.outer_lr_rounds}"
+        )
+    outer_lr = 0.7 if s.outer_lr is None else s.outer_lr
+    if decays and s.outer_min_lr > outer_lr:
+        raise ConfigError(f"sync.outer_min_lr: expected a value <= the outer lr {outer_lr}, got {s.outer_min_lr}")
 
 
 def check_elastic(cfg: Config) -> None:

@@ -6,6 +6,8 @@ import contextlib
 import time
 from collections.abc import Hashable, Iterator
 
+import torch
+
 from hsdp.torch_compat import compiled_graph_count
 
 
@@ -14,14 +16,25 @@ def graphs_captured() -> int:
     return compiled_graph_count()
 
 
+def device_synchronize() -> None:
+    """Wait for the work queued on this process's GPU (nothing to wait for on CPU or before CUDA is used)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class CompileClock:
     """Times the compile of each compiled variant and counts later recompiles.
 
-    A variant is whatever selects a compiled function (hsdp: the ReducePlan; fsdp2: one). Its
-    first call compiles and runs the step; its second call only runs it. The compile time of a
-    variant is first call − second call (the step's own work is not compile time); a run whose
-    variant is called once counts its whole first call. Any graph dynamo captures during a later
-    call is a recompile (0 expected: shapes and guards do not change).
+    A variant is whatever selects a compiled function (hsdp: the ReducePlan and micro-step mode; fsdp2:
+    one, the whole forward_backward). Its first call compiles and runs the step; its second call only runs
+    it. The compile time of a variant is first call − second call (the step's own work is not compile
+    time); a run whose variant is called once counts its whole first call. Both timed calls are wall
+    clock from an idle device to an idle device (the GPU is synchronized before and after them), so on a
+    GPU they hold the step's device work as on a CPU, and the difference is the compile alone, whichever
+    engine, device or caching allocator state: without the synchronize the second call would time only
+    the kernel launches while the first waits for the compile (and autotuning) to finish. Later calls are
+    not synchronized (they only count recompiles). Any graph dynamo captures during a later call is a
+    recompile (0 expected: shapes and guards do not change).
     """
 
     def __init__(self) -> None:
@@ -37,8 +50,13 @@ class CompileClock:
     def call(self, variant: Hashable = None) -> Iterator[bool]:
         """Around one call of the compiled step; yields whether it is the variant's first (compiling) call."""
         first = variant not in self.first_call_s
+        timed = first or variant not in self.second_call_s
+        if timed:
+            device_synchronize()
         before, t0 = graphs_captured(), time.perf_counter()
         yield first
+        if timed:
+            device_synchronize()
         elapsed = time.perf_counter() - t0
         if first:
             self.first_call_s[variant] = elapsed

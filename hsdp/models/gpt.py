@@ -279,11 +279,17 @@ def peak_flops(device: torch.device, param_dtype: str) -> float | None:
     return next((tf * 1e12 for gpu, tf in PEAK_TFLOPS_16BIT.items() if gpu in name), None)
 
 
-def throughput(cfg: Config, tokens_per_s: float | None, device: torch.device) -> dict[str, float | None]:
+def throughput(
+    cfg: Config, tokens_per_s: float | None, device: torch.device, wall_tokens_per_s: float | None = None
+) -> dict[str, float | None]:
     """summary.json's model FLOPs per token and, where the peak and the rate are known, MFU: achieved
-    FLOP/s over the peak of all `cfg.world_size` devices (one rank per GPU)."""
+    FLOP/s over the peak of all `cfg.world_size` devices (one rank per GPU). `mfu` is of `tokens_per_s`
+    (the steady rate, hsdp.run.metrics.run_rates), `wall_mfu` of `wall_tokens_per_s` (the whole run's)."""
     with torch.device("meta"):
         per_token = GPT(cfg.model).flops_per_token()
     peak = peak_flops(device, cfg.precision.param_dtype)
-    mfu = round(per_token * tokens_per_s / (peak * cfg.world_size), 4) if peak and tokens_per_s else None
-    return {"flops_per_token": per_token, "mfu": mfu}
+
+    def mfu(rate: float | None) -> float | None:
+        return round(per_token * rate / (peak * cfg.world_size), 4) if peak and rate else None
+
+    return {"flops_per_token": per_token, "mfu": mfu(tokens_per_s), "wall_mfu": mfu(wall_tokens_per_s)}

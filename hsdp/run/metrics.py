@@ -14,13 +14,15 @@ a second one; steps wandb already has are not sent again (wandb refuses a step t
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
 import os
 import resource
 import secrets
+import statistics
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -116,6 +118,94 @@ def peak_allocated(prof: Any, device: torch.device) -> int:
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+# ---------------------------------------------------------------- rates: steady and whole-run
+# The steady rate is what the run sustains once compiled and warm: tokens per step over the median step time.
+# The median of every step leaves out the compile step(s), the warm-up and the memory-probed step as long as
+# they are fewer than half of the steps (a run of 30 steps with 1-3 such steps is far from that), needs no
+# choice of how many steps to skip, and is summary.json's median_step_time_s, which hsdp.plan calibrates from.
+# It also leaves out rare slow steps (a periodic param sync of a DiLoCo run every H > 2 steps): the whole-run
+# rate, which counts every step, is kept beside it as wall_tokens_per_s.
+RATE_BASIS = "tokens_per_step / median_step_time_s"
+
+
+def steady_rate(tokens_per_step: float, median_step_s: Optional[float]) -> Optional[float]:
+    """Tokens per second at the median step time (None before any step, or for a zero step time)."""
+    return tokens_per_step / median_step_s if median_step_s else None
+
+
+def run_rates(step_times: Sequence[float], tokens_per_step: float, tokens: float, train_s: float) -> dict[str, Any]:
+    """summary.json's rates, from the run's step times (a resumed run's earlier ones included):
+
+    tokens_per_s        the steady rate: tokens_per_step / median_step_time_s (RATE_BASIS); mfu comes from it
+    tokens_per_step     the run's tokens per step (every rank's, as this rank counts them)
+    median_step_time_s  the median of every step's time
+    wall_tokens_per_s   the whole-run rate: tokens / train_time_s, every step counted (compile, warm-up, the
+                        memory-probed step, syncs); eval, checkpoints and start-up are outside the steps
+    rate_basis          how tokens_per_s is computed (RATE_BASIS)
+    """
+    median = statistics.median(step_times) if step_times else None
+    return {
+        "tokens_per_s": steady_rate(tokens_per_step, median),
+        "tokens_per_step": tokens_per_step,
+        "median_step_time_s": median,
+        "wall_tokens_per_s": tokens / train_s if train_s > 0 else None,
+        "rate_basis": RATE_BASIS,
+    }
+
+
+def merged_rates(first: dict[str, Any], trained: float, train_time_s: float) -> dict[str, Any]:
+    """An elastic run's rates, from its first finished replica's summary and the run's totals.
+
+    tokens_per_s and mfu stay the first replica's: its tokens_per_step is the run's (one share per replica
+    counted in its syncs), over its median step, so the steady rate is defined as a plain run's. The
+    whole-run rate is Σ of what each replica trained over the longest replica's train time, and wall_mfu
+    scales with it (MFU is linear in the rate: same model, same devices).
+    """
+    wall = trained / train_time_s if train_time_s > 0 else None
+    rate, mfu = first.get("tokens_per_s"), first.get("mfu")
+    return {
+        "tokens_per_s": rate,
+        "mfu": mfu,
+        "wall_tokens_per_s": wall,
+        "wall_mfu": round(mfu * wall / rate, 4) if mfu and rate and wall else None,
+    }
+
+
+class RunningMedian:
+    """The median of the values added so far (statistics.median's), in O(log n) a value: two heaps, the lower
+    half's largest on top of one (negated), the upper half's smallest on top of the other. For the progress
+    bar and the metrics records, which show the steady rate as the run goes without sorting every step's
+    time again at every logged step."""
+
+    def __init__(self, values: Iterable[float] = ()) -> None:
+        self._lo: list[float] = []  # the lower half, negated (a max-heap); one more than _hi when n is odd
+        self._hi: list[float] = []  # the upper half (a min-heap)
+        for v in values:
+            self.add(v)
+
+    def __len__(self) -> int:
+        return len(self._lo) + len(self._hi)
+
+    def add(self, value: float) -> None:
+        if self._lo and value > -self._lo[0]:
+            heapq.heappush(self._hi, value)
+        else:
+            heapq.heappush(self._lo, -value)
+        if len(self._lo) > len(self._hi) + 1:
+            heapq.heappush(self._hi, -heapq.heappop(self._lo))
+        elif len(self._hi) > len(self._lo):
+            heapq.heappush(self._lo, -heapq.heappop(self._hi))
+
+    @property
+    def value(self) -> Optional[float]:
+        """The median (the mean of the two middle values for an even count), or None before any value."""
+        if not self._lo:
+            return None
+        if len(self._lo) > len(self._hi):
+            return -self._lo[0]
+        return (-self._lo[0] + self._hi[0]) / 2
 
 
 def open_metrics(path: Path, continue_after: Optional[int]) -> Any:
@@ -265,10 +355,12 @@ class MetricsLogger:
         if step > self._wandb_after:  # a step the wandb run holds from an earlier life is not resent
             self._to_wandb("log", lambda: run.log({k: v for k, v in record.items() if k != "step"}, step=step))
 
-    def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def progress(self, step: int, loss: float, tokens_per_s: Optional[float]) -> None:
+        """The bar at `step`; `tokens_per_s`: the steady rate so far (`steady_rate` of the running median)."""
         if self._bar is not None:
             self._bar.n = step + 1
-            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            rate = "–" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=rate, refresh=False)
             self._bar.refresh()
 
     def summary(self, summary: dict[str, Any]) -> None:

@@ -4,23 +4,40 @@ Policy (`prepare_run_dir`): a folder that already holds a run's outputs is
 replaced only with `run.overwrite=true`; one that holds a complete checkpoint is
 left as it is for resuming (unless `run.resume=never`); otherwise the run is
 refused with a ConfigError, before any worker starts.
+
+A run that trained all its `run.steps` leaves a completion record, `finished.json`, written last
+(after summary.json, atomically) with the config it trained: re-running the same command finds the
+record and changes nothing (`finished_line`), whatever checkpoints it kept or keeps; a longer
+`run.steps` continues it from its newest checkpoint, and the record goes (`clear_finished`) until
+that run finishes in its turn. Another config (a seed, a learning rate) is another command: the
+record does not answer for it, and the run folder's usual rules do.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from hsdp.config.schema import Config, ConfigError
+from hsdp.config.schema import Config, ConfigError, to_dict
+from hsdp.core.atomic import write_json
 from hsdp.sync.seam import ReplicaSeat
 
+FINISHED = "finished.json"  # the completion record (an elastic replica under torchrun: finished.replica<m>.json)
 # What a run writes into its folder (train.py, hsdp/run/metrics.py, wandb with dir=run folder).
-OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "replicas.json", "wandb.id")
+OUTPUT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "replicas.json", "wandb.id", FINISHED)
 OUTPUT_DIRS = ("checkpoints", "wandb")
 # + an elastic run's per-replica files, and its replicas' checkpoint homes (replica<m>/checkpoints)
-OUTPUT_GLOBS = ("model.replica*.pt", "metrics.replica*.jsonl", "summary.replica*.json", "replica[0-9]*")
+OUTPUT_GLOBS = (
+    "model.replica*.pt",
+    "metrics.replica*.jsonl",
+    "summary.replica*.json",
+    "finished.replica*.json",
+    "replica[0-9]*",
+)
 # Kernel file systems: writing run outputs there is at best an error, at worst a device write.
 FORBIDDEN_ROOTS = (Path("/proc"), Path("/sys"))
 
@@ -136,3 +153,98 @@ def check_output_dir(cfg: Config) -> None:
         raise ConfigError(f"run.name: {run_dir} exists and is not a folder")
     if run_dir.is_dir() and not os.access(run_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"run.name: {run_dir} is not writable")
+
+
+# ---------------------------------------------------------------- the completion record
+def finished_path(run_dir: Path, replica: Optional[int] = None) -> Path:
+    """The run's completion record; an elastic replica's own under torchrun (no launcher merges there)."""
+    return Path(run_dir) / (FINISHED if replica is None else f"finished.replica{replica}.json")
+
+
+# Keys that say how a run is kept, watched or found, not what it trains: a re-run that changes only these (and
+# run.steps, compared on its own) is the same run. The wandb section as a whole.
+NOT_TRAINED = frozenset(
+    {
+        "run.steps",
+        "run.resume",
+        "run.overwrite",
+        "run.checkpoint_every",
+        "run.keep_checkpoints",
+        "run.out_dir",
+        "run.name",
+        "mesh.timeout_s",
+        "elastic.replica",
+        "elastic.lighthouse",
+    }
+)
+
+
+def trained_config(config: dict[str, Any]) -> dict[str, Any]:
+    """`section.key → value` of a config mapping (to_dict's) without the NOT_TRAINED keys, JSON-normalised."""
+    flat = {
+        f"{section}.{key}": value
+        for section, values in config.items()
+        if section != "wandb" and isinstance(values, dict)
+        for key, value in values.items()
+    }
+    return json.loads(json.dumps({k: v for k, v in sorted(flat.items()) if k not in NOT_TRAINED}))
+
+
+def write_finished(cfg: Config, summary: str, replica: Optional[int] = None) -> Path:
+    """Record that the run (or elastic replica) trained all `cfg.run.steps` steps, its summary being `summary` (a
+    file name in the run folder), and the config it trained. Written last, atomically (temp name, fsync, rename):
+    it exists only complete."""
+    path = finished_path(cfg.run_dir, replica)
+    steps = cfg.run.steps
+    record = {
+        "steps": steps,
+        "last_step": steps - 1,
+        "summary": summary,
+        "finished_at": time.time(),
+        "config": trained_config(to_dict(cfg)),
+    }
+    write_json(path, record)
+    return path
+
+
+def read_finished(run_dir: Path, replica: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """The completion record, or None if there is none (or it is not one: a record is written whole or not at all,
+    so that only happens to a file edited by hand, which then counts as no record)."""
+    try:
+        record = json.loads(finished_path(run_dir, replica).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("steps"), int) and isinstance(record.get("summary"), str)
+    return record if ok else None
+
+
+def finished_line(cfg: Config) -> Optional[str]:
+    """The one line for re-running a finished run ("finished at step N, nothing to do (its summary)"), or None
+    when there is something to do: no completion record, one of another config (NOT_TRAINED aside),
+    `run.resume` other than auto, `run.overwrite`, or a longer `run.steps` (continued from the newest
+    checkpoint). A shorter `run.steps` than the run finished with is a ConfigError. An elastic run: the
+    launcher's record, or under torchrun every replica's own."""
+    if cfg.run.resume != "auto" or cfg.run.overwrite:
+        return None
+    record = read_finished(cfg.run_dir)
+    if record is None and cfg.elastic.enabled:
+        records = [read_finished(cfg.run_dir, m) for m in range(cfg.mesh.sync)]
+        if all(r is not None for r in records):
+            record = min(records, key=lambda r: r["steps"] if r else 0)
+    if record is None or record.get("config", trained_config(to_dict(cfg))) != trained_config(to_dict(cfg)):
+        return None
+    done = record["steps"]
+    if cfg.run.steps < done:
+        raise ConfigError(
+            f"run.steps: {cfg.run.steps} is below the {done} steps {cfg.run_dir} has finished; "
+            f"set run.steps={done} (nothing to do) or more (continues from its newest checkpoint), "
+            "or run.overwrite=true to start over"
+        )
+    if cfg.run.steps > done:
+        return None
+    return f"finished at step {done - 1}, nothing to do ({cfg.run_dir / record['summary']})"
+
+
+def clear_finished(cfg: Config, replica: Optional[int] = None) -> None:
+    """A run that trains again (a longer run.steps, or resumed by path) is no longer finished: drop its record."""
+    finished_path(cfg.run_dir, replica).unlink(missing_ok=True)

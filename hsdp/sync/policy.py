@@ -2,8 +2,8 @@
 
 It combines the pieces of this package (docs/design.md §2):
 
-    schedule.py    when: warmup grad sync, every H steps, fragments, delay τ
-    outer.py       what θ_g does with the mean Δ (average / DiLoCo)
+    schedule.py    when: warmup grad sync, every H steps, fragments, delay τ (schedule hsdp or torchft)
+    outer.py       what θ_g does with the mean Δ (average / DiLoCo; η, μ per round)
     codec.py       how Δ travels (fp32, int8, int4, int2, top-k ± error feedback)
     transport      over what: the mesh's (hsdp/comm/transport.py; the c10d sync group, or torchft's)
 
@@ -18,9 +18,12 @@ lossy codec's payloads of all the round's units leave in one all-gather); after 
 update of step s+τ the round lands: every reduction is finished (waited, mean),
 the transport says whether the round committed, and only then each unit's `apply`
 (outer step → new θ_g, θ_m ← α·θ_m + (1 − α)·θ_g). τ = 0 is the special case that
-lands in the same call (α = 0: θ_m ← θ_g); the elastic round is the same path on a
-transport whose rounds may fail to commit (then nothing is applied). `finish()`
-lands whatever is still in flight when training ends (before the final eval).
+lands in the same call (schedule hsdp: α = 0, θ_m ← θ_g; schedule torchft mixes α at
+every sync, §2.9); the elastic round is the same path on a transport whose rounds may
+fail to commit (then nothing is applied). `finish()` lands whatever is still in flight
+when training ends (before the final eval). With `sync.eager` (§2.10) the start also
+moves θ_m to θ̂_m, the outer step with its own Δ_m for the mean, and the land replaces
+θ̂_m by the real θ_g: θ_m ← θ_m + (θ_g − θ̂_m).
 
 Its state (θ_g, b, e, the syncs in flight) is one object, `SyncState`
 (hsdp/sync/state.py), with one `state_dict` that the checkpoint stores as it is
@@ -115,7 +118,12 @@ class SyncPolicy:
         self.codec = codec or build_codec(cfg)
         self.outer_opt = OuterOptimizer.from_config(cfg)
         self.delay = cfg.delay
-        self.alpha = cfg.alpha if cfg.delay > 0 else 0.0  # τ = 0 lands as it starts: θ_m ← θ_g
+        self.torchft = cfg.schedule == "torchft"  # torchft's timing and merge (docs/design.md §2.9)
+        # schedule hsdp: τ = 0 lands as it starts, θ_m ← θ_g; torchft mixes α at every sync
+        self.alpha = cfg.alpha if cfg.delay > 0 or self.torchft else 0.0
+        self.eager = cfg.eager  # θ_m ← θ̂_m at the start, corrected at the land (docs/design.md §2.10)
+        if self.eager and transport.may_fail:
+            raise ConfigError("sync.eager: not on a transport whose rounds may fail (an elastic run)")
         self.uses_global = uses_global_copy(cfg)
         self.fragments = fragment_units(len(held), cfg.fragments)
         self.state = SyncState(held, self.fragments)  # θ_g, b, e and the syncs in flight: what a checkpoint keeps
@@ -203,7 +211,7 @@ class SyncPolicy:
         """
         if self.transport.size == 1 or grad_sync_due(step, self.cfg):
             return True
-        if self.in_flight or (self.delay > 0 and self.alpha > 0):
+        if self.in_flight or self.alpha > 0 or self.eager:
             return False
         # The syncs that landed after `step` started τ steps earlier (τ = 0: they started now).
         return len(fragments_due(step - self.delay, self.cfg)) == len(self.fragments)
@@ -259,6 +267,11 @@ class SyncPolicy:
         assert outer is not None, "a param sync before the global copy θ_g (start_global_copy)"
         delta = torch.empty_like(held)
         compute_delta(outer.global_params, held, delta)
+        if self.eager:  # θ̂_m: this round's outer step with Δ_m for the mean; the replica trains on from it
+            estimate = torch.empty_like(held)
+            self.outer_opt.tentative(estimate, outer.global_params, outer.momentum, delta, outer.rounds)
+            held.copy_(estimate)
+            self.state.eager[u] = estimate
         error = self.state.error_of(u) if self.cfg.error_feedback else None
         self.keep_residual(u)
         return self.codec_start(delta, error)
@@ -287,8 +300,9 @@ class SyncPolicy:
         self.residual_before.clear()
 
     def apply(self, u: int, mean: torch.Tensor) -> None:
-        """Unit u's landed round: θ_m ← the mean (plain average), or θ_g ← outer step with the mean Δ and
-        θ_m ← α·θ_m + (1 − α)·θ_g (τ = 0: α = 0, θ_m ← θ_g)."""
+        """Unit u's landed round: θ_m ← the mean (plain average), or θ_g ← outer step with the mean Δ (round
+        r's η, μ) and θ_m ← α·θ_m + (1 − α)·θ_g (hsdp τ = 0: α = 0, θ_m ← θ_g), or with eager
+        θ_m ← θ_m + (θ_g − θ̂_m)."""
         held = self.held[u]
         if not self.uses_global:
             if mean is not held:
@@ -300,10 +314,17 @@ class SyncPolicy:
         first = momentum is None
         if momentum is None:
             momentum = state.momentum = torch.empty_like(held)
+        eager = self.state.eager[u]
         # α = 0 adopts θ_g: let the kernel write it into held directly.
-        out = torch.empty_like(held) if self.alpha > 0 else held
-        self.outer_opt.step(out, state.global_params, momentum, mean, first)
-        if out is not held:
+        out = torch.empty_like(held) if self.alpha > 0 or eager is not None else held
+        self.outer_opt.step(out, state.global_params, momentum, mean, first, state.rounds)
+        state.rounds += 1
+        if eager is not None:  # the estimate replaced by θ_g; the local steps since the start kept
+            held.add_(torch.sub(out, eager, out=eager))
+            self.state.eager[u] = None
+        elif out is not held and self.torchft:  # torchft's merge: θ_g.lerp(θ_m, α)
+            held.copy_(out.lerp_(held, self.alpha))
+        elif out is not held:
             held.lerp_(out, 1.0 - self.alpha)  # θ_m + (1 − α)(θ_g − θ_m); exact at α = 1
 
     # ------------------------------------------------------------ checkpointable state (hsdp/sync/state.py)
@@ -348,6 +369,20 @@ class SyncPolicy:
                 f"sync.delay: checkpoint {path} has a param sync in flight (saved with sync.delay="
                 f"{saved.delay}), config has 0"
             )
+        if meta.get("eager_units") and not cfg.eager:
+            raise ConfigError(
+                f"sync.eager: checkpoint {path} has eager syncs in flight (saved with eager true), config has false"
+            )
+        if cfg.eager and meta["in_flight"] and not meta.get("eager_units"):
+            raise ConfigError(
+                f"sync.eager: checkpoint {path} has a param sync in flight started without eager, config has true"
+            )
+        per_round = [k for k, v in per_round_keys(cfg).items() if v]
+        if meta.get("format") == 1 and meta.get("momentum_units") and per_round:
+            raise ConfigError(
+                f"sync.{per_round[0]}: checkpoint {path} (sync state format 1) has no round counts, which the "
+                "per-round outer lr / momentum need"
+            )
         if meta.get("error_units") and not cfg.error_feedback:
             raise ConfigError(
                 f"sync.error_feedback: checkpoint {path} holds error-feedback residuals, config has false"
@@ -358,6 +393,15 @@ class SyncPolicy:
                 f"sync.method: checkpoint {path} (step {step}, past the warmup) has no global "
                 f"copy θ_g, which this config's sync needs"
             )
+
+
+def per_round_keys(cfg: SyncConfig) -> dict[str, bool]:
+    """The keys that make η or μ depend on the round (docs/design.md §2.11), and whether each is set."""
+    return {
+        "outer_momentum_warmup": cfg.outer_momentum_warmup > 0,
+        "outer_lr_warmup": cfg.outer_lr_warmup > 0,
+        "outer_lr_schedule": cfg.outer_lr_schedule != "constant",
+    }
 
 
 def build_sync(cfg: SyncConfig, held: list[torch.Tensor], transport: Transport) -> SyncPolicy:

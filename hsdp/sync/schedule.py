@@ -1,8 +1,9 @@
 """When things cross the sync group (docs/design.md §2): the schedule of one SyncConfig.
 
     step s < warmup_steps        grads averaged across replicas (exact HSDP)
-    after the update of step s   fragment f's sync starts iff s >= warmup and
-                                 (s + 1 − warmup − (f+1)·every/P) % every == 0
+    fragment f's slots           the steps s >= warmup with (s + 1 − warmup − (f+1)·every/P) % every == 0
+    after the update of step s   fragment f's sync starts iff s is a slot (schedule hsdp: it lands τ steps
+                                 later) or s + τ is one (schedule torchft, §2.9: it lands at the slot)
     units → fragments            round-robin: fragment f holds units f, f+P, f+2P, …
 
 Pure functions of the config and the step; the policy, `train.py` (the end-of-run
@@ -19,12 +20,23 @@ def grad_sync_due(step: int, cfg: SyncConfig) -> bool:
     return cfg.warmup_steps is None or step < cfg.warmup_steps
 
 
-def fragments_due(step: int, cfg: SyncConfig) -> list[int]:
-    """The fragments whose param sync starts after the local update of `step` (and lands τ steps later)."""
+def slots_due(step: int, cfg: SyncConfig) -> list[int]:
+    """The fragments whose slot is the update of `step` (docs/design.md §2.2): where a blocking sync happens."""
     if cfg.warmup_steps is None or step < cfg.warmup_steps:
         return []
     P, H = cfg.fragments, cfg.every
     return [f for f in range(P) if (step + 1 - cfg.warmup_steps - (f + 1) * H // P) % H == 0]
+
+
+def start_offset(cfg: SyncConfig) -> int:
+    """How many steps before its slot a fragment's sync starts: 0 (schedule hsdp: it starts at the slot and
+    lands τ later) or τ (schedule torchft: it starts τ before the slot and lands at it, §2.9)."""
+    return cfg.delay if cfg.schedule == "torchft" else 0
+
+
+def fragments_due(step: int, cfg: SyncConfig) -> list[int]:
+    """The fragments whose param sync starts after the local update of `step` (and lands τ steps later)."""
+    return slots_due(step + start_offset(cfg), cfg)
 
 
 def steps_after_last_sync(steps: int, cfg: SyncConfig) -> int:
@@ -50,6 +62,7 @@ def fragment_units(n_units: int, fragments: int) -> list[list[int]]:
 
 
 def uses_global_copy(cfg: SyncConfig) -> bool:
-    """Whether the sync keeps θ_g: DiLoCo, a lossy codec (Δ is taken against θ_g) or a delayed sync
-    (its Δ_m is snapshotted against θ_g, even for plain averaging)."""
-    return cfg.method == "diloco" or cfg.quantize != "none" or cfg.topk > 0 or cfg.delay > 0
+    """Whether the sync keeps θ_g: DiLoCo, a lossy codec (Δ is taken against θ_g), a delayed sync (its Δ_m
+    is snapshotted against θ_g, even for plain averaging) or a merge with α > 0 (θ_m is mixed with θ_g)."""
+    lossy = cfg.quantize != "none" or cfg.topk > 0
+    return cfg.method == "diloco" or lossy or cfg.delay > 0 or cfg.alpha > 0

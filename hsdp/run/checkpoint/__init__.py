@@ -3,7 +3,8 @@
 
     find.py       where checkpoints are: checkpoints/step_N, an elastic replica's home, what run.resume names
     keys.py       the DCP key layout of an engine's `EngineState` (the one place keys are named)
-    validate.py   before any worker starts: complete, readable, intact, a fit for the config (check_resume)
+    validate.py   before any worker starts: complete, readable, intact, a fit for the config (choose_resume:
+                  with run.resume=auto, the newest intact checkpoint; damaged newer ones are moved aside)
     integrity.py  checksums.json (SHA-256 per file) and the finite-state check
     store.py      the loop's side: `Checkpoints` (save atomically, resume), `RankExtras`, prune, publish
     export.py     one model's full params read in one process (hsdp.export, hsdp.sample)
@@ -18,6 +19,7 @@ On disk (FORMAT 1; every checkpoint written so far has this layout):
         checksums.json                     SHA-256 of every file above (integrity.py)
         .complete                          written last: only a folder with it is a checkpoint
     <run_dir>/checkpoints/.tmp_step_N/    a save in progress (renamed when every rank is done)
+    <run_dir>/checkpoints/corrupt/step_N/ a damaged checkpoint run.resume=auto skipped (moved, never deleted)
     <run_dir>/replica<m>/checkpoints/...   an elastic run: each replica's own, saved in its own world
 
 The names below are the component's interface for the rest of the project.
@@ -31,15 +33,18 @@ from hsdp.run.checkpoint.find import (
     complete_checkpoints,
     elastic_resume_note,
     latest_checkpoint,
+    move_aside,
     remove_failed_saves,
     replica_home,
     resolve_resume,
     step_of,
 )
-from hsdp.run.checkpoint.store import Checkpoints, Progress, prune
+from hsdp.run.checkpoint.store import Checkpoints, Progress, disk_full, free_bytes, prune, save_failure, state_bytes
 from hsdp.run.checkpoint.validate import (
+    CorruptCheckpoint,
+    ResumePlan,
     check_resume,
-    finished,
+    choose_resume,
     read_dcp_metadata,
     read_meta,
     read_saved_config,
@@ -52,13 +57,18 @@ __all__ = [
     "COMPLETE",
     "FORMAT",
     "Checkpoints",
+    "CorruptCheckpoint",
     "Progress",
+    "ResumePlan",
     "check_resume",
+    "choose_resume",
     "checkpoints_dir",
     "complete_checkpoints",
+    "disk_full",
     "elastic_resume_note",
-    "finished",
+    "free_bytes",
     "latest_checkpoint",
+    "move_aside",
     "prune",
     "read_dcp_metadata",
     "read_meta",
@@ -66,6 +76,8 @@ __all__ = [
     "remove_failed_saves",
     "replica_home",
     "resolve_resume",
+    "save_failure",
+    "state_bytes",
     "step_of",
     "validate_checkpoint",
     "verify_files",

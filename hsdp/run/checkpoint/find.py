@@ -3,16 +3,19 @@ checkpoint `run.resume` names (docs/design.md §7)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
 from hsdp.config.schema import Config, ConfigError
+from hsdp.core.atomic import fsync_dir
 
 FORMAT = 1  # bump when the layout of meta.json or the DCP keys changes
 CHECKPOINTS = "checkpoints"
 COMPLETE = ".complete"
+CORRUPT = "corrupt"  # checkpoints/corrupt/: damaged checkpoints run.resume=auto skipped (never resumed, never pruned)
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -119,3 +122,21 @@ def remove_failed_saves(run_dir: Path) -> None:
         if root.is_dir():
             for p in root.glob(".tmp_step_*"):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def move_aside(checkpoint: Path) -> Path:
+    """Move a damaged checkpoint folder into `checkpoints/corrupt/` (step_N, or step_N.1, … if that is taken), where
+    nothing resumes from it, prunes it or lists it as a checkpoint; returns its new path. ConfigError if it cannot."""
+    root = checkpoint.parent / CORRUPT
+    dest, n = root / checkpoint.name, 0
+    while dest.exists():
+        n += 1
+        dest = root / f"{checkpoint.name}.{n}"
+    try:
+        root.mkdir(exist_ok=True)
+        os.rename(checkpoint, dest)
+        fsync_dir(root)
+        fsync_dir(checkpoint.parent)
+    except OSError as e:
+        raise ConfigError(f"run.resume: cannot move the damaged checkpoint {checkpoint} aside ({e.strerror})") from None
+    return dest

@@ -72,22 +72,22 @@ def verify_checksums(folder: Path) -> int:
     return len(recorded)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensors_of(value: Any) -> list[torch.Tensor]:
     """Every tensor in a (nested) state dict; a DTensor's local shard."""
     if isinstance(value, torch.Tensor):
         local = value.to_local() if hasattr(value, "to_local") else value
         return [local]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value.values() for t in tensors_of(v)]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_of(v)]
     return []
 
 
 def first_non_finite(state: dict[str, Any]) -> str | None:
     """The key of the first floating-point tensor in `state` holding a NaN or inf, else None."""
     for key, value in state.items():
-        for t in _tensors(value):
+        for t in tensors_of(value):
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 return key
     return None

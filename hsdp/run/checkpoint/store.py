@@ -12,6 +12,7 @@ are deleted only after that. A kill at any point leaves the previous complete ch
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -42,7 +43,14 @@ from hsdp.run.checkpoint.find import (
     resolve_resume,
     step_of,
 )
-from hsdp.run.checkpoint.integrity import CHECKSUMS, first_non_finite, hash_files, rank_data_files, write_checksums
+from hsdp.run.checkpoint.integrity import (
+    CHECKSUMS,
+    first_non_finite,
+    hash_files,
+    rank_data_files,
+    tensors_of,
+    write_checksums,
+)
 from hsdp.run.checkpoint.keys import dcp_state, extra_key
 from hsdp.run.checkpoint.validate import read_meta
 from hsdp.run.guard import Diverged, SaveFailed, last_good_hint
@@ -209,7 +217,8 @@ class Checkpoints:
 
         Refuses (Diverged, on every rank) a state that holds a NaN or inf, before anything is
         written: a bad state is never checkpointed, so pruning never removes the last good one.
-        A save that fails on rank 0 removes its temporary folder before the error propagates.
+        A save that fails on rank 0 removes what it wrote before the error propagates; any failure
+        is SaveFailed, which says so when the disk is full (`save_failure`), whatever layer raised it.
         """
         import torch.distributed.checkpoint as dcp  # on first use (see load)
 
@@ -219,10 +228,11 @@ class Checkpoints:
         engine_state = self.engine.checkpoint_state(self.optimizer)
         state = dcp_state(engine_state, self.engine.state_per_replica, self.mesh.sync_rank)
         self._refuse_non_finite(step, state)
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
-            tmp.mkdir(parents=True)
+        needed = state_bytes(state) * dist.get_world_size()  # about what this save writes (ranks hold alike shards)
         try:
+            if rank0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+                tmp.mkdir(parents=True)
             dist.barrier()
             state[extra_key(self.mesh.rank)] = pickle.dumps(RankExtras(self.mesh, self.t_start, progress).state_dict())
             meta = {
@@ -250,17 +260,19 @@ class Checkpoints:
                 # delete one (a run's resume never deletes what a replica saved).
                 prune(self.home, final, self.cfg.run.keep_checkpoints, drop_later=self.replica is None)
         except BaseException as e:
+            free = free_bytes(self.root)  # before the cleanup below gives the partial files' space back
             if rank0:  # a full disk must not stay full of a save that will never complete
                 shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, dcp.api.CheckpointException):  # DCP's report holds every rank's traceback: name the first
-                rank, (error, _) = next(iter(sorted(e.failures.items(), key=lambda kv: kv[0])))
-                raise SaveFailed(
-                    f"saving checkpoint step_{step} failed on rank {rank}: {type(error).__name__}: {error}"
-                    f"{'' if 'No space left' in str(error) else _disk_full_hint(self.cfg.run_dir)}"
-                ) from None
-            if isinstance(e, OSError):
-                raise SaveFailed(f"saving checkpoint step_{step} failed: {type(e).__name__}: {e}") from e
-            raise
+                if final.is_dir() and not (final / COMPLETE).is_file():  # renamed, but its marker could not be written
+                    shutil.rmtree(final, ignore_errors=True)
+            failure = save_failure(f"checkpoint step_{step}", e, self.root, free, needed)
+            if failure is None:
+                raise
+            kept = latest_checkpoint(self.home)
+            raise SaveFailed(
+                f"{failure}; "
+                + (f"the last complete checkpoint, {kept}, is kept" if kept else "no checkpoint was saved before it")
+            ) from None
         self.saves += 1
         self.save_s += time.perf_counter() - t0
         return final
@@ -313,14 +325,100 @@ def publish(tmp: Path, final: Path) -> None:
     fsync_dir(final)
 
 
-def _disk_full_hint(folder: Path) -> str:
-    """torch.save reports a write cut short by a full disk as `unexpected pos`, without the errno: say so
-    when the run folder's file system is (nearly) full."""
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        return ""
-    return f" (No space left on device: {free} bytes free in {folder})" if free < 2**20 else ""
+# A write cut short: torch.save's zip writer reports it without the errno ("[enforce fail at
+# inline_container.cc:…] . unexpected pos 704 vs 598", "PytorchStreamWriter failed writing file …").
+SHORT_WRITE = ("unexpected pos", "failed writing")
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded")
+NEARLY_FULL = 1 << 20  # bytes free below which a cut-short write is a full disk whatever the save needs
+
+
+def free_bytes(path: Path) -> Optional[int]:
+    """Bytes free to this process on the file system of `path` (its nearest existing folder); None if unknown."""
+    for folder in [Path(path), *Path(path).parents]:
+        if folder.exists():
+            try:
+                return shutil.disk_usage(folder).free
+            except OSError:
+                return None
+    return None
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the file system that holds `path` (its nearest existing folder)."""
+    folder = Path(os.path.abspath(path))
+    while not folder.exists():
+        folder = folder.parent
+    while not os.path.ismount(folder) and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def _causes(error: BaseException) -> list[tuple[Optional[int], BaseException]]:
+    """`error`, its causes and contexts, and in place of a DCP CheckpointException (a BaseException whose text
+    holds every rank's traceback) the per-rank errors it carries, each with the rank that raised it."""
+    found: list[tuple[Optional[int], BaseException]] = []
+    seen: list[BaseException] = []
+    todo: list[tuple[Optional[int], BaseException]] = [(None, error)]
+    while todo:
+        rank, e = todo.pop(0)
+        if any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [(rank, c) for c in (e.__cause__, e.__context__) if c is not None]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            for r, f in sorted(failures.items(), key=lambda kv: kv[0]):
+                first = f[0] if isinstance(f, tuple) else f
+                if isinstance(first, BaseException):
+                    todo.append((r, first))
+        else:
+            found.append((rank, e))
+    return found
+
+
+def _says(e: BaseException, words: tuple[str, ...]) -> bool:
+    return any(w in str(e) for w in words)
+
+
+def disk_full(error: BaseException, free: Optional[int], needed: int = 0) -> bool:
+    """Whether `error` (from any layer of a save) means the disk is full: an OSError with ENOSPC / EDQUOT
+    anywhere in it, a message that says so, or a write cut short (torch.save's zip writer drops the errno)
+    while fewer bytes are free than the save needs (or under 1 MiB)."""
+    causes = [e for _, e in _causes(error)]
+    if any(isinstance(e, OSError) and e.errno in DISK_FULL for e in causes):
+        return True
+    if any(_says(e, DISK_FULL_WORDS) for e in causes):
+        return True
+    short = any(_says(e, SHORT_WRITE) for e in causes)
+    return short and free is not None and free < max(needed, NEARLY_FULL)
+
+
+def save_failure(what: str, error: BaseException, folder: Path, free: Optional[int], needed: int = 0) -> Optional[str]:
+    """The one line for a save of `what` into `folder` that failed with `error` (`free`: bytes free when it failed;
+    `needed`: about what the save writes), or None when it is no write failure (an interrupt, a bug outside
+    DCP: its traceback says more than a line would)."""
+    dcp_report = getattr(error, "failures", None) is not None
+    if not isinstance(error, Exception) and not dcp_report:  # KeyboardInterrupt, SystemExit: not a failed write
+        return None
+    where = f"{free} bytes free on {mount_point(folder)}" if free is not None else f"on {mount_point(folder)}"
+    if disk_full(error, free, needed):
+        return f"saving {what}: the disk is full ({where})"
+    causes = _causes(error)
+    # the first error that is a write's (an OSError, a write cut short), else the first rank's in DCP's report
+    rank, culprit = next(
+        ((r, e) for r, e in causes if isinstance(e, OSError) or _says(e, SHORT_WRITE)),
+        next(((r, e) for r, e in causes if r is not None), (None, None)),
+    )
+    if culprit is None:
+        return None
+    on = f" on rank {rank}" if rank is not None else ""
+    return f"saving {what} failed{on}: {type(culprit).__name__}: {culprit} ({where})"
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """The bytes of the tensors of this rank's state dict (a DTensor's local shard)."""
+    return sum(t.numel() * t.element_size() for t in tensors_of(state))
 
 
 def _fsync_files(files: list[Path]) -> None:

@@ -1,10 +1,19 @@
 """Checking a checkpoint before any worker starts: complete, readable, intact and a fit for the config
-(docs/design.md §7, §7.1). Each refusal is one line naming the key or file (ConfigError)."""
+(docs/design.md §7, §7.1). Each refusal is one line naming the key or file (ConfigError).
+
+Two kinds of refusal: a checkpoint that does not fit the config (another model, engine, optimizer, mesh)
+is the config's problem and always an error; one whose own files are damaged or incomplete
+(`CorruptCheckpoint`: a marker, meta.json, config.yaml, DCP's .metadata or a data file missing, truncated or
+not matching its checksum) is the disk's. With `run.resume: auto` a damaged checkpoint is skipped and the
+newest intact one is resumed (`choose_resume`; the damaged one is moved aside, never deleted, by
+`ResumePlan.set_aside`); a checkpoint named by path stays an error.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -15,7 +24,15 @@ from hsdp.config.loader import from_dict
 from hsdp.config.schema import Config, ConfigError
 from hsdp.engines.registry import saved_engine_class
 from hsdp.models.gpt import GPT
-from hsdp.run.checkpoint.find import COMPLETE, FORMAT, replica_newest, resolve_resume
+from hsdp.run.checkpoint.find import (
+    COMPLETE,
+    FORMAT,
+    complete_checkpoints,
+    move_aside,
+    replica_newest,
+    resolve_resume,
+    step_of,
+)
 from hsdp.run.checkpoint.integrity import CHECKSUMS, ChecksumError, verify_checksums
 from hsdp.run.checkpoint.keys import model_prefix
 from hsdp.run.rundir import owns_run_dir
@@ -25,42 +42,123 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 
-def check_resume(cfg: Config, seat: Optional[ReplicaSeat] = None) -> Optional[Path]:
-    """Resolve `run.resume` and check that the checkpoint is complete, readable and fits `cfg`.
+class CorruptCheckpoint(ConfigError):
+    """A checkpoint's own files are damaged or incomplete (not a mismatch with the config). `reason`: what is wrong,
+    without the config key."""
 
-    Raises ConfigError (one line naming the key or file that differs); returns the
-    checkpoint folder to resume from, or None to start fresh. `seat`: an elastic replica's
-    under torchrun (which process reads every file, `owns_run_dir`).
+    def __init__(self, key: str, message: str, reason: Optional[str] = None) -> None:
+        super().__init__(f"{key}: {message}")
+        self.reason = message if reason is None else reason
+
+
+@dataclass
+class ResumePlan:
+    """What `run.resume` resolves to once every check passed: the checkpoint to resume from (None: start fresh),
+    the last step it holds, and the newer checkpoints of the run folder skipped as damaged (auto only)."""
+
+    path: Optional[Path] = None
+    step: Optional[int] = None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)  # (folder, what is wrong with it), newest first
+    replica_steps: list[Optional[int]] = field(default_factory=list)  # an elastic run: each replica's newest step
+
+    def finished(self, steps: int) -> bool:
+        """Whether the checkpoint already holds all `steps` steps (re-running a finished run); an elastic run's
+        only when every replica's newest does (one behind still heals and finishes)."""
+        if self.replica_steps:
+            return all(s is not None and s + 1 == steps for s in self.replica_steps)
+        return self.step is not None and self.step + 1 == steps
+
+    def set_aside(self) -> Optional[str]:
+        """Move the skipped (damaged) checkpoints into `checkpoints/corrupt/` (never deleted: a damaged file may
+        still be worth a look) and return the one line that says so, or None when none was skipped. Called once,
+        by the process that owns the run folder, after every check passed."""
+        if not self.skipped or self.path is None:
+            return None
+        what = "; ".join(f"{p.name} is damaged ({why})" for p, why in self.skipped)
+        moved = [move_aside(p) for p, _ in self.skipped]
+        where = ", ".join(str(m) for m in moved)
+        return f"warning: resuming from {self.path.name}: {what}; moved to {where}"
+
+
+def check_resume(cfg: Config, seat: Optional[ReplicaSeat] = None) -> Optional[Path]:
+    """Resolve `run.resume` and check that the checkpoint is complete, readable and fits `cfg` (`choose_resume`'s
+    checkpoint: with auto, the newest intact one). Raises ConfigError (one line naming the key or file that
+    differs); returns the checkpoint folder to resume from, or None to start fresh."""
+    return choose_resume(cfg, seat).path
+
+
+def choose_resume(cfg: Config, seat: Optional[ReplicaSeat] = None) -> ResumePlan:
+    """The checkpoint to resume from, checked: complete, readable, intact and a fit for `cfg`.
+
+    auto (not elastic): the run folder's newest checkpoint that passes; newer damaged ones
+    (`CorruptCheckpoint`) are listed in the plan's `skipped` and nothing is changed here. A checkpoint
+    that does not fit the config is an error, as is a folder with checkpoints none of which is intact.
+    A path, or an elastic run's replica checkpoints: any refusal is an error. `seat`: an elastic
+    replica's under torchrun (which process reads every file, `owns_run_dir`).
     """
     path = resolve_resume(cfg)
     if path is None:
-        return None
+        return ResumePlan()
     if cfg.run.overwrite and _inside(path, cfg.run_dir):
         raise ConfigError(
             f"run.resume: {path} is inside {cfg.run_dir}, which run.overwrite=true would delete; "
             "resume without run.overwrite, or copy the checkpoint elsewhere first"
         )
-    # An elastic run: every replica's own newest checkpoint is checked (each resumes from its own).
-    chosen = [p for p in replica_newest(cfg) if p is not None] if cfg.elastic.enabled else [path]
-    for checkpoint in chosen:
-        done = validate_checkpoint(checkpoint, cfg, seat)["step"] + 1
-        if cfg.run.steps < done:
-            raise ConfigError(
-                f"run.steps: {cfg.run.steps} is below the {done} steps checkpoint {checkpoint} has already "
-                f"trained; set run.steps above {done - 1}, or run.resume=never"
-            )
-    return path
-
-
-def finished(cfg: Config, path: Optional[Path]) -> bool:
-    """Whether the checkpoint to resume from already holds all `run.steps` steps (re-running a finished run);
-    an elastic run's only when every replica's newest does (one behind still heals and finishes)."""
-    if path is None:
-        return False
-    if cfg.elastic.enabled and cfg.run.resume == "auto":
+    if cfg.elastic.enabled:
+        # Every replica's own newest checkpoint is checked (each resumes from its own); a damaged one is an error.
         newest = replica_newest(cfg)
-        return all(p is not None and read_meta(p)["step"] + 1 == cfg.run.steps for p in newest)
-    return read_meta(path)["step"] + 1 == cfg.run.steps
+        steps: list[Optional[int]] = []
+        for checkpoint in newest:
+            steps.append(
+                None
+                if checkpoint is None
+                else _check_steps(cfg, checkpoint, validate_checkpoint(checkpoint, cfg, seat))
+            )
+        return ResumePlan(path, step_of(path), replica_steps=steps)
+    if cfg.run.resume != "auto":
+        return ResumePlan(path, _check_steps(cfg, path, validate_checkpoint(path, cfg, seat)))
+    skipped: list[tuple[Path, str]] = []
+    for checkpoint in reversed(complete_checkpoints(cfg.run_dir)):
+        try:
+            meta = _validate_or_corrupt(checkpoint, cfg, seat)
+        except CorruptCheckpoint as e:
+            skipped.append((checkpoint, e.reason.replace(f"{checkpoint}/", "")))
+            continue
+        return ResumePlan(checkpoint, _check_steps(cfg, checkpoint, meta), skipped)
+    damaged = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+    raise ConfigError(
+        f"run.resume: no intact checkpoint in {path.parent} ({damaged}); nothing was changed: "
+        "run.overwrite=true starts the run over (deleting them), or name one with run.resume=PATH"
+    )
+
+
+def _check_steps(cfg: Config, checkpoint: Path, meta: dict[str, Any]) -> int:
+    """The checkpoint's last step, after checking that run.steps does not end before it."""
+    done = meta["step"] + 1
+    if cfg.run.steps < done:
+        raise ConfigError(
+            f"run.steps: {cfg.run.steps} is below the {done} steps checkpoint {checkpoint} has already "
+            f"trained; set run.steps above {done - 1}, or run.resume=never"
+        )
+    return int(meta["step"])
+
+
+def _validate_or_corrupt(path: Path, cfg: Config, seat: Optional[ReplicaSeat]) -> dict[str, Any]:
+    """`validate_checkpoint`, except that a checkpoint which seems not to fit, or whose meta.json lacks a field, is
+    first re-hashed: a same-size change of meta.json or config.yaml reads as another config until the checksums
+    say otherwise (then CorruptCheckpoint). Every process checks here (rare: only after a refusal)."""
+    try:
+        return validate_checkpoint(path, cfg, seat)
+    except CorruptCheckpoint:
+        raise
+    except (ConfigError, KeyError, TypeError) as e:
+        read_dcp_metadata(path)
+        verify_files(path)
+        if isinstance(e, ConfigError):
+            raise
+        raise CorruptCheckpoint(
+            "run.resume", f"{path}/meta.json does not describe a checkpoint ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -71,12 +169,14 @@ def _inside(path: Path, folder: Path) -> bool:
 def read_meta(path: Path, key: str = "run.resume") -> dict[str, Any]:
     """meta.json of a checkpoint folder (ConfigError if incomplete, missing, unreadable or of another format)."""
     if not (path / COMPLETE).is_file():
-        raise ConfigError(f"{key}: {path} is not a complete checkpoint (no {COMPLETE} marker)")
+        raise CorruptCheckpoint(key, f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{key}: {path}/meta.json is missing or corrupt ({type(e).__name__})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CorruptCheckpoint(key, f"{path}/meta.json is missing or corrupt ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or "format" not in meta:
+        raise CorruptCheckpoint(key, f"{path}/meta.json is not a checkpoint description")
+    if meta["format"] != FORMAT:  # written by another version of this code: not damaged, not ours to read
         raise ConfigError(f"{key}: {path}/meta.json is not a format-{FORMAT} checkpoint description")
     return meta
 
@@ -86,7 +186,7 @@ def read_saved_config(path: Path, key: str = "run.resume") -> Config:
     try:
         return from_dict(yaml.safe_load((path / "config.yaml").read_text()))
     except (OSError, yaml.YAMLError, ConfigError) as e:
-        raise ConfigError(f"{key}: {path}/config.yaml is missing or corrupt ({type(e).__name__})") from None
+        raise CorruptCheckpoint(key, f"{path}/config.yaml is missing or corrupt ({type(e).__name__})") from None
 
 
 def read_dcp_metadata(path: Path, key: str = "run.resume") -> Metadata:
@@ -97,16 +197,16 @@ def read_dcp_metadata(path: Path, key: str = "run.resume") -> Metadata:
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - any failure to read means the same to the user
-        raise ConfigError(f"{key}: {path}/.metadata is missing or corrupt ({type(e).__name__})") from None
+        raise CorruptCheckpoint(key, f"{path}/.metadata is missing or corrupt ({type(e).__name__})") from None
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
         f = path / name
         if not f.is_file():
-            raise ConfigError(f"{key}: {path} is missing its data file {name}")
+            raise CorruptCheckpoint(key, f"{path} is missing its data file {name}")
         if f.stat().st_size < end:
-            raise ConfigError(f"{key}: {path}/{name} is truncated ({f.stat().st_size} of {end} bytes)")
+            raise CorruptCheckpoint(key, f"{path}/{name} is truncated ({f.stat().st_size} of {end} bytes)")
     return metadata
 
 
@@ -118,15 +218,19 @@ def verify_files(path: Path, key: str = "run.resume") -> None:
     """
     if not (path / CHECKSUMS).is_file():
         if marker_records_checksums(path):
-            raise ConfigError(
-                f"{key}: checkpoint {path} is missing its {CHECKSUMS} (its {COMPLETE} marker says it was written), "
-                "so its files cannot be verified; resume from an earlier checkpoint"
+            raise CorruptCheckpoint(
+                key,
+                f"checkpoint {path} is missing its {CHECKSUMS} (its {COMPLETE} marker says it was written), "
+                "so its files cannot be verified; resume from an earlier checkpoint",
+                f"its {CHECKSUMS} is missing (its {COMPLETE} marker says it was written)",
             )
         return
     try:
         verify_checksums(path)
     except (ChecksumError, OSError, ValueError) as e:
-        raise ConfigError(f"{key}: checkpoint {path} is corrupt: {e}; resume from an earlier checkpoint") from None
+        raise CorruptCheckpoint(
+            key, f"checkpoint {path} is corrupt: {e}; resume from an earlier checkpoint", str(e)
+        ) from None
 
 
 def marker_records_checksums(path: Path) -> bool:
