@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -45,7 +44,15 @@ from hsdp.run.checkpoint import (
 from hsdp.run.guard import SaveFailed, check_finite
 from hsdp.run.launch import Interrupted, WorkerError, launch, torchrun_seat, under_torchrun
 from hsdp.run.lock import hold_run_lock
-from hsdp.run.metrics import MetricsLogger, StepMemoryProbe, carried_counters, peak_memory_mb
+from hsdp.run.metrics import (
+    MetricsLogger,
+    RunningMedian,
+    StepMemoryProbe,
+    carried_counters,
+    peak_memory_mb,
+    run_rates,
+    steady_rate,
+)
 from hsdp.run.preflight import config_notes, load_checked_config, resume_schedule_note
 from hsdp.run.rundir import clear_finished, finished_line, owns_run_dir, prepare_run_dir, write_finished
 from hsdp.sync.membership import build_membership
@@ -84,6 +91,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     run.tokens = run.tokens or int(carried["tokens"])  # the run's tokens trained, as this rank counts them
     run.trained_tokens = run.trained_tokens or int(carried["trained_tokens"])  # this file's ranks' own
     train_s = carried["train_time_s"] + sum(run.step_times)  # the steps counted in run.tokens
+    median_step = RunningMedian(run.step_times)  # the steady rate's step time so far (hsdp.run.metrics.run_rates)
     memory = StepMemoryProbe(mesh.device, at=min(run.start_step + 2, cfg.run.steps - 1))  # past compile and warm-up
 
     last_trained_s: Optional[float] = None
@@ -114,9 +122,11 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         run.step_times.append(time.perf_counter() - t0)
+        median_step.add(run.step_times[-1])
         last_trained_s = None if cut else run.step_times[-1]
         train_s += run.step_times[-1]
         step_tokens, own_tokens = members.step_tokens(tokens_per_step)  # a given-up replica's are not counted
+        rate = steady_rate(step_tokens, median_step.value)  # the run's tokens per step over its median step
         if cut:  # this replica trained no tokens (its peers count their own)
             step_tokens, own_tokens = 0, 0
         run.tokens += step_tokens
@@ -132,6 +142,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
                 "trained_tokens": run.trained_tokens,
                 "step_time_s": run.step_times[-1],
                 "train_time_s": train_s,
+                "tokens_per_s": rate,
                 "shard_bytes": carried["shard_bytes"] + mesh.comm.group_bytes("shard"),
                 "sync_bytes": carried["sync_bytes"] + mesh.comm.group_bytes("sync"),
                 "peak_mem_mb": peak_memory_mb(mesh.device),
@@ -146,14 +157,15 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
                 )
             run.loss = record["loss"]
             logger.log(record)
-            logger.progress(step, run.loss, step_tokens / run.step_times[-1])
+            logger.progress(step, run.loss, rate)
         checkpoints.maybe_save(step, run)  # every run.checkpoint_every steps, after the update, sync and log
 
     peak = torch.tensor([peak_memory_mb(mesh.device), memory.peak_mb or 0.0], device=mesh.device)  # nccl: GPU
     mesh.comm.all_reduce(peak, "world", op=dist.ReduceOp.MAX)
-    # One definition for every run: the tokens trained (as this rank counts them) over the time of the steps
-    # that trained them (a resumed run's include the earlier ones, a restarted replica's its earlier lives').
-    tokens_per_s = run.tokens / train_s if train_s > 0 else None
+    # The steady rate (tokens per step over the median step: past compile and warm-up) and beside it the whole
+    # run's (the tokens trained over the time of the steps that trained them; a resumed run's include the
+    # earlier ones, a restarted replica's its earlier lives'). docs/design.md §9.
+    rates = run_rates(run.step_times, members.step_tokens(tokens_per_step)[0], run.tokens, train_s)
     logger.summary(
         {
             "final_loss": run.loss,
@@ -161,9 +173,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             "steps": cfg.run.steps,
             "tokens": run.tokens,
             "trained_tokens": run.trained_tokens,  # of the ranks whose files these are (an elastic replica's)
-            "tokens_per_s": tokens_per_s,
-            **throughput(cfg, tokens_per_s, mesh.device),  # FLOPs/token, MFU
-            "median_step_time_s": statistics.median(run.step_times) if run.step_times else None,
+            **rates,  # tokens_per_s (steady), tokens_per_step, median_step_time_s, wall_tokens_per_s
+            **throughput(cfg, rates["tokens_per_s"], mesh.device, rates["wall_tokens_per_s"]),  # FLOPs/token, MFU
             "train_time_s": train_s,
             "wall_time_s": carried["elapsed_s"] + run.prior_wall_s + time.perf_counter() - t_start,
             "peak_mem_mb": float(peak[0]),
@@ -302,7 +313,8 @@ def finish_run(cfg: Config, replica: Optional[int]) -> Optional[str]:
 
 def closing_line(last_step: int, summary: Path, tokens_per_step: int) -> Optional[str]:
     """'done: step 49, loss 2.596, val 2.54, 4,135 tok/s (median step), runs/fin/summary.json': the final train and
-    val loss, the steady rate (the median step's; the mean where the summary has no median) and the summary."""
+    val loss, the steady rate (tokens per step over the median step; the mean where the summary has no median) and
+    the summary."""
     try:
         s: dict[str, Any] = json.loads(summary.read_text())
     except (OSError, ValueError):
@@ -311,11 +323,11 @@ def closing_line(last_step: int, summary: Path, tokens_per_step: int) -> Optiona
     def num(x: Any) -> str:
         return f"{x:.4g}" if isinstance(x, (int, float)) else "n/a"
 
-    median, mean = s.get("median_step_time_s"), s.get("tokens_per_s")
+    median, mean = s.get("median_step_time_s"), s.get("wall_tokens_per_s", s.get("tokens_per_s"))
     per_step = s.get("tokens_per_step") or tokens_per_step  # the summary's own where it records it
     if median:
         rate = f"{per_step / median:,.0f} tok/s (median step)"
-    else:
+    else:  # a summary without step times (written before they were kept): its whole-run rate
         rate = f"{mean:,.0f} tok/s (mean)" if mean else "tok/s n/a"
     loss, val = num(s.get("final_loss")), num(s.get("final_val_loss"))
     return f"done: step {last_step}, loss {loss}, val {val}, {rate}, {summary}"

@@ -111,10 +111,6 @@ def slow_first_step_worker(cfg, seat=None) -> None:
     train.train_worker(cfg, seat)
 
 
-WIRED = "run_rates(" in (REPO / "train.py").read_text()
-
-
-@pytest.mark.skipif(not WIRED, reason="train.py does not compute its summary's rates with run_rates yet")
 def test_a_runs_summary_rate_is_tokens_per_step_over_its_median_step(tmp_path):
     from tests.helpers import SMALL, run_train
 

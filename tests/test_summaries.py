@@ -43,7 +43,7 @@ def _write(path: Path, data: dict) -> None:
 
 def test_merged_summary_means_finished_replicas_and_counts_trained_tokens(tmp_path: Path) -> None:
     """Final losses: the mean over the replicas that finished (a given-up replica's stale summary is not
-    one); tokens: Σ of what each replica trained (a given-up one's from its last record); tokens_per_s =
+    one); tokens: Σ of what each replica trained (a given-up one's from its last record); wall_tokens_per_s =
     tokens / the longest train time; survivor_lost_s from the never-failed replicas' elastic_lost_s."""
     base = {"tokens_per_s": 100.0, "mfu": 0.1, "wall_time_s": 10.0, "heals": 0, "dropped_syncs": 0}
     _write(
@@ -82,8 +82,10 @@ def test_merged_summary_means_finished_replicas_and_counts_trained_tokens(tmp_pa
     assert s["final_loss"] == pytest.approx(2.1) and s["final_val_loss"] == pytest.approx(3.2)
     assert s["finished_replicas"] == [0, 1]
     assert s["tokens"] == 1000 + 900 + 300
-    assert s["train_time_s"] == 10.0 and s["tokens_per_s"] == pytest.approx(220.0)
-    assert s["mfu"] == pytest.approx(0.1 * 220.0 / 100.0)
+    # the steady rate stays the first finished replica's; the whole-run rate is Σ trained / longest train time
+    assert s["train_time_s"] == 10.0 and s["wall_tokens_per_s"] == pytest.approx(220.0)
+    assert s["tokens_per_s"] == 100.0 and s["mfu"] == 0.1
+    assert s["wall_mfu"] == pytest.approx(0.1 * 220.0 / 100.0)
     assert s["survivor_lost_s"] == 8.94 and s["survivor_touched_rounds"] == 2
     assert s["heals"] == 1 and s["replica_failures"] == 3
 

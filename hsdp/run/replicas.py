@@ -24,7 +24,7 @@ from typing import Optional
 from hsdp.config.schema import Config, ConfigError
 from hsdp.core.atomic import write_json
 from hsdp.run.guard import ONE_LINE_ERRORS
-from hsdp.run.metrics import last_record
+from hsdp.run.metrics import last_record, merged_rates
 from hsdp.run.zygote import Exit, Workers
 from hsdp.sync.elastic import clear_markers, in_words, lighthouse_unreachable
 from hsdp.sync.seam import ReplicaSeat
@@ -294,7 +294,9 @@ def merge_replica_summaries(
     tokens                       Σ over replicas of the tokens each trained (a given-up replica's up to its
                                  last metrics record; a restarted one's every life once)
     train_time_s, wall_time_s    the longest replica's (they train side by side)
-    tokens_per_s                 tokens / train_time_s (mfu scaled with it)
+    tokens_per_s, mfu            the steady rate: the first finished replica's (the run's tokens per step
+                                 over its median step, as a plain run's)
+    wall_tokens_per_s, wall_mfu  tokens / train_time_s (wall_mfu scaled with it)
     survivor_lost_s              the most a replica that never failed nor was cut off (no rejoin) lost to
                                  its peers' failures (its failure-touched steps' excess over its usual sync
                                  step, `elastic_lost_s`; a cut-off replica's own pause is not a survivor's loss)
@@ -318,10 +320,6 @@ def merge_replica_summaries(
         own = summaries[m] if m in summaries else (last_record(run_dir / f"metrics.replica{m}.jsonl") or {})
         trained += own.get("trained_tokens") or 0
     train_time = max((s.get("train_time_s") or 0.0) for s in summaries.values())
-    rate = trained / train_time if train_time > 0 else None
-    mfu = first.get("mfu")
-    if mfu and first.get("tokens_per_s") and rate:  # MFU is linear in the rate (same model, same devices)
-        mfu = round(mfu * rate / first["tokens_per_s"], 4)
     merged = {
         **first,
         "final_loss": _mean([s.get("final_loss") for s in summaries.values()]),
@@ -329,8 +327,7 @@ def merge_replica_summaries(
         "finished_replicas": sorted(summaries),
         "tokens": trained,
         "trained_tokens": trained,
-        "tokens_per_s": rate,
-        "mfu": mfu,
+        **merged_rates(first, trained, train_time),
         "train_time_s": train_time,
         "wall_time_s": max((s.get("wall_time_s") or 0.0) for s in summaries.values()),
         "replica_failures": sum(failures.values()),
