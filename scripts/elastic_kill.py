@@ -28,6 +28,7 @@ DEFAULTS = [
     "sync.warmup_steps=0",
     "sync.every=8",
     "sync.method=diloco",
+    "run.checkpoint_every=0",  # configs/tiny.yaml keeps one every 100 steps; the timing runs save none
     "run.steps=120",
     "run.eval_every=0",
     "run.log_every=1",

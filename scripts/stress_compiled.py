@@ -68,6 +68,7 @@ def main() -> int:
     if args.perturb:
         env["MALLOC_PERTURB_"] = "165"
     base = ["wandb.mode=disabled", f"run.steps={args.steps}", "run.log_every=1", "run.eval_every=0", "mesh.sync=2"]
+    base += ["sync.warmup_steps=null", "sync.method=average", "sync.every=1"]  # exact HSDP, as the campaigns ran
     # The test suite's stabilisers (tests/helpers.py SMALL): without biases and with Adam's eps at 1e-6,
     # fp32 reduction-order noise stays at rounding level over 150 steps instead of growing into lr-sized
     # steps, so 1e-5 against eager separates corruption from reordering.

@@ -37,6 +37,7 @@ if sys.dont_write_bytecode:
 LONGEST_FIRST = (
     "test_compile.py",
     "test_elastic.py",
+    "test_readme_commands.py",
     "test_compile_passes.py",
     "test_engine.py",
     "test_never_lose.py",

@@ -40,8 +40,9 @@ from hsdp.plan.workload import build_workload
 
 H = 8
 SHARED = ["wandb.mode=disabled", "run.log_every=1", "run.eval_every=0", "run.eval_batches=1", "mesh.timeout_s=120"]
+SHARED += ["run.checkpoint_every=0"]  # configs/tiny.yaml keeps checkpoints; the measured runs save none
 RUNS = {
-    "hsdp": [],
+    "hsdp": ["sync.warmup_steps=null", "sync.method=average", "sync.every=1"],  # exact HSDP: grads every step
     "diloco-h8-int8": ["sync.warmup_steps=0", f"sync.every={H}", "sync.method=diloco", "sync.quantize=int8"],
 }
 
