@@ -129,6 +129,9 @@ def test_a_killed_replica_heals_and_the_run_finishes(
     assert replicas["1"]["restarts"] == 1
     assert all(replicas[str(m)]["restarts"] == 0 for m in range(n) if m != 1)
     assert "elastic: fault 1@" in err and ":before_quorum:die" in err
+    # the launcher's own story: one line per event, the death (with its restart) and the restart
+    assert "elastic: replica 1 died (" in err and "; restart 1 of " in err, err[-3000:]
+    assert "elastic: replica 1 restarted (start 2)" in err, err[-3000:]
     for m in range(n):
         steps = [r["step"] for r in _records(run_dir, m)]
         assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == KILL_RUN_STEPS - 1, m
