@@ -773,49 +773,13 @@ GPU_CASES = {  # name -> (module, kernel, signature, constexprs, options), as th
     ),
 }
 
-# Compiles each case for sm_90 with triton's bundled ptxas and prints PTX facts as JSON.
-# It runs in a fresh process without TRITON_INTERPRET: triton decides interpret mode
-# when triton.language is imported, and the interpreter patches it in place.
-_AOT_SCRIPT = """
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-facts = {}
-for name, (mod, kname, sig, consts, opts) in json.loads(sys.argv[1]).items():
-    fn = getattr(importlib.import_module(mod), kname)
-    try:
-        src = ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, consts)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
-    except Exception as e:
-        facts[name] = {"error": f"{type(e).__name__}: {e}"}
-        continue
-    facts[name] = {"fma": "fma.rn.f32" in ptx, "div_rn": "div.rn.f32" in ptx,
-                   "approx_div": "div.full.f32" in ptx or "div.approx.f32" in ptx}
-print(json.dumps(facts))
-"""
-
 
 @pytest.fixture(scope="module")
 def sm90_facts():
-    pytest.importorskip("triton.backends.nvidia", reason="triton without the NVIDIA backend")
-    import json
+    """Every GPU_CASES kernel compiled for sm_90 once (tests/test_kernel_harness.py: no GPU needed)."""
+    from tests.test_kernel_harness import sm90_facts_of
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root
-    res = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, json.dumps(GPU_CASES)], env=env, capture_output=True, text=True, timeout=300
-    )
-    if res.returncode != 0:
-        last = (res.stderr.strip().splitlines() or ["?"])[-1]
-        if "ptxas" in res.stderr or "ImportError" in last:
-            pytest.skip(f"cannot compile for sm_90 here: {last}")
-        raise AssertionError(res.stderr)
-    facts = json.loads(res.stdout.strip().splitlines()[-1])
-    if any("ptxas" in f.get("error", "") for f in facts.values()):
-        pytest.skip("triton's ptxas is not usable here")
-    return facts
+    return sm90_facts_of(GPU_CASES)
 
 
 @pytest.mark.parametrize("case", list(GPU_CASES))
