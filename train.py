@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hsdp.comm.mesh import Mesh
 from hsdp.config.loader import save_config
-from hsdp.config.schema import Config, ConfigError, to_dict
+from hsdp.config.schema import Config, ConfigError, RunConfig, to_dict
 from hsdp.data.tokens import Data
 from hsdp.engines.base import Batch, Engine
 from hsdp.engines.registry import build_engine
@@ -49,6 +49,8 @@ from hsdp.run.metrics import (
     RunningMedian,
     StepMemoryProbe,
     carried_counters,
+    ledger_entry,
+    ledger_totals,
     peak_memory_mb,
     run_rates,
     steady_rate,
@@ -56,6 +58,7 @@ from hsdp.run.metrics import (
 from hsdp.run.preflight import config_notes, load_checked_config, resume_schedule_note
 from hsdp.run.rundir import clear_finished, finished_line, owns_run_dir, prepare_run_dir, write_finished
 from hsdp.sync.membership import build_membership
+from hsdp.sync.pace import build_pacer
 from hsdp.sync.schedule import steps_after_last_sync
 from hsdp.sync.seam import ReplicaSeat, ReplicaState
 from kernels.backend import set_backend
@@ -74,6 +77,11 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     run = checkpoints.resume()  # the checkpoint run.resume names (state, RNG, counters restored), or a fresh start
     state = ReplicaState(engine.held_buffers(), optimizer, engine.policy)  # what a heal may read and write
     run.start_step = members.join(state, run.start_step)  # a restarted replica heals: a later step
+    policy = engine.policy
+    if run.ledger:
+        policy.load_ledger(run.ledger)  # this replica's tokens trained and merged so far
+    pacer = build_pacer(cfg, mesh, run.pace)  # sync.every_s: rounds paced by wall time (None: by steps)
+    spell = SlowSpell(cfg.run, seat.replica if seat is not None else mesh.sync_rank)  # run.slowdown's
     logger = MetricsLogger(
         cfg,
         cfg.run_dir,
@@ -95,30 +103,38 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     memory = StepMemoryProbe(mesh.device, at=min(run.start_step + 2, cfg.run.steps - 1))  # past compile and warm-up
 
     last_trained_s: Optional[float] = None
+    compute_s: Optional[float] = None  # the last trained step's time without its sync
     for step in members.steps(run.start_step, cfg.run.steps):  # batches and LR are functions of the step
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, cfg.run.steps)
         # A replica too slow for elastic.round_timeout_s skips the rest of its period (no batch, no update)
-        # and goes on to the sync, arriving within the bound (docs/design.md §11.1).
-        cut = members.cut(step, last_trained_s)
+        # and goes on to the sync, arriving within the bound (docs/design.md §11.1); a paced one skips the
+        # rest of its window's period and reads on from its own position later (§2.12).
+        cut = members.cut(step, last_trained_s) or (pacer is not None and pacer.cut(step, compute_s))
+        compute_s = None
         if not cut:
+            position = step if pacer is None else pacer.position(step)  # the data stream's: steps trained
             set_lr(optimizer, lr)
             engine.begin_step(step)  # the sync policy: are grads averaged across replicas this step?
             with memory.step(step):  # one step's forward+backward is profiled for its tensor memory
-                step_loss = engine.forward_backward(micro_batches(data, step, cfg.optim.grad_accum, mesh.device))
+                step_loss = engine.forward_backward(micro_batches(data, position, cfg.optim.grad_accum, mesh.device))
             update = engine.commit_grads()  # False: the step's grad round across replicas failed; dropped whole
             grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
             check_finite(step, float(step_loss), float(grad_norm), mesh.rank, checkpoints.last_good)  # or Diverged
             if update:
                 optimizer.step()
+            policy.note_trained(step, update)  # the round ledger: its weight in the next round, goodput
             engine.zero_grad()
-            slow_down(cfg.run.slowdown, time.perf_counter() - t0)  # fault injection (benchmarks, tests)
+            slow_down(spell.factor_at(step), time.perf_counter() - t0)  # fault injection (benchmarks, tests)
+            compute_s = time.perf_counter() - t0  # the step without its sync: what a paced window estimates
         members.before_sync(step)  # what a peer healing at this step's sync gets
         synced = engine.end_step(step)  # the sync policy's param sync, if due after this step
         last = step == cfg.run.steps - 1
         if last:
             engine.finish()  # a param sync still in flight lands before the final eval
         members.after_sync(step)  # serve a peer that healed from this replica its state, once the round closed
+        if pacer is not None:
+            pacer.met(step)  # a round began after this step: the next period's window starts now
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         run.step_times.append(time.perf_counter() - t0)
@@ -136,7 +152,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         if eval_now or step % cfg.run.log_every == 0:
             record = {
                 "step": step,
-                "loss": world_mean(mesh, step_loss),
+                "loss": world_mean(mesh, step_loss, own_replica=pacer is not None),
                 "lr": lr,
                 "tokens": run.tokens,
                 "trained_tokens": run.trained_tokens,
@@ -144,6 +160,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
                 "train_time_s": train_s,
                 "tokens_per_s": rate,
                 "shard_bytes": carried["shard_bytes"] + mesh.comm.group_bytes("shard"),
+                "replicate_bytes": carried["replicate_bytes"] + mesh.comm.group_bytes("replicate"),  # in-site replicas
                 "sync_bytes": carried["sync_bytes"] + mesh.comm.group_bytes("sync"),
                 "peak_mem_mb": peak_memory_mb(mesh.device),
                 "synced": synced,
@@ -153,15 +170,30 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             }
             if eval_now:
                 record["val_loss"] = run.val_loss = world_mean(
-                    mesh, evaluate(engine, data, cfg.run.eval_batches, mesh.device)
+                    mesh, evaluate(engine, data, cfg.run.eval_batches, mesh.device), own_replica=pacer is not None
                 )
             run.loss = record["loss"]
             logger.log(record)
             logger.progress(step, run.loss, rate)
-        checkpoints.maybe_save(step, run)  # every run.checkpoint_every steps, after the update, sync and log
+        if checkpoints.due(step):  # every run.checkpoint_every steps, after the update, sync and log
+            run.ledger, run.pace = policy.ledger(), pacer.state_dict() if pacer is not None else None
+            checkpoints.save(step, run)
 
+    checkpoints.finish()  # the last save in flight written (its failure raised here)
     peak = torch.tensor([peak_memory_mb(mesh.device), memory.peak_mb or 0.0], device=mesh.device)  # nccl: GPU
     mesh.comm.all_reduce(peak, "world", op=dist.ReduceOp.MAX)
+    wall_s = carried["elapsed_s"] + run.prior_wall_s + time.perf_counter() - t_start
+    site_tokens = tokens_per_step // cfg.mesh.sync if seat is None else tokens_per_step  # one replica's per step
+    waited = members.sync_wait_s()  # an elastic run's quorums; the policy adds its weight exchange's
+    member_stats = members.stats(run.step_times)
+    own = {**ledger_entry(policy.ledger(), site_tokens, wall_s, waited), **(pacer.stats() if pacer else {})}
+    # the nominal steps it skipped: a paced period's rest, or a straggler bound's cut (elastic.round_timeout_s)
+    own["skipped_steps"] = pacer.cut_steps if pacer is not None else int(member_stats.get("cut_steps", 0))
+    ledgers: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ledgers, (str(seat.replica if seat is not None else mesh.sync_rank), own))
+    totals = ledger_totals(dict(ledgers))  # per replica: tokens trained and merged, waits; goodput (§2.12)
+    if pacer is not None and seat is None:  # rank 0 counted its own replica's steps for all: the ledger's
+        run.tokens = run.trained_tokens = sum(e["trained_tokens"] for e in totals["replica_ledger"].values())
     # The steady rate (tokens per step over the median step: past compile and warm-up) and beside it the whole
     # run's (the tokens trained over the time of the steps that trained them; a resumed run's include the
     # earlier ones, a restarted replica's its earlier lives'). docs/design.md §9.
@@ -180,6 +212,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             "peak_mem_mb": float(peak[0]),
             "step_alloc_peak_mb": round(float(peak[1]), 2) if memory.peak_mb is not None else None,
             "shard_bytes": carried["shard_bytes"] + mesh.comm.group_bytes("shard"),
+            "replicate_bytes": carried["replicate_bytes"] + mesh.comm.group_bytes("replicate"),  # in-site replicas
             "sync_bytes": carried["sync_bytes"] + mesh.comm.group_bytes("sync"),
             "comm": mesh.comm.report(),  # this process's calls (a restarted replica's: since its restart)
             "engine": cfg.mesh.engine,
@@ -188,7 +221,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             "world": mesh.world,
             **engine.stats(),
             **checkpoints.stats(),
-            **members.stats(run.step_times),
+            **member_stats,
+            **totals,
         }
     )
     logger.close()
@@ -199,6 +233,23 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             (cfg.run_dir / name).write_text(text)
     if cfg.run.save_model:  # after the summary, so its byte counts are the training traffic only
         save_replicas(cfg, engine, mesh)
+
+
+class SlowSpell:
+    """run.slowdown on this rank (fault injection): on run.slow_replica's ranks (-1: every rank), from step
+    run.slow_from (a fraction of run.steps when < 1) for run.slow_for_s seconds (0: to the end)."""
+
+    def __init__(self, run: RunConfig, replica: int) -> None:
+        self.factor = run.slowdown if run.slow_replica in (-1, replica) else 1.0
+        self.start = int(run.slow_from * run.steps) if run.slow_from < 1 else int(run.slow_from)
+        self.for_s, self.began = run.slow_for_s, None
+
+    def factor_at(self, step: int) -> float:
+        if self.factor == 1.0 or step < self.start:
+            return 1.0
+        now = time.perf_counter()
+        self.began = now if self.began is None else self.began
+        return self.factor if not self.for_s or now - self.began < self.for_s else 1.0
 
 
 def slow_down(factor: float, step_s: float) -> None:
@@ -212,11 +263,18 @@ def micro_batches(data: Data, step: int, accum: int, device: torch.device) -> li
     return [tuple(t.to(device) for t in data.train_batch(step, micro)) for micro in range(accum)]
 
 
-def world_mean(mesh: Mesh, value: torch.Tensor) -> float:
-    """Average a scalar over all ranks (for logging; counted under the "world" group)."""
+def world_mean(mesh: Mesh, value: torch.Tensor, own_replica: bool = False) -> float:
+    """Average a scalar over all ranks (for logging; counted under the "world" group), or with `own_replica`
+    over this replica's (its shard and replicate groups): a paced replica must not wait for the others at a
+    logged step, so a paced run logs the logging replica's own loss (docs/design.md §2.12)."""
     t = value.detach().float().reshape(1).clone()
-    mesh.comm.all_reduce(t, "world")
-    return float(t) / mesh.comm.size("world")  # a replica on torchft: "world" is its own world
+    groups = ("shard", "replicate") if own_replica else ("world",)
+    n = 1
+    for group in groups:
+        if mesh.comm.size(group) > 1:
+            mesh.comm.all_reduce(t, group)
+            n *= mesh.comm.size(group)
+    return float(t) / n  # a replica on torchft: "world" is its own world
 
 
 @torch.no_grad()
@@ -230,10 +288,11 @@ def evaluate(engine: Engine, data: Data, batches: int, device: torch.device) -> 
 
 
 def save_replicas(cfg: Config, engine: Engine, mesh: Mesh) -> None:
-    """Each replica's full params → model.replica{m}.pt (written by its shard-rank 0). A failed write leaves no
+    """Each replica's full params → model.replica{m}.pt (written by its shard-rank 0; on a three-level mesh
+    m is the site, written by its first in-site replica's). A failed write leaves no
     partial file and is one line (SaveFailed), which says so when the disk is full."""
     state = engine.full_state_dict()
-    if mesh.shard_rank == 0:
+    if mesh.shard_rank == 0 and mesh.replicate_rank == 0:
         path = cfg.run_dir / f"model.replica{mesh.sync_rank}.pt"
         try:
             torch.save(state, path)

@@ -2,7 +2,7 @@
 
     python -m hsdp.slowlink --rate 20mbit[,100mbit,...] [--delay-ms 5] [--config C] [--set k=v ...]
                             --runs NAME=override,override ... [--out DIR] [--plot] [--kill 1@0.3]
-                            [--partition 1@0.3:20] [--slow 1:3]
+                            [--partition 1@0.3:20] [--slow 1:3] [--chaos 7:30]
     python -m hsdp.slowlink configs/ablations/slowlink.yaml [--only run,run] [--rate ...] [--plot]
     python -m hsdp.slowlink SPEC --no-run --plot   # tables and plots again from the outputs (no root needed)
     python -m hsdp.slowlink --cleanup        # remove namespaces left by a slowlink that was SIGKILLed
@@ -59,6 +59,13 @@ def parse_args(argv: Optional[list[str]]) -> LinkOptions:
         metavar="REPLICA:FACTOR",
         help="in every run, replica REPLICA's node trains FACTOR× slower (--set run.slowdown=FACTOR on its "
         "node only; a run's own `slow:` wins)",
+    )
+    p.add_argument(
+        "--chaos",
+        metavar="SEED:MTBF_S",
+        help="in every elastic run, faults drawn as a Poisson process of mean gap MTBF_S over the group (kill, "
+        "SIGSTOP, partition, slow spell, lighthouse restart; the same SEED, the same schedule; a run's own "
+        "`chaos:` wins)",
     )
     p.add_argument("--plot", action="store_true", help="also write PNGs (needs matplotlib: pip install -e .[plot])")
     p.add_argument(

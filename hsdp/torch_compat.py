@@ -10,7 +10,7 @@ Patches (process-global state of torch that the project changes; `PATCHES`):
   capture_output_code      GraphLowering.save_output_code, set inside a block and restored after it
   allow_autograd_functions_in_aot_cache    a functorch config flag, set once
   compile_backward_with_forward  a functorch config flag, set once
-  register_cpu_collectives the CPU kernels of two `_c10d_functional` ops (gloo), registered once
+  register_cpu_collectives the CPU kernels of four `_c10d_functional` ops (gloo), registered once
   start_compile_pool_lazily TORCH_WARM_POOL=0 in the environment, unless the user set it
 
 Behaviour relied on without a name to resolve:
@@ -245,14 +245,22 @@ def start_compile_pool_lazily() -> None:
 _CPU_COLLECTIVES: Optional[torch.library.Library] = None  # kept alive: dropping it would unregister the kernels
 
 
-def register_cpu_collectives(all_gather: Callable[..., Any], reduce_scatter: Callable[..., Any]) -> None:
-    """Patch: the CPU kernels of `_c10d_functional.all_gather_into_tensor` / `reduce_scatter_tensor` (once)."""
+def register_cpu_collectives(
+    all_gather: Callable[..., Any],
+    reduce_scatter: Callable[..., Any],
+    all_reduce: Callable[..., Any],
+    all_reduce_inplace: Callable[..., Any],
+) -> None:
+    """Patch: the CPU kernels of `_c10d_functional.all_gather_into_tensor` / `reduce_scatter_tensor` /
+    `all_reduce` / `all_reduce_` (once)."""
     global _CPU_COLLECTIVES
     if _CPU_COLLECTIVES is not None:
         return
     lib = torch.library.Library("_c10d_functional", "IMPL")
     lib.impl("all_gather_into_tensor", all_gather, "CPU")
     lib.impl("reduce_scatter_tensor", reduce_scatter, "CPU")
+    lib.impl("all_reduce", all_reduce, "CPU")
+    lib.impl("all_reduce_", all_reduce_inplace, "CPU")
     _CPU_COLLECTIVES = lib
 
 

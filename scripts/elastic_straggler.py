@@ -3,10 +3,9 @@ with the round bound (elastic.round_timeout_s), back to back so the three share 
 
     python scripts/elastic_straggler.py [--config configs/tiny.yaml] [--slowdown 3] [--bound 0.5]
                                         [--repeat N] [--report-only] [--out DIR] [--set key=value ...]
-    python scripts/elastic_straggler.py train REPLICA FACTOR [train.py arguments ...]
 
-The second form is train.py with run.slowdown=FACTOR for replica REPLICA only (the local launcher gives
-every replica one config; the slow-link benchmark's `--slow` does the same per node). Prints one markdown
+Replica 1 is slowed by run.slowdown with run.slow_replica=1 (the slow-link benchmark's `--slow` sets
+run.slowdown on its node instead). Prints one markdown
 table: replica 0's mean and median time per step it trained (first step left out), ÷ undisturbed, mean ÷
 median (what the rounds' waits add to its usual step: a figure the machine's load, which changes between
 runs on a shared box, affects less), the rounds that counted a replica out as late, the steps each replica
@@ -17,8 +16,6 @@ and whether the replicas' final params are bitwise equal.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -45,28 +42,11 @@ DEFAULTS = [
 ]
 
 
-def slow_replica_worker(replica: int, factor: float, cfg, seat=None) -> None:
-    """train.train_worker, with run.slowdown=`factor` if this worker belongs to replica `replica`."""
-    import train
-
-    if seat is not None and seat.replica == replica:
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, slowdown=factor))
-    train.train_worker(cfg, seat)
-
-
-def slow_train(argv: list[str]) -> int:
-    """train.py whose replica `argv[0]` runs `argv[1]`× slower (run.slowdown for that replica only)."""
-    sys.path.insert(0, str(REPO))
-    import train
-
-    worker = functools.partial(slow_replica_worker, int(argv[0]), float(argv[1]))
-    return train.main(argv[2:], worker=worker)
-
-
 def run(config: str, run_dir: Path, overrides: list[str], slowdown: float) -> None:
     """One elastic run of train.py, replica 1 slowed by `slowdown` (1: undisturbed)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "train", "1", str(slowdown), "--config", config]
-    for o in [*DEFAULTS, *overrides, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]:
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", config]
+    slow = [f"run.slowdown={slowdown}", "run.slow_replica=1"]
+    for o in [*DEFAULTS, *slow, *overrides, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]:
         cmd += ["--set", o]
     env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -104,8 +84,6 @@ def report(run_dir: Path) -> dict:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["train"]:
-        return slow_train(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(REPO / "configs/tiny.yaml"))
     p.add_argument("--slowdown", type=float, default=3.0)

@@ -4,7 +4,11 @@ M replicas are simulated in one process, each a full model with its own
 optimizer: no torch.distributed, no hsdp engine (hsdp.engines / hsdp.sync are
 not imported). Replica m's batch at each micro-step is rows [m·S·B, (m+1)·S·B)
 of the global batch of one process with batch size B·M·S (the data module's
-contract), i.e. the concatenation of its S shard ranks' batches.
+contract), i.e. the concatenation of its S shard ranks' batches. On a
+three-level mesh (sites × R in-site replicas × shards, docs/design.md §1.1) a
+replica here is a site: the in-site replicas average grads every step, so a
+site computes what one replica with their R·S ranks' rows [m·R·S·B, (m+1)·R·S·B)
+computes, while the sync (and the int8 layout) stays per shard rank of S.
 
 Per step s:
   1. each replica computes grads on its rows (loss = mean over its rows);
@@ -362,22 +366,24 @@ def compressed_mean_delta(
 
 
 # ---------------------------------------------------------------- the simulation
-def reference_config(overrides: list[str], sync: int, shard: int) -> Config:
-    """One process holding the global batch (B·M·S rows)."""
+def reference_config(overrides: list[str], sync: int, shard: int, replicate: int = 1) -> Config:
+    """One process holding the global batch (B·M·R·S rows)."""
     cfg = load_config(None, overrides)
     return dataclasses.replace(
         cfg,
-        data=dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * sync * shard),
-        mesh=dataclasses.replace(cfg.mesh, sync=1, shard=1),
+        data=dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * sync * replicate * shard),
+        mesh=dataclasses.replace(cfg.mesh, sync=1, replicate=1, shard=1),
     )
 
 
-def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncReferenceResult:
-    """Simulate `sync` replicas (each a shard group of `shard` ranks) with periodic param sync."""
+def sync_reference_run(overrides: list[str], sync: int, shard: int, replicate: int = 1) -> SyncReferenceResult:
+    """Simulate `sync` replicas (each a shard group of `shard` ranks; with `replicate` > 1 each a site of
+    that many such groups averaging grads every step) with periodic param sync."""
     torch.set_num_threads(1)
-    cfg = reference_config(overrides, sync, shard)
+    cfg = reference_config(overrides, sync, shard, replicate)
     M, S = sync, shard
-    B = cfg.data.batch_size // (M * S)
+    RS = replicate * shard  # one replica's (site's) ranks: the rows of its batch
+    B = cfg.data.batch_size // (M * RS)
     sc = cfg.sync
     warmup, every, P = sc.warmup_steps, sc.every, sc.fragments
     eta, mu = outer_hparams(sc.method, sc.outer_lr, sc.outer_momentum)
@@ -464,7 +470,7 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
             total = 0.0
             for micro in range(accum):
                 x, y = data.train_batch(step, micro)
-                rows = slice(m * S * B, (m + 1) * S * B)
+                rows = slice(m * RS * B, (m + 1) * RS * B)
                 loss = loss_fn(models[m](x[rows]), y[rows]) / accum
                 loss.backward()
                 total += loss.item()
@@ -472,14 +478,7 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
         losses.append(sum(replica_losses) / M)
 
         if grad_sync_due(step, warmup):
-            with torch.no_grad():
-                for n in names:
-                    acc = params[0][n].grad.clone()
-                    for m in range(1, M):
-                        acc += params[m][n].grad
-                    acc /= M
-                    for m in range(M):
-                        params[m][n].grad.copy_(acc)
+            average_grads(params, names)
 
         for m in range(M):
             if cfg.optim.grad_clip > 0:
@@ -539,6 +538,18 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int) -> SyncRefer
     final = [{n: p.detach().clone() for n, p in mdl.named_parameters()} for mdl in models]
     final_g = None if theta_g is None else {n: t.clone() for n, t in theta_g.items()}
     return SyncReferenceResult(losses, synced_flags, final, frag_log, land_log, int8_trace, codec_trace, final_g)
+
+
+@torch.no_grad()
+def average_grads(params: list[dict[str, torch.Tensor]], names: list[str]) -> None:
+    """Exact HSDP's grad sync: every replica's grad ← the mean over replicas, summed m = 0..M−1 in order."""
+    for n in names:
+        acc = params[0][n].grad.clone()
+        for m in range(1, len(params)):
+            acc += params[m][n].grad
+        acc /= len(params)
+        for p in params:
+            p[n].grad.copy_(acc)
 
 
 def _sync_unit(

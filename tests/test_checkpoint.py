@@ -271,6 +271,29 @@ def test_diloco_resume_between_syncs_is_bitwise(out: Path, diloco_ref: RunResult
     assert_same_run(resumed, diloco_ref, from_step=10)
 
 
+def test_an_asynchronous_save_writes_what_a_synchronous_one_does(out: Path, diloco_ref: RunResult) -> None:
+    """run.checkpoint_async (the default, diloco_ref's) stages a copy and writes it on a writer thread while
+    training goes on: every checkpoint it leaves holds, tensor for tensor and byte for byte, what the
+    synchronous save of the same run holds (the copy is taken at the step, not later), and the runs train
+    alike. The summary says which kind of save ran and splits exposed from written seconds."""
+    sync = run_train(out, "diloco-sync-save", DILOCO + EVERY_5 + ["run.checkpoint_async=false"])
+    assert diloco_ref.summary["checkpoint_async"] is True and sync.summary["checkpoint_async"] is False
+    assert diloco_ref.summary["checkpoints_saved"] == sync.summary["checkpoints_saved"] == 4
+    assert all(s["checkpoint_write_s"] > 0 for s in (diloco_ref.summary, sync.summary))
+    assert_same_run(sync, diloco_ref)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    for step in (4, 9, 14, 19):
+        saved = []
+        for run in (diloco_ref, sync):
+            dcp_to_torch_save(run.run_dir / f"checkpoints/step_{step}", out / f"async-{run.run_dir.name}-{step}.pt")
+            saved.append(torch.load(out / f"async-{run.run_dir.name}-{step}.pt", weights_only=False))
+        a, b = saved
+        assert a.keys() == b.keys()
+        tensors = [k for k in a if isinstance(a[k], torch.Tensor)]  # the extras hold wall-clock step times
+        assert len(tensors) > 20 and all(torch.equal(a[k], b[k]) for k in tensors), step
+
+
 def test_saved_keys_are_the_format_1_layout(diloco_ref: RunResult) -> None:
     """The DCP keys on disk are design §7's table, named here independently of the code that writes them: a
     checkpoint written before hsdp/run/checkpoint/ laid out the keys has these, so it still loads."""

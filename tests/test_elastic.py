@@ -47,17 +47,18 @@ ELASTIC = [
 # replica's rounds after its join: one per sync (param syncs every 4 steps: round 1 after step 3, 2 after step
 # 7, ...; in the warmup one per step: round 1 is step 0's grads); its join's rounds are round 0. Replica 1 dies
 # before its round KILL_ROUND's quorum; its restart starts only once replica 0 has reached the commit of that round (the
-# survivors' round without it); the survivors hold their next round's quorum until the restart asks its
-# first one, so it heals in exactly that round (out of band at a param sync: it spectates it) and counts
-# from the one after.
+# survivors' round without it); the survivors hold their next round's quorum until the restart's first
+# request is at the lighthouse (`asked_quorum`), so it heals in exactly that round (out of band at a param
+# sync: it spectates it) and counts from the one after.
 KILL_RUN_STEPS = 24
 KILL = ["sync.every=4", "elastic.restart_delay_s=0.5"]
 
 
-def kill_faults(replicas: int, kill_round: int) -> list[str]:
-    """elastic.faults for the kill cases: replica 1 dies at `kill_round`, heals in the round after it."""
-    held = [f"{m}@{kill_round + 1}:before_quorum:wait=1.1@0:before_quorum" for m in range(replicas) if m != 1]
-    faults = [f"1@{kill_round}:before_quorum:die", f"1.1@0:start:wait=0@{kill_round}:before_commit", *held]
+def kill_faults(replicas: int, kill_round: int, also: tuple[str, ...] = ()) -> list[str]:
+    """elastic.faults for the kill cases: replica 1 dies at `kill_round`, heals in the round after it (`also`:
+    more faults)."""
+    held = [f"{m}@{kill_round + 1}:before_quorum:wait=1.1@0:asked_quorum" for m in range(replicas) if m != 1]
+    faults = [f"1@{kill_round}:before_quorum:die", f"1.1@0:start:wait=0@{kill_round}:before_commit", *held, *also]
     return ["elastic.faults=" + ",".join(faults)]
 
 
@@ -102,17 +103,22 @@ def _params(run_dir: Path, replica: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "case,mesh,extra,kill_round",
+    "case,mesh,extra,kill_round,also",
     [
-        ("2x2", ["mesh.sync=2", "mesh.shard=2"], [], 2),  # dies before the round after step 7
+        ("2x2", ["mesh.sync=2", "mesh.shard=2"], [], 2, ()),  # dies before the round after step 7
         # int8 Δ and an overlapped sync (τ = 1) on 3 replicas: the two others keep syncing with each other
-        ("3x1-int8-delay1", ["mesh.sync=3", "mesh.shard=1"], ["sync.quantize=int8", "sync.delay=1"], 2),
+        ("3x1-int8-delay1", ["mesh.sync=3", "mesh.shard=1"], ["sync.quantize=int8", "sync.delay=1"], 2, ()),
         # grad-sync steps throughout (exact HSDP): a quorum per step; the restarted replica heals inside one
-        ("2x1-grad-sync", ["mesh.sync=2", "mesh.shard=1"], [f"sync.warmup_steps={KILL_RUN_STEPS}"], 6),
+        ("2x1-grad-sync", ["mesh.sync=2", "mesh.shard=1"], [f"sync.warmup_steps={KILL_RUN_STEPS}"], 6, ()),
+        # two sites of two in-site replicas (docs/design.md §1.1): a site is the unit of membership; both of
+        # site 1's ranks die, the site restarts and each rank heals from its counterpart in site 0. Only its
+        # rank 1 stalls before the fetch (many steps of the peers' pace): the site's ranks must still agree
+        # on the steps they skip, or their in-site collectives stop pairing up
+        ("2x2x1-sites", ["mesh.sync=2", "mesh.replicate=2", "mesh.shard=1"], [], 2, ("1.1/1@0:before_fetch:stall=2",)),
     ],
 )
 def test_a_killed_replica_heals_and_the_run_finishes(
-    tmp_path: Path, case: str, mesh: list[str], extra: list[str], kill_round: int
+    tmp_path: Path, case: str, mesh: list[str], extra: list[str], kill_round: int, also: tuple[str, ...]
 ):
     """Replica 1 SIGKILLed (every process) at a fault point: the others train on without restarting, replica
     1 is restarted, heals from a live replica and trains to the end; every step once in each metrics file;
@@ -121,7 +127,7 @@ def test_a_killed_replica_heals_and_the_run_finishes(
     replica 1, and the one its restart healed in)."""
     run_dir = tmp_path / case
     n = int(mesh[0].split("=")[1])
-    faults = kill_faults(n, kill_round)
+    faults = kill_faults(n, kill_round, also)
     proc = _start(run_dir, ELASTIC + KILL + mesh + extra + faults + [f"run.steps={KILL_RUN_STEPS}"])
     code, err = _finish(proc)
     assert code == 0, err[-3000:]
@@ -167,6 +173,8 @@ def test_a_killed_replica_heals_and_the_run_finishes(
         resumed = next(r for r in _records(run_dir, 1) if r["step"] > healed_at)["step"]
         assert resumed == healed_at + 1 + restarted["heal_skipped_steps"] and resumed <= first, restarted
         assert next(r for r in _records(run_dir, 1) if r["step"] >= first)["replicas"] == n, restarted
+        if also:  # the stalled fetch took many of the peers' steps: the site skipped some, all its ranks alike
+            assert restarted["heal_skipped_steps"] >= 1, restarted
     # what the survivors lost, counted: no dropped round, and exactly the two rounds the schedule touches
     assert all(summary["dropped_syncs"][str(m)] == 0 for m in range(n) if m != 1), summary["dropped_syncs"]
     quorums = {
@@ -302,7 +310,7 @@ def test_a_replica_dying_inside_a_round_drops_the_round_whole(tmp_path: Path) ->
     elastic.timeout_s and that round is dropped (counted, not applied), the run goes on, replica 1's restart
     heals (replica 0 holds its round 4 for it), and the replicas end bitwise equal."""
     run_dir = tmp_path / "inside"
-    faults = "1@3:after_quorum:die,0@4:before_quorum:wait=1.1@0:before_quorum"
+    faults = "1@3:after_quorum:die,0@4:before_quorum:wait=1.1@0:asked_quorum"
     overrides = ELASTIC + ["mesh.sync=2", "mesh.shard=1", "run.steps=64", "elastic.restart_delay_s=1"]
     proc = _start(run_dir, overrides + [f"elastic.faults={faults}"])
     code, err = _finish(proc)

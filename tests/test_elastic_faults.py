@@ -190,7 +190,10 @@ def test_partition_and_slow_are_checked_before_anything_runs(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="runs.x.partition: a partition needs an elastic run"):
         Partition.parse("1@3:5", plain, "runs.x.partition")
     assert Slow.parse("1:3", 2, "--slow") == Slow(1, 3.0)
-    for text, why in [("1", "REPLICA:FACTOR"), ("1:0.5", "FACTOR >= 1"), ("2:3", "replica 2"), ("a:2", "REPLICA")]:
+    assert Slow.parse("1:2@0.3:60", 2, "--slow") == Slow(1, 2.0, 0.3, 60.0)  # a spell: from 30% for 60 s
+    assert Slow(1, 2.0, 0.3, 60.0).overrides() == ["run.slowdown=2", "run.slow_from=0.3", "run.slow_for_s=60"]
+    for text, why in [("1", "REPLICA:FACTOR"), ("1:0.5", "FACTOR >= 1"), ("2:3", "replica 2"), ("a:2", "REPLICA"),
+                      ("1:2@x", "REPLICA:FACTOR"), ("1:2@0.3:-1", "REPLICA:FACTOR")]:  # fmt: skip
         with pytest.raises(ConfigError, match=why):
             Slow.parse(text, 2, "--slow")
 
@@ -207,7 +210,8 @@ def test_partition_and_slow_are_checked_before_anything_runs(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="--slow: expected REPLICA:FACTOR"):
         make_plan(LinkOptions(rate="20mbit", runs=["plain="], slow="1", shared=[f"run.out_dir={tmp_path}"]))
     job = ElasticJob(netns.SlowLink(2, None), 1, ["train.py"], 1, tmp_path, "x", slow=Slow(1, 3.0), cfg=cfg)
-    assert job.node_target(0) == ["train.py"] and job.node_target(1) == ["train.py", "--set", "run.slowdown=3"]
+    spell = ["--set", "run.slowdown=3", "--set", "run.slow_from=0", "--set", "run.slow_for_s=0"]
+    assert job.node_target(0) == ["train.py"] and job.node_target(1) == ["train.py", *spell]
 
 
 class _Clock:
@@ -242,6 +246,9 @@ class _UnreachableManager:
 
     def errored(self) -> None:
         return None
+
+    def should_commit(self) -> bool:
+        return True
 
 
 class _Flags:
@@ -334,6 +341,38 @@ def test_no_quorum_is_asked_for_while_the_lighthouse_refuses_connections(capsys)
         t.begin_round()
     assert manager.attempts == [] and "the lighthouse does not accept connections: timed out" in str(e.value)
     assert clock.now == 2.0 + 10.0  # the first refusal, then probes until the bound had passed
+
+
+def test_a_lighthouse_restarted_while_the_replica_trained_is_given_one_heartbeat_window(capsys) -> None:
+    """A lighthouse restarted between two of this replica's rounds (it never saw a refusal): its quorum id
+    went back, so the replica waits one heartbeat window before asking (every live replica's manager has
+    heartbeated to the new one by then, and it does not form a quorum of this replica alone). A quorum id that
+    only grows, or a status that cannot be read, asks at once."""
+    from hsdp.sync.elastic.lighthouse import QuorumStatus
+
+    clock = _Clock()
+    manager = _UnreachableManager(clock, failures=0)
+    ids = iter([None, 4, 7, 0, 2])  # unreadable, then 4 and 7 (the same lighthouse), 0 (a new one), 2
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        clock.now += s
+
+    def status() -> Optional[QuorumStatus]:
+        quorum_id = next(ids)
+        return None if quorum_id is None else QuorumStatus(quorum_id, 0)
+
+    t = _transport(manager, clock, 60, lighthouse_status=status, heartbeat_window_s=5.0)
+    t.sleep = sleep
+    waits = []
+    for _ in range(5):
+        t.begin_round()
+        t.commit_round()
+        waits.append(list(sleeps))
+    assert waits == [[], [], [], [5.0], [5.0]]  # only before the round after the id went back from 7 to 0
+    assert t.lighthouse_restarts == 1 and len(manager.attempts) == 5
+    assert "the lighthouse was restarted (its quorum id went back from 7 to 0)" in capsys.readouterr().err
 
 
 def test_lighthouse_unreachable_says_why_a_port_refuses_and_nothing_for_one_that_listens() -> None:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +20,7 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.sync.elastic import phase as phase_module
 from hsdp.sync.elastic.faults import FaultPoints
+from hsdp.sync.elastic.lighthouse import QuorumStatus, lighthouse_unreachable, quorum_status
 from hsdp.sync.elastic.phase import TRANSITIONS, BadTransition, Phase, PhaseLog
 from tests.helpers import REPO
 
@@ -75,6 +84,17 @@ def test_fault_specs_parse_and_name_their_places() -> None:
     ]
 
 
+def test_a_fault_on_one_rank_fires_on_that_rank_only(tmp_path: Path) -> None:
+    """WHO/RANK places a fault on one rank of the replica's world (one slow GPU of a site); the others pass."""
+    spec = "1.1/1@0:before_fetch:stall=0.01"
+    (fault,) = parse_faults(spec, 2, ranks=2)
+    assert fault == Fault(Place(1, 1, 0, "before_fetch"), "stall", seconds=0.01, rank=1) and str(fault) == spec
+    ranks = [FaultPoints(spec, 2, replica=1, life=1, shard_rank=r, run_dir=tmp_path, wait_s=1) for r in (0, 1)]
+    for points in ranks:
+        points.at("before_fetch", 0)
+    assert [p.fired for p in ranks] == [[], [spec]]
+
+
 @pytest.mark.parametrize(
     "spec,message",
     [
@@ -86,10 +106,12 @@ def test_fault_specs_parse_and_name_their_places() -> None:
         ("1@1:after_send:stop=x", "expects a number"),
         ("1@1:after_send:wait=1@2:after_send", "cannot wait for its own life"),
         ("1@1:after_send:die=3", "takes no argument"),
+        ("1@1:asked_quorum:die", "`asked_quorum` can only be waited for"),
+        ("1/2@1:after_send:die", "rank 2 is not one of a replica's 2 (mesh.replicate × mesh.shard)"),
     ],
 )
 def test_a_bad_fault_spec_is_one_config_error_before_any_work(spec: str, message: str) -> None:
-    overrides = ["elastic.enabled=true", "mesh.sync=2", "mesh.shard=1", f"elastic.faults={spec}"]
+    overrides = ["elastic.enabled=true", "mesh.sync=2", "mesh.shard=2", f"elastic.faults={spec}"]
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
         load_config(str(REPO / "configs/tiny.yaml"), overrides)
     assert str(e.value).startswith("elastic.faults: ") and "\n" not in str(e.value)
@@ -112,3 +134,125 @@ def test_a_wait_is_released_by_the_marker_its_target_leaves(tmp_path: Path) -> N
     target.at("before_quorum", 1)
     waiter.at("before_quorum", 2)  # returns at once: the marker is there
     assert waiter.fired == [spec, spec] and target.fired == []
+
+
+def test_a_watched_point_is_marked_once_the_probe_says_so(tmp_path: Path) -> None:
+    """`asked_quorum` is passed inside torchft's blocking quorum: a watcher thread marks it when its probe turns
+    true, and only for a place some fault waits for."""
+    spec = "0@3:before_quorum:wait=1.1@0:asked_quorum"
+    target = FaultPoints(spec, 2, replica=1, life=1, shard_rank=0, run_dir=tmp_path, wait_s=30)
+    waiter = FaultPoints(spec, 2, replica=0, life=0, shard_rank=0, run_dir=tmp_path, wait_s=30)
+    assert target.watches("asked_quorum", 0) and not target.watches("asked_quorum", 1)
+    asked = threading.Event()
+    target.watch("asked_quorum", 0, asked.is_set)
+    time.sleep(0.2)
+    assert not (tmp_path / "faults").exists()  # the probe is still false: no marker yet
+    asked.set()
+    waiter.at("before_quorum", 3)  # returns once the watcher marked the place (bounded by wait_s)
+    assert waiter.fired == [spec]
+
+
+def test_the_lighthouse_status_counts_the_requests_for_the_next_quorum() -> None:
+    """quorum_status reads torchft's lighthouse page: its quorum id and the pending requests (a request from a
+    replica that is not heartbeating counts as registered, not healthy)."""
+    from torchft.coordination import LighthouseClient, LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000)
+    try:
+        url = server.address()
+        assert quorum_status(url, 5.0) == QuorumStatus(quorum_id=0, pending=0)
+        client = LighthouseClient(url, connect_timeout=timedelta(seconds=5))
+        threading.Thread(target=_ask_quietly, args=(client,), daemon=True).start()  # blocks: min_replicas=2
+        deadline = time.monotonic() + 30
+        while quorum_status(url, 5.0) != QuorumStatus(quorum_id=0, pending=1):
+            assert time.monotonic() < deadline, quorum_status(url, 5.0)
+            time.sleep(0.05)
+    finally:
+        server.shutdown()
+    assert quorum_status("http://localhost:1", 1.0) is None  # nothing listens: None, not an error
+
+
+def _ask_quietly(client: Any) -> None:
+    try:
+        client.quorum(replica_id="r0", timeout=timedelta(seconds=20), address="a", store_address="s", step=0)
+    except Exception:
+        pass  # the lighthouse shut down under it
+
+
+def _lighthouse_process(port: int, min_replicas: int) -> subprocess.Popen:
+    """torchft's lighthouse as its own process (killed, its connections are reset, as a lost machine's are)."""
+    cmd = [str(Path(sys.executable).with_name("torchft_lighthouse")), "--min_replicas", str(min_replicas)]
+    cmd += ["--bind", f"[::]:{port}", "--join_timeout_ms", "100", "--quorum_tick_ms", "50"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"}
+    )
+    deadline = time.monotonic() + 60
+    while lighthouse_unreachable(f"http://localhost:{port}", 1.0) is not None:
+        assert proc.poll() is None and time.monotonic() < deadline, "the lighthouse did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_quorum_in_flight_when_the_lighthouse_restarts_completes_at_the_new_one() -> None:
+    """A lighthouse killed while a replica's quorum request is at it: with the retries build_manager gives
+    torchft's manager (quorum_retries), the manager asks again about every elastic.timeout_s and the request
+    completes at the lighthouse restarted at the same address. Without them torchft's manager never answers
+    its caller and the replica waits out the whole quorum timeout, which this test's caller (30 s) turns into
+    an error. (The first lighthouse wants 2 replicas, so the request waits there; the second, 1.)"""
+    from torchft._torchft import ManagerClient, ManagerServer
+
+    from hsdp.sync.elastic.manager import quorum_retries, quorum_timeout_s
+
+    cfg = load_config(
+        str(REPO / "configs/tiny.yaml"), ["elastic.enabled=true", "elastic.timeout_s=1", "mesh.timeout_s=30"]
+    )
+    assert quorum_timeout_s(cfg) == 30 and quorum_retries(cfg) == 29  # a retry every 30 / 30 = 1 s
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    first = _lighthouse_process(port, min_replicas=2)
+    manager = ManagerServer(
+        replica_id="replica_0",
+        lighthouse_addr=f"http://localhost:{port}",
+        hostname="localhost",
+        bind="[::]:0",
+        store_addr="localhost:1",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=timedelta(seconds=1),
+        quorum_retries=quorum_retries(cfg),
+    )
+    client = ManagerClient(manager.address(), connect_timeout=timedelta(seconds=5))
+    result: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            q = client._quorum(
+                group_rank=0,
+                step=0,
+                checkpoint_metadata="",
+                shrink_only=False,
+                timeout=timedelta(seconds=quorum_timeout_s(cfg)),
+                init_sync=False,
+                commit_failures=0,
+            )
+            result["size"] = q.replica_world_size
+        except Exception as e:  # the caller's timeout: the manager never answered
+            result["error"] = e
+
+    asker = threading.Thread(target=ask, daemon=True)
+    second = None
+    try:
+        asker.start()
+        time.sleep(0.5)  # the request waits at the first lighthouse (min_replicas 2)
+        first.kill()
+        first.wait()
+        second = _lighthouse_process(port, min_replicas=1)
+        asker.join(timeout=60)  # the hang guard
+        assert result.get("size") == 1, result
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        manager.shutdown()

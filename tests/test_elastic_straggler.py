@@ -149,6 +149,25 @@ def test_slowdown_sleeps_the_rest_of_the_factor(monkeypatch) -> None:
     assert slept == [0.5]
 
 
+def test_a_slow_spell_is_one_replicas_from_its_step_for_its_seconds(monkeypatch) -> None:
+    """run.slow_replica / slow_from / slow_for_s (the slow-link benchmark's `slow: 1:2@0.3:60`)."""
+    now = [100.0]
+    monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), ["mesh.sync=2", "run.steps=10", "run.slowdown=2"])
+    run = cfg.run.__class__(**{**cfg.run.__dict__, "slow_replica": 1, "slow_from": 0.3, "slow_for_s": 60.0})
+    assert [train.SlowSpell(run, 0).factor_at(s) for s in (0, 5)] == [1.0, 1.0]  # another replica
+    spell = train.SlowSpell(run, 1)
+    assert [spell.factor_at(s) for s in (0, 2)] == [1.0, 1.0]  # before step 3 (30% of 10)
+    assert spell.factor_at(3) == 2.0
+    now[0] += 59.0
+    assert spell.factor_at(7) == 2.0
+    now[0] += 2.0
+    assert spell.factor_at(8) == 1.0  # the spell is over
+    forever = train.SlowSpell(cfg.run, 0)  # slow_replica -1: every rank, from step 0, to the end
+    now[0] += 1e6
+    assert forever.factor_at(0) == forever.factor_at(9) == 2.0
+
+
 def _quorum_sizes(heartbeating: int, asking: int) -> list[Optional[int]]:
     """torchft's lighthouse (min_replicas 1, join timeout 0.2 s) with `heartbeating` replicas heartbeating, of
     which the first `asking` ask for a quorum: each asker's quorum size, None if none formed within 1.5 s."""
@@ -224,9 +243,14 @@ def test_a_ten_times_slower_replica_is_counted_out_then_cuts_its_periods(tmp_pat
     on it cuts its periods short (skipped steps) to arrive within the bound; it takes every round's result,
     so both end with bitwise equal params, having run the same rounds."""
     run_dir = tmp_path / "slow"
-    cmd = [sys.executable, str(REPO / "scripts/elastic_straggler.py"), "train", "1", "10"]
-    cmd += ["--config", str(REPO / "configs/tiny.yaml")]
-    for o in [*SLOW_RUN, f"run.out_dir={tmp_path}", f"run.name={run_dir.name}"]:
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny.yaml")]
+    for o in [
+        *SLOW_RUN,
+        "run.slowdown=10",
+        "run.slow_replica=1",
+        f"run.out_dir={tmp_path}",
+        f"run.name={run_dir.name}",
+    ]:
         cmd += ["--set", o]
     env = {**os.environ, **QUIET_ENV}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)  # hang guard

@@ -96,6 +96,7 @@ def fault_worker(mode: str, step: int, cfg: Config) -> None:
 
         def save(self: store.Checkpoints, at: int, progress: store.Progress) -> Path:
             if at == step:
+                self.finish()  # the earlier save (asynchronous) complete before the disk fills: step_1 is kept
                 if dist.get_rank() == 0:
                     fill(Path(cfg.run.out_dir) / "filler")
                 dist.barrier()

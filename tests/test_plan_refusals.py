@@ -66,6 +66,7 @@ def one_line_error(capsys, argv: list[str], monkeypatch) -> str:
         (["--inter", "1gbit", "--params", "0.1"], "--params"),
         (["--inter", "1gbit", "--params", "inf"], "--params"),
         (["--inter", "1gbit", "--tokens", "-1B"], "--tokens"),
+        (["--inter", "1gbit", "--set", "mesh.replicate=0"], "mesh.replicate"),
     ],
 )
 def test_impossible_values_are_refused_with_one_line(capsys, monkeypatch, extra, flag):

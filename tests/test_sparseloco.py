@@ -3,7 +3,7 @@ topk_mean all | chosen — the engine's SyncPolicy against the independent refer
 
 The engine side is the real `SyncPolicy` (schedule, codec, outer optimizer, residuals) of M = 3 replicas in
 one process, one thread each, over an in-process transport whose all-gather completes once every replica
-issued it (`_Threaded`); between syncs every replica's params take a seeded random "local step". Units of
+issued it (tests/loopback.py); between syncs every replica's params take a seeded random "local step". Units of
 5000, 4100, 300 and 9 elements with C = 4096 (k = 64: 12-bit indices, a short last chunk, units smaller
 than a chunk and one smaller than k). Both sides run 4 syncs of each fragment; after every step the params
 of every replica, θ_g and the residuals agree to 1e-6 (relative to the tensor's largest element), and each
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 
 import pytest
 import torch
@@ -24,81 +23,13 @@ from hsdp.config.schema import ConfigError, SyncConfig
 from hsdp.models.gpt import build_model
 from hsdp.sync.policy import SyncPolicy
 from tests.helpers import SMALL, run_train
+from tests.loopback import ThreadedLoopback, run_in_threads
 from tests.sparseloco_reference import SparseReference, SparseSpec, int2_roundtrip, payload_bytes, select
 from tests.sync_reference import fragment_due, held_numel
 
 SIZES = [5000, 4100, 300, 9]
 M = 3
 EVERY, SYNCS = 4, 4
-
-
-class _Threaded:
-    """M replicas in one process: the i-th all-gather of every replica completes once all M issued theirs."""
-
-    def __init__(self, M: int) -> None:
-        self.M = M
-        self.cond = threading.Condition()
-        self.slots: dict[int, list] = {}
-        self.sent = [0] * M
-
-    def transport(self, m: int):
-        group, issued = self, [0]
-
-        class Transport:
-            may_fail = False
-            counted = True
-            size = group.M
-            contributors = list(range(group.M))
-
-            def contributed_rows(self, gathered: torch.Tensor) -> torch.Tensor:
-                return gathered.view(group.M, -1)
-
-            def begin_round(self) -> None:
-                pass
-
-            def commit_round(self) -> bool:
-                return True
-
-            def all_reduce_sum(self, t: torch.Tensor, async_op: bool):
-                raise AssertionError("a lossy codec only gathers")
-
-            def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool):
-                i = issued[0]
-                issued[0] += 1
-                group.sent[m] += inp.numel() * inp.element_size()
-                with group.cond:
-                    slot = group.slots.setdefault(i, [None] * group.M)
-                    slot[m] = inp.clone()
-                    group.cond.notify_all()
-                    ok = group.cond.wait_for(lambda: all(s is not None for s in slot), timeout=60)
-                assert ok, "a replica never issued its all-gather"
-                out.copy_(torch.cat(slot))
-                return _Done()
-
-        return Transport()
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
-def _in_threads(fns) -> None:
-    errors: list[BaseException] = []
-
-    def run(fn):
-        try:
-            fn()
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(fn,)) for fn in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors[0]
-    assert not any(t.is_alive() for t in threads), "hang"
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -149,7 +80,7 @@ def test_policy_matches_reference(name: str):
     init = [torch.randn(n, generator=g) for n in SIZES]
     thetas = [[t.clone() for t in init] for _ in range(M)]  # the engine's held shards
     ref_thetas = [[t.clone() for t in init] for _ in range(M)]
-    group = _Threaded(M)
+    group = ThreadedLoopback(M, gather_only=True)
     policies = [SyncPolicy(cfg, thetas[m], group.transport(m)) for m in range(M)]
     ref = SparseReference(spec, init, M)
     P = cfg.fragments
@@ -161,7 +92,7 @@ def test_policy_matches_reference(name: str):
                 step_u = torch.randn(n, generator=g) * 1e-2
                 thetas[m][u].add_(step_u)
                 ref_thetas[m][u].add_(step_u)
-        _in_threads([lambda p=p, s=step: p.after_step(s) for p in policies])
+        run_in_threads([lambda p=p, s=step: p.after_step(s) for p in policies])
         for f in range(P):
             if fragment_due(step, f, 0, EVERY, P):
                 syncs += 1
@@ -257,12 +188,12 @@ def test_sync_bytes_on_the_wire_equal_the_formula(tmp_path):
 
 
 # ---------------------------------------------------------------- elastic: residuals of dropped / spectated rounds
-class _Scripted(_Threaded):
-    """_Threaded as a transport that may fail: round r commits iff commits[r], and counts this replica's part
-    iff counted[r] (False: it spectates)."""
+class _Scripted(ThreadedLoopback):
+    """The loopback as a transport that may fail: round r commits iff commits[r], and counts this replica's
+    part iff counted[r] (False: it spectates)."""
 
     def __init__(self, M: int, commits: list[bool], counted: list[bool]) -> None:
-        super().__init__(M)
+        super().__init__(M, gather_only=True)
         self.commits, self.counted_script = commits, counted
 
     def transport(self, m: int):
@@ -302,7 +233,7 @@ def test_elastic_residuals_change_only_in_rounds_that_applied_them():
         before_e = [[None if e is None else e.clone() for e in p.state.error] for p in policies]
         before_g = [s.global_params.clone() for s in policies[0].outer]
         step = EVERY * (r + 1) - 1
-        _in_threads([lambda p=p, s=step: p.after_step(s) for p in policies])
+        run_in_threads([lambda p=p, s=step: p.after_step(s) for p in policies])
         for m, p in enumerate(policies):
             same_e = all(b is not None and torch.equal(e, b) for e, b in zip(p.state.error, before_e[m]))
             zero_e = all(float(e.abs().max()) == 0 for e in p.state.error)
@@ -329,7 +260,7 @@ def test_a_healed_replica_gets_no_residual_from_its_peer():
 
     cfg, _ = _configs(CASES["sparseloco-int2-chosen-P1"])
     helds = [torch.randn(n) for n in SIZES[:2]]
-    policy = SyncPolicy(cfg, helds, _Threaded(1).transport(0))
+    policy = SyncPolicy(cfg, helds, ThreadedLoopback(1, gather_only=True).transport(0))
     for h in helds:
         h.add_(torch.randn(h.numel()) * 1e-2)  # a local step
     policy.after_step(EVERY - 1)  # one sync (M = 1): residuals now non-zero
@@ -341,7 +272,7 @@ def test_a_healed_replica_gets_no_residual_from_its_peer():
     state = source.full_state()
     assert state["policy"]["buffers"]["error"] == [None, None] and state["policy"]["meta"]["error_units"] == []
     assert policy.state.error[0] is not None  # the peer keeps its own
-    fresh = SyncPolicy(cfg, [torch.zeros(n) for n in SIZES[:2]], _Threaded(1).transport(0))
+    fresh = SyncPolicy(cfg, [torch.zeros(n) for n in SIZES[:2]], ThreadedLoopback(1, gather_only=True).transport(0))
     fresh.state.error = [torch.ones(n) for n in SIZES[:2]]  # whatever it held before it died
     target = HealState(life)
     target.state = ReplicaState(

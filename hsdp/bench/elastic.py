@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hsdp.bench.faults import Partition
+from hsdp.bench.faults import Partition, require_elastic
 from hsdp.bench.job import Job
 from hsdp.bench.netns import namespace_pids
 from hsdp.config.schema import Config, ConfigError
@@ -59,10 +59,7 @@ class Kill:
             raise ConfigError(f"{what}: expected REPLICA@STEP (e.g. 1@77 or 1@0.3), got {text!r}") from None
         if not sep or s < 0:
             raise ConfigError(f"{what}: expected REPLICA@STEP (e.g. 1@77 or 1@0.3), got {text!r}")
-        if not cfg.elastic.enabled:
-            raise ConfigError(
-                f"{what}: a kill needs an elastic run (elastic.enabled=true); without it one death ends all"
-            )
+        require_elastic(cfg, what, "a kill", "one death ends all")
         if not 1 <= m < cfg.mesh.sync:
             raise ConfigError(
                 f"{what}: replica {m} is not one of 1..{cfg.mesh.sync - 1} "
@@ -72,6 +69,17 @@ class Kill:
         if step >= cfg.run.steps:
             raise ConfigError(f"{what}: step {step} is not before run.steps={cfg.run.steps}")
         return cls(m, step)
+
+
+def logged_steps(path: Path) -> list[int]:
+    """The steps a replica's metrics file logged (a line being written skipped); [] before it exists."""
+    if not path.is_file():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError):
+            steps.append(int(json.loads(line)["step"]))
+    return steps
 
 
 @dataclass
@@ -148,13 +156,7 @@ class ElasticJob(Job):
 
     def _logged_step(self, m: int) -> int:
         """The last step replica m's metrics file logged (-1 before the first)."""
-        path = self.cfg.run_dir / f"metrics.replica{m}.jsonl"
-        last = -1
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                with contextlib.suppress(ValueError, KeyError):
-                    last = max(last, json.loads(line)["step"])
-        return last
+        return max(logged_steps(self.cfg.run_dir / f"metrics.replica{m}.jsonl"), default=-1)
 
     def _kill_node(self) -> None:
         """SIGKILL every process in the killed replica's namespace: its torchrun and its ranks at once."""

@@ -11,7 +11,10 @@ with `GLOO_SOCKET_IFNAME=<its veth>`. torchrun numbers ranks node_rank·S + loca
 rank = sync_rank·S + shard_rank (docs/design.md §1), so replica m is node m: its shard
 group talks inside the namespace (the kernel routes a namespace's own address locally,
 unshaped) and only the sync group (plus the world group's few logging bytes and the
-rendezvous) crosses the shaped link. Each node logs to `<log_dir>/<name>.node<m>.log`.
+rendezvous) crosses the shaped link. On a three-level mesh a node is a site: S above is its
+R·S ranks (rank = (site·R + replicate_rank)·S + shard_rank), so its replicate and shard groups
+stay inside the namespace and only the sync group crosses. Each node logs to
+`<log_dir>/<name>.node<m>.log`.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ class Job:
     def node_target(self, m: int) -> list[str]:
         """What node m's torchrun runs: the target, plus run.slowdown on the slow replica's node only."""
         slow = self.slow is not None and self.slow.replica == m
-        return [*self.target, *(("--set", self.slow.override()) if slow else ())]
+        spell = [a for o in self.slow.overrides() for a in ("--set", o)] if slow and self.slow else []
+        return [*self.target, *spell]
 
     def faults(self) -> dict[str, Any]:
         """The faults injected into this run, as slowlink.json records them."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from hsdp.bench.chaos import Chaos
 from hsdp.bench.elastic import Kill
 from hsdp.bench.faults import Partition, Slow
 from hsdp.bench.netns import MAX_REPLICAS
@@ -102,6 +103,7 @@ class LinkOptions:
     kill: Optional[str] = None  # REPLICA@STEP for every elastic run (a run's own `kill` wins)
     partition: Optional[str] = None  # REPLICA@AT:SECONDS for every elastic run (a run's own `partition` wins)
     slow: Optional[str] = None  # REPLICA:FACTOR for every run (a run's own `slow` wins)
+    chaos: Optional[str] = None  # SEED:MTBF_S for every elastic run (a run's own `chaos` wins)
     plot: bool = False
     no_run: bool = False
     cleanup: bool = False
@@ -121,10 +123,13 @@ class LinkPlan:
     runs: dict[str, LinkRunSpec]
     out: Path
     out_dir: Path  # run.out_dir (absolute)
-    mesh: tuple[int, int] = (0, 0)  # (M, S) of the base config with the shared overrides
+    # (M, ranks per node) of the base config with the shared overrides: a node is a replica (its S shard
+    # ranks) or, on a three-level mesh, a site (its R·S ranks: docs/design.md §1.1)
+    mesh: tuple[int, int] = (0, 0)
     kills: dict[str, Kill] = field(default_factory=dict)  # elastic runs whose node is killed
     partitions: dict[str, Partition] = field(default_factory=dict)  # elastic runs whose replica is cut off
     slows: dict[str, Slow] = field(default_factory=dict)  # runs with a slow replica
+    chaoses: dict[str, Chaos] = field(default_factory=dict)  # elastic runs under a seeded fault schedule
 
 
 def make_plan(opts: LinkOptions) -> LinkPlan:
@@ -172,7 +177,7 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
         runs=runs,
         out=Path(opts.out).expanduser().resolve() if opts.out else out_dir / name,
         out_dir=out_dir,
-        mesh=(cfg.mesh.sync, cfg.mesh.shard),
+        mesh=node_mesh(cfg),
     )
     if plan.delay_ms < 0:
         raise ConfigError(f"--delay-ms: expected >= 0, got {plan.delay_ms}")
@@ -190,19 +195,31 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
             what = f"runs.{run}.slow" if runs[run].slow else "--slow"
             plan.slows[run] = Slow.parse(slow, c.mesh.sync, what)
             # the node's config with it, checked now (run.slowdown's own rules, hsdp/config/validate.py)
-            load_checked_config(base, [*overrides(plan, run, label), plan.slows[run].override()])
-        if (c.mesh.sync, c.mesh.shard) != plan.mesh:
+            load_checked_config(base, [*overrides(plan, run, label), *plan.slows[run].overrides()])
+        chaos = runs[run].chaos or (opts.chaos if c.elastic.enabled else None)
+        if chaos:
+            plan.chaoses[run] = Chaos.parse(chaos, c, f"runs.{run}.chaos" if runs[run].chaos else "--chaos")
+            if run in plan.kills or run in plan.partitions:
+                raise ConfigError(f"runs.{run}: chaos draws its own kills and partitions; drop kill/partition")
+        if node_mesh(c) != plan.mesh:
             raise ConfigError(
-                f"runs.{run}: mesh {c.mesh.sync}x{c.mesh.shard} differs from the base's "
-                f"{plan.mesh[0]}x{plan.mesh[1]} (one network per rate)"
+                f"runs.{run}: {node_mesh(c)[0]} nodes of {node_mesh(c)[1]} ranks differ from the base's "
+                f"{plan.mesh[0]} of {plan.mesh[1]} (one network per rate)"
             )
     if opts.kill and not plan.kills:
         raise ConfigError("--kill: no run is elastic (elastic.enabled=true); a kill would end every replica")
     if opts.partition and not plan.partitions:
         raise ConfigError("--partition: no run is elastic (elastic.enabled=true); a cut would end every replica")
+    if opts.chaos and not plan.chaoses:
+        raise ConfigError("--chaos: no run is elastic (elastic.enabled=true); a fault would end every replica")
     if not 2 <= plan.mesh[0] <= MAX_REPLICAS:
         raise ConfigError(f"mesh.sync: slowlink needs 2..{MAX_REPLICAS} replicas, got {plan.mesh[0]}")
     return plan
+
+
+def node_mesh(cfg: Config) -> tuple[int, int]:
+    """(nodes, ranks per node): one node (network namespace) per replica, or per site of R·S ranks."""
+    return cfg.mesh.sync, cfg.mesh.replicate * cfg.mesh.shard
 
 
 def plan_items(plan: LinkPlan) -> list[tuple[str, str]]:

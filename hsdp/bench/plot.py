@@ -150,6 +150,6 @@ def plot_rates(plan: LinkPlan, runs: Sequence[LinkRun]) -> list[Path]:
         if not dirs:
             continue
         link = "an unshaped veth" if bps is None else f"a {bps / 1e6:g} Mbit/s link"
-        title = f"{plan.name}: {plan.mesh[0]}×{plan.mesh[1]} (replicas × shard) over {link}"
+        title = f"{plan.name}: {plan.mesh[0]}×{plan.mesh[1]} (nodes × ranks) over {link}"
         written += plot_runs(dirs, plan.out, f"{plan.name}-{label}", title=title, target=target_at(label, targets))
     return written

@@ -123,7 +123,7 @@ def run_row(r: LinkRun, a: Assessed) -> str:
 def runs_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, Assessed]) -> list[str]:
     M, S = plan.mesh
     lines = [
-        f"Mesh {M}×{S} (replicas × shard), one network namespace per replica, "
+        f"Mesh {M}×{S} (replicas or sites × ranks in each), one network namespace per replica or site, "
         f"one-way delay {plan.delay_ms:g} ms; target = final val loss of `{plan.target}` at the same rate.",
         "",
         "| run | rate | steps | median step | mean step | mean vs "
@@ -164,7 +164,7 @@ def sync_check_table(plan: LinkPlan, checked: Sequence[tuple[LinkRun, Assessed]]
     lines = [
         "",
         f"Sync collectives in the runs: Comm's recorded seconds on the sync group vs "
-        f"S·sync_bytes·8/rate (S = {plan.mesh[1]} sync groups share a replica's link; overlapped or delayed "
+        f"S·sync_bytes·8/rate (S = {plan.mesh[1]} sync groups share a replica's or site's link; overlapped or delayed "
         "syncs hide part of their time, so only blocking ones should be near 1×); link bytes = "
         "what the replicas' veths sent, vs M·S·sync_bytes.",
         "",
@@ -224,10 +224,121 @@ def fault_lines(runs: Sequence[LinkRun]) -> list[str]:
             parts.append(f"replica {f['kill']['replica']}'s node killed at its step {f['kill']['step']}")
         if "slow" in f:
             parts.append(f"replica {f['slow']['replica']}'s node {f['slow']['factor']:g}× slower")
+        if f.get("chaos"):
+            applied = [x for x in f.get("faults", []) if x.get("applied_s") is not None]
+            parts.append(f"chaos {f['chaos']['seed']}:{f['chaos']['mtbf_s']:g}, {len(applied)} faults (table below)")
         s = r.record.summary if r.record else {}
         counted = [f"{k} {s[k]}" for k in ("rejoins", "dropped_syncs", "replica_failures", "heals") if k in s]
         lines.append(f"- {r.run} @ {r.rate}: {'; '.join(parts)}" + (f"; {', '.join(counted)}" if counted else ""))
     return ["", "Faults injected:", "", *lines] if lines else []
+
+
+def ledger_table(runs: Sequence[LinkRun]) -> list[str]:
+    """The rounds' ledger of each run (docs/design.md §2.12): goodput (tokens merged into the global model ÷
+    tokens trained, every replica), the most any replica waited at syncs as a share of its wall time, and
+    the tokens each replica trained. Empty when no run reports it."""
+    rows = [r for r in runs if r.ok and r.record.summary.get("goodput") is not None]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Rounds' ledger: goodput = tokens merged ÷ tokens trained (all replicas); wait = the most any replica "
+        "spent waiting at syncs (quorums, the weight exchange) ÷ its wall time.",
+        "",
+        "| run | rate | wall time | final val | goodput | wait (max) | tokens trained per replica | steps skipped |",
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        s = r.record.summary
+        ledger = s.get("replica_ledger") or {}
+        trained = ", ".join(f"{m}: {e['trained_tokens'] / 1e6:.2f}M" for m, e in ledger.items())
+        skipped = ", ".join(f"{m}: {e.get('skipped_steps', '–')}" for m, e in ledger.items())
+        wait = s.get("wait_fraction")
+        lines.append(
+            row(
+                [
+                    r.run,
+                    rate_text(r),
+                    secs(r.record.wall_time_s, 1),
+                    f"{r.record.final_val_loss:.4f}",
+                    f"{s['goodput']:.3f}",
+                    "–" if wait is None else f"{wait:.3f}",
+                    trained,
+                    skipped,
+                ]
+            )
+        )
+    return lines
+
+
+def chaos_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, Assessed]) -> list[str]:
+    """The chaos runs (hsdp/bench/chaos.py) against the target run at their rate: the faults by kind, the
+    replicas that failed on their own and were restarted, goodput two ways (the target run's time to its
+    final val loss ÷ this run's; its wall time ÷ this run's, for the same steps) and merged ÷ trained tokens,
+    the steps the replicas did not train, and what the schedule left behind (checkpoints whose checksums
+    hold, the replicas' final params bitwise equal, processes left in the namespaces)."""
+    chaos = [r for r in runs if r.measured.faults and "chaos" in r.measured.faults]
+    if not chaos:
+        return []
+    target = {r.rate: r for r in runs if r.run == plan.target and r.ok}
+    lines = [
+        "",
+        f"Chaos (goodput against `{plan.target}` at the same rate: its time to its final val loss ÷ the run's, "
+        "and its wall time ÷ the run's; merged = tokens merged ÷ tokens trained):",
+        "",
+        "| run | rate | seed:MTBF | faults | restarted on their own | wall time | final val | vs target | "
+        "goodput (to target) | goodput (wall) | merged | steps lost | checkpoints valid | replicas equal | "
+        "processes left |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in chaos:
+        f = r.measured.faults or {}
+        kinds: dict[str, int] = {}
+        for fault in f.get("faults", []):
+            kinds[fault["kind"]] = kinds.get(fault["kind"], 0) + 1
+        after = f.get("after", {})
+        base = target.get(r.rate)
+        a = assessed.get((r.run, r.rate))
+        ttt = a.time_to_target_vs_target_run if a else None
+        wall = r.record.wall_time_s if r.ok else None
+        base_wall = base.record.wall_time_s if base is not None and base.ok else None
+        val = r.record.final_val_loss if r.ok else None
+        base_val = base.record.final_val_loss if base is not None and base.ok else None
+        n_ckpt, bad = after.get("checkpoints", 0), len(after.get("invalid_checkpoints", []))
+        merged = r.record.summary.get("goodput") if r.ok else None
+        lines.append(
+            row(
+                [
+                    r.run,
+                    rate_text(r),
+                    f"{f['chaos'].get('seed')}:{f['chaos'].get('mtbf_s'):g}" if f.get("chaos") else "–",
+                    ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none",
+                    len(f.get("crashes", [])),
+                    secs(wall, 1),
+                    "failed" if val is None else f"{val:.4f}",
+                    "–" if val is None or not base_val else f"{val / base_val - 1:+.1%}",
+                    "not reached" if ttt is None else f"{1 / ttt:.2f}",
+                    "–" if not wall or not base_wall else f"{base_wall / wall:.2f}",
+                    "–" if merged is None else f"{merged:.3f}",
+                    sum(after.get("steps_lost", {}).values()),
+                    f"{n_ckpt - bad}/{n_ckpt}",
+                    equal_cell(after, plan.mesh[0]),
+                    after.get("processes_left", "–"),
+                ]
+            )
+        )
+    return lines
+
+
+def equal_cell(after: dict[str, Any], replicas: int) -> str:
+    """Whether the chaos run's final models were bitwise equal (only asked when it ended on a sync), and how
+    many of its replicas finished."""
+    if after.get("ends_on_sync") is False:
+        cell = "– (no final sync)"
+    else:
+        cell = {True: "yes", False: "NO", None: "–"}[after.get("replicas_equal")]
+    models = after.get("models", replicas)
+    return cell + (f" ({models} of {replicas} finished)" if models < replicas else "")
 
 
 def link_tables(
@@ -238,7 +349,8 @@ def link_tables(
     cross: Mapping[str, Crossovers],
 ) -> str:
     """slowlink.md: the runs, then (where there are any) the probes, the sync-time check and the crossovers."""
-    lines = runs_table(plan, runs, assessed) + fault_lines(runs)
+    lines = runs_table(plan, runs, assessed) + fault_lines(runs) + chaos_table(plan, runs, assessed)
+    lines += ledger_table(runs)
     if probes:
         lines += probes_table(probes)
     checked = [(r, assessed[(r.run, r.rate)]) for r in runs if r.ok and assessed[(r.run, r.rate)].sync_expected_s]

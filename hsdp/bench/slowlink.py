@@ -23,6 +23,7 @@ Spec file (all keys but `runs` optional; the command line's flags override it):
       elastic-cut: {set: [elastic.enabled=true, ...], partition: 1@0.3:20}   # replica 1's link down 20 s
       elastic-slow: {set: [elastic.enabled=true, ...], slow: "1:3"}         # replica 1's node 3x slower
       (and `kill: 1@0.3`: replica 1's node SIGKILLed; hsdp/bench/elastic.py, hsdp/bench/faults.py)
+      elastic-chaos: {set: [elastic.enabled=true, ...], chaos: "7:30"}   # seeded faults (hsdp/bench/chaos.py)
 
 Outputs: run folders `<run.out_dir>/<name>-<run>-<rate>/` (train.py's usual config.yaml,
 metrics.jsonl, summary.json), node logs in `<out>/logs/`, and in `<out>` (default
@@ -46,6 +47,7 @@ import time
 from collections.abc import Iterator
 
 from hsdp.bench.analysis import Key, crossovers, evaluate_results
+from hsdp.bench.chaos import ChaosJob, after_chaos
 from hsdp.bench.elastic import ElasticJob
 from hsdp.bench.job import TIMED_OUT, Job
 from hsdp.bench.netns import MissingRequirement, SlowLink, SlowLinkError, cleanup_stale, missing_requirements
@@ -124,7 +126,11 @@ def make_job(plan: LinkPlan, run: str, label: str, link: SlowLink, args: list[st
     slow = plan.slows.get(run)
     if not cfg.elastic.enabled:
         return Job(link, S, args, port, logs, name, rdzv_s, slow=slow)
-    kill, cut = plan.kills.get(run), plan.partitions.get(run)
+    kill, cut, chaos = plan.kills.get(run), plan.partitions.get(run), plan.chaoses.get(run)
+    if chaos is not None:  # the schedule is drawn over the run's time bound (hsdp.bench.chaos)
+        return ChaosJob(
+            link, S, args, port, logs, name, rdzv_s, slow=slow, cfg=cfg, chaos=chaos, horizon_s=plan.timeout_s
+        )
     return ElasticJob(link, S, args, port, logs, name, rdzv_s, slow=slow, cfg=cfg, kill=kill, partition=cut)
 
 
@@ -161,7 +167,10 @@ def run_at_rate(
         job = make_job(plan, run, label, link, args, port, opts.rdzv_timeout_s)
         job.start()
         rc = job.wait(plan.timeout_s)
-        measured = Measured(time.perf_counter() - t0, rc, sum(link.tx_bytes()) - sum(before), job.faults() or None)
+        faults = job.faults()
+        if isinstance(job, ChaosJob):  # what the schedule left behind: the run's state, checked
+            faults["after"] = after_chaos(job, plan.mesh[0])
+        measured = Measured(time.perf_counter() - t0, rc, sum(link.tx_bytes()) - sum(before), faults or None)
         if rc != 0:
             why = "timed out" if rc == TIMED_OUT else f"exit {rc}"
             print(f"[slowlink] {run} @ {label} {why}; logs:\n{job.log_tail()}", file=sys.stderr, flush=True)

@@ -40,7 +40,8 @@ class LinkRunSpec(NamedTuple):
     rates: Optional[list[str]] = None
     kill: Optional[str] = None
     partition: Optional[str] = None  # REPLICA@AT:SECONDS (hsdp.bench.faults.Partition)
-    slow: Optional[str] = None  # REPLICA:FACTOR (hsdp.bench.faults.Slow)
+    slow: Optional[str] = None  # REPLICA:FACTOR[@AT[:SECONDS]] (hsdp.bench.faults.Slow)
+    chaos: Optional[str] = None  # SEED:MTBF_S (hsdp.bench.chaos.Chaos)
 
 
 @dataclass
@@ -142,18 +143,19 @@ def load_link_spec(path: str) -> LinkSpec:
     parsed = {}
     for run, entry in runs.items():
         if isinstance(entry, dict):
-            keys = ("set", "rates", "kill", "partition", "slow")
+            keys = ("set", "rates", "kill", "partition", "slow", "chaos")
             bad = [k for k in entry if k not in keys]
             if bad:
                 raise ConfigError(f"runs.{run}: {path}: unknown keys {bad} (expected: {', '.join(keys)})")
             rates = entry.get("rates")
-            kill, partition, slow = (None if entry.get(k) is None else str(entry[k]) for k in keys[2:])
+            kill, partition, slow, chaos = (None if entry.get(k) is None else str(entry[k]) for k in keys[2:])
             parsed[str(run)] = LinkRunSpec(
                 str_list(path, f"runs.{run}.set", entry.get("set")),
                 None if rates is None else [str(r) for r in rates],
                 kill,
                 partition,
                 slow,
+                chaos,
             )
         else:
             parsed[str(run)] = LinkRunSpec(str_list(path, f"runs.{run}", entry))

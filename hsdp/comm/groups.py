@@ -6,8 +6,9 @@ Bytes are what one rank sends under the ring algorithm, for a group of n ranks:
     reduce_scatter(out, inp)  (n − 1) · out.nbytes
     all_reduce(t)             2 · (n − 1) · t.nbytes // n
 
-A collective on a group of one rank is skipped (and counts nothing). Counts are
-kept per (group name, op); `metrics.jsonl` reports the "shard" and "sync" totals.
+A collective on a group of one rank (or on a group the mesh does not have) is
+skipped and counts nothing. Counts are kept per (group name, op); `metrics.jsonl`
+reports the "shard", "replicate" and "sync" totals.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class Comm:
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
 
     def size(self, group: str) -> int:
-        return self.sizes[group]
+        """The group's ranks; 1 for a group the mesh does not have (no replicate group on a two-level mesh)."""
+        return self.sizes.get(group, 1)
 
     def label(self, group: dist.ProcessGroup) -> str:
         """Our name for a process group (for collectives issued by other code, e.g. FSDP2)."""
@@ -119,7 +121,7 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False) -> TimedWork:
         """out = concat over the group's ranks of inp (all_gather_into_tensor)."""
-        n = self.sizes[group]
+        n = self.size(group)
         if n == 1:
             out.copy_(inp)
             return TimedWork(None, self, (group, "all_gather"))
@@ -140,7 +142,7 @@ class Comm:
         async_op: bool = False,
     ) -> TimedWork:
         """out = this rank's chunk of the reduction (SUM by default) over the group of inp."""
-        n = self.sizes[group]
+        n = self.size(group)
         if n == 1:
             out.copy_(inp)
             return TimedWork(None, self, (group, "reduce_scatter"))
@@ -156,7 +158,7 @@ class Comm:
         self, t: torch.Tensor, group: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
     ) -> TimedWork:
         """In-place all-reduce of t over the group (SUM by default)."""
-        n = self.sizes[group]
+        n = self.size(group)
         if n == 1:
             return TimedWork(None, self, (group, "all_reduce"))
         return self._run(

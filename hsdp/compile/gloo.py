@@ -14,8 +14,11 @@ functional ops that issues those c10d calls asynchronously and hands the work to
 work registry (`_register_work`), where the graph's `wait_tensor` finds it. The registration (a
 process-global patch) and the private c10d names are hsdp/torch_compat.py's. The graph, inductor's
 lowering, our passes and the byte census see the same ops as before; only the kernel behind them
-on CPU changes. CUDA tensors (NCCL) keep torch's kernel. The in-place all-reduce already takes
-gloo's plain all-reduce, as eager does, and is left alone.
+on CPU changes. CUDA tensors (NCCL) keep torch's kernel. The all-reduce already took gloo's plain
+all-reduce, as eager does; it is routed too (the same c10d call) so that every collective a graph
+issues tells hsdp/compile/turns.py that the graph is running — a graph whose first collective is an
+all-reduce (a shard group of 1 with replicas that sync grads) would otherwise hold the ranks waiting
+for its compile.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ _on_issue: Optional[Callable[[], None]] = None  # called as the next collective 
 def route_functional_collectives_to_c10d() -> None:
     """Register the CPU kernels (once per process; later calls do nothing)."""
     global _routed
-    register_cpu_collectives(all_gather_into_tensor, reduce_scatter_tensor)
+    register_cpu_collectives(all_gather_into_tensor, reduce_scatter_tensor, all_reduce, all_reduce_inplace)
     _routed = True
 
 
@@ -84,3 +87,17 @@ def reduce_scatter_tensor(inp: torch.Tensor, reduce_op: str, group_size: int, gr
     work = _reduce_scatter_single(out, inp.contiguous(), op=op, group=resolve_process_group(group_name), async_op=True)
     register_work(out, work)
     return out
+
+
+def all_reduce_inplace(inp: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    """`_c10d_functional.all_reduce_` on CPU: gloo's all-reduce in place, async, work registered."""
+    _issuing()
+    op = _REDUCE_OPS[reduce_op.lower()]
+    work = dist.all_reduce(inp, op=op, group=resolve_process_group(group_name), async_op=True)
+    register_work(inp, work)
+    return inp
+
+
+def all_reduce(inp: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    """`_c10d_functional.all_reduce` on CPU: the same on a copy (the functional op does not mutate its input)."""
+    return all_reduce_inplace(inp.clone(memory_format=torch.contiguous_format), reduce_op, group_name)

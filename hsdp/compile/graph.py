@@ -12,7 +12,8 @@ and in backward (`_GatherShards.backward`), the same reduction as the eager
 engine (`hsdp.core.layout.ReducePlan`):
 
     g = scale_grad(grad, reduce_dtype, 1/pre) → wait(reduce_scatter(sum, shard))
-      → [sync_grads] wait(all_reduce(sum, sync)) → scaled_grad_shard(g, 1/post)
+      → reduce_across_replicas (sync_grads: all_reduce(sum, sync); three-level: the site's too)
+      → scaled_grad_shard(g, 1/post)
 
 The pack and the reduction epilogue are the project's kernels (kernels/pack.py,
 kernels/reduce.py) as functional `hsdp_kernels::` ops: one call each in the
@@ -51,6 +52,8 @@ class Groups:
     shard_size: int
     sync: str
     sync_size: int
+    replicate: str = ""  # a three-level mesh's in-site replicate group ("" on a two-level mesh)
+    replicate_size: int = 1
 
 
 class _GatherShards(torch.autograd.Function):
@@ -91,10 +94,28 @@ class _GatherShards(torch.autograd.Function):
             g = pending + g  # the earlier micro-steps' sum first: the eager engine's order
         if groups.shard_size > 1:
             g = C.wait_tensor(C.reduce_scatter_tensor(g, "sum", groups.shard_size, groups.shard))
-        if plan.sync_grads and groups.sync_size > 1:
-            g = C.wait_tensor(C.all_reduce(g, "sum", groups.sync))
+        g = reduce_across_replicas(g, groups, plan.sync_grads)
         g = scaled_grad_shard(g, 1.0 / plan.post)
         return g, None, None, None, None, None
+
+
+def reduce_across_replicas(g: torch.Tensor, groups: Groups, sync_grads: bool) -> torch.Tensor:
+    """The grad shard summed over the replicas: the eager engine's `replica_stages` as functional collectives.
+
+    Two-level: [sync_grads] all-reduce on the sync group. Three-level: the site's all-reduce every step,
+    split around the slow link (reduce-scatter in the site, all-reduce of the slice across sites,
+    all-gather in the site) when the sites sync grads too.
+    """
+    replicate, sites = groups.replicate_size, groups.sync_size
+    if not sync_grads or sites == 1:
+        return C.wait_tensor(C.all_reduce(g, "sum", groups.replicate)) if replicate > 1 else g
+    if replicate == 1:
+        return C.wait_tensor(C.all_reduce(g, "sum", groups.sync))
+    n = g.numel()
+    padded = torch.nn.functional.pad(g.view(-1), (0, -(-n // replicate) * replicate - n))
+    part = C.wait_tensor(C.reduce_scatter_tensor(padded, "sum", replicate, groups.replicate))
+    part = C.wait_tensor(C.all_reduce(part, "sum", groups.sync))
+    return C.wait_tensor(C.all_gather_into_tensor(part, replicate, groups.replicate))[:n]
 
 
 def unpack_params(gathered: torch.Tensor, layout: UnitLayout) -> list[torch.Tensor]:

@@ -32,7 +32,11 @@ class RunConfig:
     checkpoint_every: int = 0  # steps between checkpoints (0 = off)
     resume: str = "auto"  # auto (latest checkpoint in the run folder, if any) | never | a checkpoint path
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones deleted after a new one is complete)
+    checkpoint_async: bool = True  # write checkpoints on a background thread while training goes on
     slowdown: float = 1.0  # fault injection: after each trained step, sleep (slowdown - 1) x its time (>= 1)
+    slow_replica: int = -1  # run.slowdown on this replica's ranks only (-1: every rank)
+    slow_from: float = 0.0  # run.slowdown from this step on (a fraction of run.steps when < 1)
+    slow_for_s: float = 0.0  # ... for this many seconds, then full speed again (0: to the end)
 
 
 @dataclass
@@ -57,7 +61,8 @@ class DataConfig:
 
 @dataclass
 class MeshConfig:
-    sync: int = 1  # replicas (slow links)
+    sync: int = 1  # sites: replicas joined by slow links, synced per the sync section
+    replicate: int = 1  # replicas inside a site (fast links), averaging grads every step (design §1.1)
     shard: int = 1  # FSDP group size (fast links)
     engine: str = "hsdp"  # hsdp | fsdp2 | ddp
     backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl | fake (no communication, timing only)
@@ -112,6 +117,9 @@ class SyncConfig:
     outer_lr_warmup: int = 0  # rounds over which the outer lr ramps up linearly to its value (0 = off)
     outer_lr_rounds: int = 0  # cosine / linear: the round (counted from 1) at which the outer lr reaches outer_min_lr
     outer_min_lr: float = 0.0  # cosine / linear: the outer lr at the end of its decay
+    # paced rounds (s): each replica trains the steps of a period that fit this window, at most `every` (0 = off)
+    every_s: float = 0.0
+    weighting: str = "auto"  # the outer mean: tokens (each Δ by its trained tokens) | equal | auto (tokens if paced)
 
 
 @dataclass
@@ -165,7 +173,7 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.mesh.sync * self.mesh.shard
+        return self.mesh.sync * self.mesh.replicate * self.mesh.shard
 
     @property
     def run_dir(self) -> Path:
@@ -186,6 +194,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sync.quantize": ("none", "int8", "int4", "int2"),
     "sync.topk_mean": ("all", "chosen"),
     "sync.schedule": ("hsdp", "torchft"),
+    "sync.weighting": ("auto", "tokens", "equal"),
     "sync.outer_lr_schedule": ("constant", "cosine", "linear"),
     "compile.passes": ("ours", "inductor", "none"),
     "kernels.backend": ("auto", "triton", "torch"),

@@ -24,6 +24,7 @@ AT_LEAST_ONE = [
     "model.d_model",
     "data.batch_size",
     "mesh.sync",
+    "mesh.replicate",
     "mesh.shard",
     "optim.grad_accum",
     "sync.every",
@@ -53,6 +54,9 @@ NON_NEGATIVE = [
     "elastic.max_restarts",
     "elastic.restart_delay_s",
     "elastic.round_timeout_s",
+    "sync.every_s",
+    "run.slow_from",
+    "run.slow_for_s",
 ]
 POSITIVE = [
     "optim.lr",
@@ -145,6 +149,7 @@ def validate(cfg: Config) -> None:
             f"{s.alpha} with delay 0 (sync.schedule=torchft mixes α at every sync)"
         )
     check_outer_options(cfg)
+    check_paced(cfg)
     saves = {"run.checkpoint_every": cfg.run.checkpoint_every, "run.save_model": cfg.run.save_model}
     saves["run.resume"] = cfg.run.resume not in ("auto", "never")
     if cfg.mesh.backend == "fake" and any(saves.values()):
@@ -159,6 +164,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("sync.outer_lr/outer_momentum: only used by sync.method=diloco, got method average")
     if not cfg.run.slowdown >= 1:  # also refuses nan
         raise ConfigError(f"run.slowdown: expected a factor >= 1 (1 = full speed), got {cfg.run.slowdown!r}")
+    if not -1 <= cfg.run.slow_replica < cfg.mesh.sync:
+        raise ConfigError(
+            f"run.slow_replica: expected -1 (every rank) or a replica 0..{cfg.mesh.sync - 1}, "
+            f"got {cfg.run.slow_replica}"
+        )
     if cfg.elastic.round_timeout_s > 0 and not cfg.elastic.enabled:
         raise ConfigError(
             f"elastic.round_timeout_s: bounds an elastic run's sync rounds, so needs elastic.enabled=true, "
@@ -216,6 +226,21 @@ def check_outer_options(cfg: Config) -> None:
         raise ConfigError(f"sync.outer_min_lr: expected a value <= the outer lr {outer_lr}, got {s.outer_min_lr}")
 
 
+def check_paced(cfg: Config) -> None:
+    """sync.every_s (rounds paced by wall time) and sync.weighting (docs/design.md §2.12)."""
+    s = cfg.sync
+    if s.every_s > 0 and s.warmup_steps is None:
+        raise ConfigError(
+            f"sync.every_s: paces the param-sync rounds, so needs sync.warmup_steps set (null is exact HSDP, no "
+            f"rounds), got every_s {s.every_s}"
+        )
+    if s.every_s > 0 and cfg.elastic.round_timeout_s > 0:
+        raise ConfigError(
+            f"sync.every_s: paced rounds already bound every replica's period; drop elastic.round_timeout_s "
+            f"(got {cfg.elastic.round_timeout_s})"
+        )
+
+
 def check_elastic(cfg: Config) -> None:
     """What an elastic run (replicas on torchft, docs/design.md §11) supports (the engine: check_engine_config)."""
     e, s = cfg.elastic, cfg.sync
@@ -238,7 +263,7 @@ def check_elastic(cfg: Config) -> None:
     if e.lighthouse:
         check_lighthouse(e.lighthouse)
     try:
-        parse_faults(e.faults, cfg.mesh.sync)
+        parse_faults(e.faults, cfg.mesh.sync, cfg.mesh.replicate * cfg.mesh.shard)
     except FaultSpecError as err:
         raise ConfigError(f"elastic.faults: {err}") from None
 

@@ -101,9 +101,10 @@ def divide_factors(divisor: int) -> tuple[float, float]:
     return float(pre), divisor / pre
 
 
-def grad_divisor(shard_size: int, sync_size: int, sync_grads: bool) -> int:
-    """How many ranks' grads one step's mean is over: the shard group, and the replicas if they sync grads."""
-    return shard_size * (sync_size if sync_grads else 1)
+def grad_divisor(shard_size: int, sync_size: int, sync_grads: bool, replicate_size: int = 1) -> int:
+    """How many ranks' grads one step's mean is over: the shard group, the site's in-site replicas (every
+    step), and the sites if they sync grads."""
+    return shard_size * replicate_size * (sync_size if sync_grads else 1)
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,14 @@ class ReducePlan:
 
     reduce_dtype: torch.dtype
     sync_grads: bool  # all-reduce the grad shard across the sync group (exact HSDP / warmup)
+    replicate: int  # in-site replicas: the grad shard is averaged across them every step
     pre: float  # divide before the sum (keeps low-precision sums from overflowing)
     post: float  # divide after it (keeps small grads from underflowing)
 
 
-def reduce_plan(shard_size: int, sync_size: int, sync_grads: bool, reduce_dtype: torch.dtype) -> ReducePlan:
-    """The mean over the shard group, and over the replicas when they sync grads."""
-    pre, post = divide_factors(grad_divisor(shard_size, sync_size, sync_grads))
-    return ReducePlan(reduce_dtype, sync_grads, pre, post)
+def reduce_plan(
+    shard_size: int, sync_size: int, sync_grads: bool, reduce_dtype: torch.dtype, replicate_size: int = 1
+) -> ReducePlan:
+    """The mean over the shard group and the in-site replicas, and over the sites when they sync grads."""
+    pre, post = divide_factors(grad_divisor(shard_size, sync_size, sync_grads, replicate_size))
+    return ReducePlan(reduce_dtype, sync_grads, replicate_size, pre, post)

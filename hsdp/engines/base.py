@@ -27,8 +27,9 @@ Engines (hsdp/engines/registry.py maps `mesh.engine` to a class): `hsdp` (this
 project, eager: hsdp/engines/hsdp.py; compiled: hsdp/engines/compiled.py), `fsdp2`
 and `ddp` (PyTorch baselines: hsdp/engines/baselines.py). An engine class also
 answers, before any engine exists, what the config and a checkpoint need to know:
-`supports_compile` / `supports_periodic_sync` (read by registry.check_engine_config), `state_per_replica`
-(whether each replica's params are its own in a checkpoint) and `check_checkpoint`.
+`supports_compile` / `supports_periodic_sync` / `supports_replicate` (read by
+registry.check_engine_config), `state_per_replica` (whether each replica's params are its own in a
+checkpoint) and `check_checkpoint`.
 Baselines always average grads across every rank, so their policy is `NoSync`.
 """
 
@@ -80,6 +81,7 @@ class Engine(ABC):
     name: ClassVar[str]  # mesh.engine's value (the compiled hsdp engine shares "hsdp": same state)
     supports_compile: ClassVar[bool] = False  # compile.enabled is allowed
     supports_periodic_sync: ClassVar[bool] = False  # sync.warmup_steps < run.steps is allowed
+    supports_replicate: ClassVar[bool] = False  # mesh.replicate > 1: replicas inside a site (three-level mesh)
     sync_class: ClassVar[type[NoSync | SyncPolicy]] = NoSync  # the policy class whose checkpoint state it saves
     state_per_replica: ClassVar[bool] = False  # each replica's params/optimizer state are its own (hsdp)
     mesh: Mesh

@@ -3,7 +3,9 @@
     gather:  pack_for_gather (cast held → param_dtype) → all-gather on the shard group
              → unpack_gathered (rank-major [S, N] → param-major full_flat)
     reduce:  pack_grads_for_reduce (cast → reduce_dtype, pre-divide, accumulate micro-steps)
-             → reduce-scatter on the shard group → [sync_grads] all-reduce on the sync group
+             → reduce-scatter on the shard group → the replicas' stages (`replica_stages`:
+             [sync_grads] all-reduce on the sync group; on a three-level mesh the site's
+             all-reduce, split around the slow link when the sites sync grads too)
              → accumulate_reduced (post-divide, add into the fp32 grad shard)
 
 Both run asynchronously: `start_gather` / `start_reduce` launch and return a
@@ -15,11 +17,12 @@ the same steps with functional collectives (hsdp/compile/graph.py) and shares
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 
-from hsdp.comm.groups import Comm
+from hsdp.comm.groups import Comm, TimedWork
 from hsdp.core.layout import ReducePlan, UnitLayout
 from kernels.pack import pack_shards, unpack_full
 from kernels.reduce import accumulate_grad_shards, pack_grads
@@ -88,7 +91,7 @@ def accumulate_reduced(reduced: torch.Tensor, grad_flat: torch.Tensor, plan: Red
 
 
 class PendingReduce:
-    """A unit's grad reduction in flight: reduce-scatter, then (sync_grads) the sync all-reduce.
+    """A unit's grad reduction in flight: reduce-scatter, then the replicas' stages (`replica_stages`).
 
     Each stage is launched async; `advance` waits for the current one and starts
     the next, so a caller that advances once per unit overlaps every stage with
@@ -100,23 +103,50 @@ class PendingReduce:
         self.out = torch.empty(grad_flat.numel(), dtype=plan.reduce_dtype, device=grad_flat.device)
         self.work = comm.reduce_scatter(self.out, rs_in.view(-1), "shard", async_op=True)
         self.rs_in: Optional[torch.Tensor] = rs_in  # kept alive until the reduce-scatter is done
-        self.in_sync_group = False
+        self.stages = replica_stages(comm, self, plan.sync_grads)
 
     def advance(self) -> bool:
         """Wait for the current stage and start the next; True once the grad shard holds the result."""
         self.work.wait()
-        if not self.in_sync_group:
-            self.rs_in = None
-            if self.plan.sync_grads:
-                self.work = self.comm.all_reduce(self.out, "sync", async_op=True)
-                self.in_sync_group = True
-                return False
+        self.rs_in = None
+        if self.stages:
+            self.work = self.stages.pop(0)()
+            return False
         accumulate_reduced(self.out, self.grad_flat, self.plan)
         return True
 
     def finish(self) -> None:
         while not self.advance():
             continue
+
+
+def replica_stages(comm: Comm, red: PendingReduce, sync_grads: bool) -> list[Callable[[], TimedWork]]:
+    """The collectives after the shard group's reduce-scatter, each a launcher of one async stage.
+
+    Two-level mesh: [sync_grads] all-reduce on the sync group. Three-level (docs/design.md §1.1): the
+    in-site replicas' all-reduce every step; when the sites sync grads too it is split around the slow
+    link — reduce-scatter in the site, all-reduce of the 1/R slice across sites, all-gather in the
+    site — so each site's grads cross the slow link once, as a two-level replica's do.
+    """
+    replicate, sites = comm.size("replicate"), comm.size("sync")
+    if not sync_grads or sites == 1:
+        return [lambda: comm.all_reduce(red.out, "replicate", async_op=True)] if replicate > 1 else []
+    if replicate == 1:
+        return [lambda: comm.all_reduce(red.out, "sync", async_op=True)]
+    n = red.out.numel()
+    c = -(-n // replicate)  # ceil: every replica's slice the same length
+    padded = torch.zeros(replicate * c, dtype=red.out.dtype, device=red.out.device)
+    part = torch.empty(c, dtype=red.out.dtype, device=red.out.device)
+
+    def scatter_in_site() -> TimedWork:
+        padded[:n] = red.out
+        return comm.reduce_scatter(part, padded, "replicate", async_op=True)
+
+    def gather_in_site() -> TimedWork:
+        red.out = padded[:n]  # the all-gather writes the site's sum here
+        return comm.all_gather(padded, part, "replicate", async_op=True)
+
+    return [scatter_in_site, lambda: comm.all_reduce(part, "sync", async_op=True), gather_in_site]
 
 
 def start_reduce(comm: Comm, rs_in: torch.Tensor, grad_flat: torch.Tensor, plan: ReducePlan) -> PendingReduce:

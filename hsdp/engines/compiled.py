@@ -44,8 +44,9 @@ from hsdp.torch_compat import (
     start_compile_pool_lazily,
 )
 
-# What the compiled graphs call the rank's shard and sync groups (registered under these names in each process).
-GRAPH_GROUP_NAMES = {"shard": "hsdp.shard", "sync": "hsdp.sync"}
+# What the compiled graphs call the rank's shard, sync and replicate groups (registered under these names in
+# each process).
+GRAPH_GROUP_NAMES = {"shard": "hsdp.shard", "sync": "hsdp.sync", "replicate": "hsdp.replicate"}
 
 Variant = tuple[ReducePlan, str]  # (how grads are reduced, reduce | accumulate | reduce_pending)
 
@@ -68,6 +69,7 @@ class CompiledHSDPEngine(HSDPEngine):
             self.mesh.shard_size,
             name_process_group(GRAPH_GROUP_NAMES["sync"], sync),
             self.mesh.sync_size,
+            *self._replicate_group(),
         )
         # Leaves that share storage with the held shards; their .grad is the grad shard, so the compiled
         # backward's output accumulates straight into it (AccumulateGrad adds in place into a set .grad).
@@ -83,6 +85,13 @@ class CompiledHSDPEngine(HSDPEngine):
         self.clock = CompileClock()
         # One compile per machine: the first rank here compiles, the others (of any shard group) load its graphs.
         self.turns = CompileTurns(world)
+
+    def _replicate_group(self) -> tuple[str, int]:
+        """(graph name, size) of the in-site replicate group; ("", 1) on a two-level mesh (no such group)."""
+        group = self.mesh.comm.groups.get("replicate")
+        if group is None:
+            return "", 1
+        return name_process_group(GRAPH_GROUP_NAMES["replicate"], group), self.mesh.replicate_size
 
     @classmethod
     def config_kwargs(cls, cfg: Config) -> dict[str, Any]:

@@ -182,6 +182,7 @@ class HSDPEngine(Engine):
     name: ClassVar[str] = "hsdp"
     supports_compile: ClassVar[bool] = True
     supports_periodic_sync: ClassVar[bool] = True
+    supports_replicate: ClassVar[bool] = True
     sync_class: ClassVar[type[NoSync | SyncPolicy]] = SyncPolicy
 
     def __init__(
@@ -236,7 +237,8 @@ class HSDPEngine(Engine):
 
     # ------------------------------------------------------------ step-level switches
     def set_grad_sync(self, sync_grads: bool) -> None:
-        self.plan = reduce_plan(self.mesh.shard_size, self.mesh.sync_size, sync_grads, self.reduce_dtype)
+        m = self.mesh
+        self.plan = reduce_plan(m.shard_size, m.sync_size, sync_grads, self.reduce_dtype, m.replicate_size)
 
     def set_reduce_grads(self, reduce: bool) -> None:
         self.reduce_grads = reduce

@@ -74,6 +74,13 @@ def check_engine_config(cfg: Config) -> None:
         able = " and ".join(n for n, c in ENGINES.items() if c.supports_compile)
         raise ConfigError(f"compile.enabled: the compiled path exists for mesh.engine {able}, got {cls.name}")
     s = cfg.sync
+    if cfg.mesh.replicate > 1 and not cls.supports_replicate:
+        able = " or ".join(n for n, c in ENGINES.items() if c.supports_replicate)
+        raise ConfigError(
+            f"mesh.replicate: the {cls.name} baseline has one level of replicas, so expected 1 (its HSDP step "
+            f"over {cfg.mesh.sync * cfg.mesh.replicate} replicas is mesh.sync={cfg.mesh.sync * cfg.mesh.replicate}, "
+            f"mesh.replicate=1; sites need mesh.engine {able}), got {cfg.mesh.replicate}"
+        )
     if cfg.elastic.enabled and not cls.supports_periodic_sync:  # elastic replicas run the periodic sync policy
         able = " or ".join(n for n, c in ENGINES.items() if c.supports_periodic_sync)
         raise ConfigError(f"elastic.enabled: elastic replicas need mesh.engine {able}, got {cls.name!r}")

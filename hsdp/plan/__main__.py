@@ -3,13 +3,15 @@
     python -m hsdp.plan CONFIG [--set k=v ...] --inter RATE[,RATE...] [--latency MS] [--intra RATE]
                         [--calibrate RUN_DIR] [--json] [--plot OUT.png]
                         [--params N] [--replicas M] [--shard S] [--gpu NAME] [--mfu F] [--flops F] [--tokens T]
+                        [--speeds F0,F1,... [--bound S] [--window S]]
 
 Compute comes from a fake-backend run of the config (`--calibrate RUN_DIR`, else a few fake steps
 measured now) or, with `--gpu`/`--flops`, from FLOPs (hsdp.plan.project); communication from the
 engine's byte counts (hsdp.plan.workload) on the step model of hsdp.plan.model. The shard group's
 collectives, which a fake-backend run leaves out, are timed on this machine's mesh
 (hsdp.plan.collectives) when compute is measured here and `--intra` is not given. Bad input exits 2
-with one line, before any work.
+with one line, before any work. `--speeds` (each replica's step time as a multiple of the compute) adds the
+steady round of uneven replicas under lockstep, the straggler bound and paced rounds (hsdp.plan.uneven).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from hsdp.plan.collectives import measure_shard_collectives
 from hsdp.plan.model import FRAMING, Compute, Link, MeasuredIntra, Prediction, predict
 from hsdp.plan.project import failure_cost, gpu_peak_flops, projected_compute
 from hsdp.plan.report import plot_utilization, rate_label, table
+from hsdp.plan.uneven import UnevenRound, uneven_rounds, uneven_table
 from hsdp.plan.workload import Workload, build_workload
 
 SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -144,6 +147,14 @@ def build_parser() -> OneLineParser:
     p.add_argument("--flops", help="peak FLOP/s per GPU, for a GPU not in the table (e.g. 989e12)")
     p.add_argument("--tokens", help="token budget (default: run.steps × tokens per step)")
     p.add_argument(
+        "--speeds",
+        metavar="F0,F1,...",
+        help="each replica's step time as a multiple of the compute (e.g. 1,2: replica 1 2x slower): adds "
+        "lockstep vs bound (elastic.round_timeout_s) vs paced (sync.every_s) rounds",
+    )
+    p.add_argument("--bound", type=float, help="with --speeds: the straggler bound (s; default the config's)")
+    p.add_argument("--window", type=float, help="with --speeds: the paced window (s; default the config's every_s)")
+    p.add_argument(
         "--for-utilization",
         metavar="U[,U...]",
         help="also print the inter bandwidth each compute utilisation needs (e.g. 0.5,0.9,0.95)",
@@ -187,10 +198,22 @@ class Plan:
             raise ConfigError(f"--compute-s: expected seconds > 0, got {a.compute_s:g}")
         self.tokens = parse_whole(a.tokens, "--tokens") if a.tokens else None
         self.targets = parse_targets(a.for_utilization) if a.for_utilization else []
+        self.speeds = parse_speeds(a.speeds) if a.speeds else []
+        for flag, v in (("--bound", a.bound), ("--window", a.window)):
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"{flag}: expected seconds > 0, got {v:g}")
+            if v is not None and not self.speeds:
+                raise ConfigError(f"{flag}: only used with --speeds")
         mesh = [f"mesh.sync={a.replicas}"] if a.replicas is not None else []
         mesh += [f"mesh.shard={a.shard}"] if a.shard is not None else []
         self.overrides = [*a.overrides, *mesh]
         self.cfg: Config = load_config(a.config, self.overrides)
+        if self.speeds and len(self.speeds) != self.cfg.mesh.sync:
+            raise ConfigError(
+                f"--speeds: expected one factor per replica (mesh.sync={self.cfg.mesh.sync}), got {a.speeds!r}"
+            )
+        if self.speeds and self.cfg.sync.warmup_steps is None:
+            raise ConfigError("--speeds: uneven replicas' rounds need periodic sync (sync.warmup_steps is null)")
         self.args = a
         self.compute: Optional[Compute] = None
         self.measured: Optional[MeasuredIntra] = None
@@ -328,11 +351,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"({plan.compute.source})"
         )
         print(f"intra (shard group): {plan.intra_used}")
-        print(f"params {w.params:.4g}, units {len(w.units)}, mesh {w.M}×{w.S}, {w.tokens_per_step} tokens/step\n")
+        mesh = f"{w.M}×{w.R}×{w.S}" if w.R > 1 else f"{w.M}×{w.S}"  # sites × in-site replicas × shards
+        print(f"params {w.params:.4g}, units {len(w.units)}, mesh {mesh}, {w.tokens_per_step} tokens/step\n")
         print(table(predictions))
         notes = [latency_note(p, bounds[p.rate_bps], args.latency) for p in predictions if bounds[p.rate_bps]]
         print("\n" + "\n".join(notes) if notes else "")
         print(failure_line(w, predictions[0]))
+    if plan.speeds:
+        rounds = uneven_prediction(plan, predictions[0])
+        if args.json:
+            print(json.dumps([r.to_json() for r in rounds], indent=2))
+        else:
+            print(f"\nuneven replicas at {rate_label(predictions[0].rate_bps)} (step time × {args.speeds}):\n")
+            print(uneven_table(rounds))
     if plan.targets:
         print("\n| compute utilization | inter bandwidth needed |\n|---:|---:|")
         for target in plan.targets:
@@ -347,6 +378,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         plot_utilization(args.plot, curves, lo, hi)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def parse_speeds(text: str) -> list[float]:
+    """'1,2' → [1.0, 2.0]; each factor ≥ 1 and finite, or ConfigError naming --speeds."""
+    try:
+        speeds = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--speeds: expected factors such as 1,2, got {text!r}") from None
+    if not speeds or not all(f >= 1 and math.isfinite(f) for f in speeds):
+        raise ConfigError(f"--speeds: expected factors >= 1 (1: full speed), got {text!r}")
+    return speeds
+
+
+def uneven_prediction(plan: Plan, p: Prediction) -> list[UnevenRound]:
+    """The steady round of uneven replicas at p's rate: each replica's step time is the compute × its factor,
+    the round's sync time what the step model exposes per period (the period's steps less their compute)."""
+    s = plan.cfg.sync
+    step = plan.resolve_compute(plan.workload()).step_s
+    period = p.period_step_time_s if p.period_step_time_s is not None else p.step_time_s
+    sync_s = max(0.0, (period - step) * s.every)
+    a = plan.args
+    bound = a.bound if a.bound is not None else plan.cfg.elastic.round_timeout_s
+    window = a.window if a.window is not None else s.every_s / s.fragments
+    return uneven_rounds([step * f for f in plan.speeds], s.every, sync_s, bound, window)
 
 
 def latency_note(p: Prediction, bound: dict, latency_ms: float) -> str:

@@ -76,7 +76,7 @@ def measure_shard_collectives(cfg: Config, reps: int = REPS) -> Optional[Measure
 def time_collectives_worker(out: str, reps: int, cfg: Config) -> None:
     """One rank: build the mesh, time every distinct message through Comm; rank 0 writes the table."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    mesh = build_mesh(cfg.mesh.sync, cfg.mesh.shard, device, cfg.mesh.timeout_s)
+    mesh = build_mesh(cfg.mesh.sync, cfg.mesh.shard, device, cfg.mesh.timeout_s, cfg.mesh.replicate)
     comm, S = mesh.comm, cfg.mesh.shard
     param, reduce = DTYPES[cfg.precision.param_dtype], DTYPES[cfg.precision.reduce_dtype]
     rows = []

@@ -1,11 +1,14 @@
 """The step-time model: one step's compute laid on a timeline with the collectives the engine issues,
 overlapped only where the engine overlaps them (docs/design.md §2, §3, §4).
 
-Two links, each a FIFO channel (a process group's collectives run one after another):
+Two links (three on a three-level mesh), each a FIFO channel (a process group's collectives run one after another):
 
     inter   each replica's link to the others, per direction, shared by its S ranks' sync groups:
             a message of b bytes per rank takes S·b·8·overhead / inter_bps + latency · hops
-            (hops: a ring's M − 1 steps for an all-gather, 2(M − 1) for an all-reduce)
+            (hops: a ring's M − 1 steps for an all-gather, 2(M − 1) for an all-reduce); on a three-level
+            mesh (§1.1) a site's link, shared by its R·S ranks, each sending a 1/R slice: R·S·b·8·…
+    site    the in-site replicas' fast link (three-level mesh): b·8 / intra_bps, its own FIFO; free
+            without an intra rate
     intra   a rank's shard-group link: b·8 / intra_bps (None: free, as in a compute-only run), or each
             collective's time as measured on the machine (`MeasuredIntra`, hsdp.plan.collectives)
 
@@ -96,8 +99,8 @@ class Prediction:
 @dataclass
 class _Pending:
     unit: int
-    end: float
-    stage: str  # "rs" | "ar"
+    end: float  # when its current collective is through
+    stages: list[tuple[str, Message]]  # what follows, each on its channel ("inter" | "site")
 
 
 class Timeline:
@@ -105,13 +108,14 @@ class Timeline:
 
     def __init__(self, w: Workload, link: Link, compute: Compute) -> None:
         self.w, self.link, self.compute = w, link, compute
-        self.t = self.inter_free = self.intra_free = 0.0
+        self.t = self.inter_free = self.intra_free = self.site_free = 0.0
         self.landing: dict[int, float] = {}  # step → when its delayed syncs' messages are through
 
     # -- the channels
     def inter_time(self, m: Message) -> float:
-        link = self.link
-        return self.w.S * m.nbytes * 8 * link.overhead / link.inter_bps + link.latency_s * m.hops(self.w.M)
+        """A replica's (a site's: its R·S ranks each send a slice) sync-group messages share its link."""
+        link, w = self.link, self.w
+        return w.R * w.S * m.nbytes * 8 * link.overhead / link.inter_bps + link.latency_s * m.hops(w.M)
 
     def inter(self, start: float, messages: list[Message]) -> float:
         """Queue messages on the inter link from `start`; when the last is through."""
@@ -131,12 +135,20 @@ class Timeline:
         self.intra_free = max(start, self.intra_free) + took
         return self.intra_free
 
+    def site(self, start: float, m: Message) -> float:
+        """Issue an in-site replicas' collective (§1.1) at `start`: on the fast link at intra_bps, its own
+        FIFO channel; free without one (a measured shard-group table does not cover the replicate group)."""
+        if self.link.intra_bps is None or m.nbytes == 0:
+            return start
+        self.site_free = max(start, self.site_free) + m.nbytes * 8 / self.link.intra_bps
+        return self.site_free
+
     # -- one step
     def step(self, s: int, grad_sync: bool) -> None:
         """Step s: its micro-steps, then the param syncs due after it (and those landing after it)."""
         for micro in range(self.w.A):
             self.forward()
-            self.backward(grad_sync and self.w.M > 1, last=micro == self.w.A - 1)
+            self.backward(grad_sync, last=micro == self.w.A - 1)
         if s in self.landing:
             self.t = max(self.t, self.landing.pop(s))
         due = [] if grad_sync else fragments_due(s, self.w.sync)
@@ -172,31 +184,38 @@ class Timeline:
                     ready[later[0]] = self.intra(self.t, self.w.gather_messages(later[0]))
             self.t += self.unit_compute(u, 1 - FORWARD_SHARE)
             if last:
-                pending = [p for p in pending if not self.advance(p, grad_sync)]
-                pending.append(_Pending(u, self.intra(self.t, self.w.reduce_scatter_message(u)), "rs"))
+                pending = [p for p in pending if not self.advance(p)]
+                rs = self.intra(self.t, self.w.reduce_scatter_message(u))
+                pending.append(_Pending(u, rs, self.w.grad_stages(u, grad_sync)))
         for p in pending:  # the end of backward lands every reduction
-            while not self.advance(p, grad_sync):
+            while not self.advance(p):
                 pass
 
-    def advance(self, p: _Pending, grad_sync: bool) -> bool:
+    def advance(self, p: _Pending) -> bool:
         """PendingReduce.advance: wait for the current stage, start the next; True once done."""
         self.t = max(self.t, p.end)
-        if p.stage == "rs" and grad_sync:
-            p.stage, p.end = "ar", self.inter(self.t, [self.w.grad_sync_message(p.unit)])
-            return False
-        return True
+        if not p.stages:
+            return True
+        channel, m = p.stages.pop(0)
+        p.end = self.inter(self.t, [m]) if channel == "inter" else self.site(self.t, m)
+        return False
 
     def param_sync(self, s: int, due: list[int]) -> None:
         self.t += self.compute.sync_s
         if self.w.M == 1:
             return
         fragments = self.w.fragments()
-        messages = self.w.round_sync_messages([u for f in due for u in fragments[f]])
+        units = [u for f in due for u in fragments[f]]
+        messages, in_site = self.w.round_sync_messages(units), self.w.site_round_messages(units)
         if self.w.sync.delay == 0:
             for m in messages:  # blocking: each collective is waited on before the next starts
                 self.t = self.inter(self.t, [m])
+            for m in in_site:  # then the site gathers its slices
+                self.t = self.site(self.t, m)
         else:
             end = self.inter(self.t, messages)
+            for m in in_site:
+                end = self.site(end, m)
             land = s + self.w.sync.delay
             self.landing[land] = max(self.landing.get(land, 0.0), end)
 

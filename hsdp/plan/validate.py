@@ -1,6 +1,7 @@
 """Predicted vs measured mean step time across the real shaped link (a benchmark, not a test).
 
-    python -m hsdp.plan.validate [--config configs/tiny.yaml] [--rates 10mbit,30mbit,100mbit] [--out DIR]
+    python -m hsdp.plan.validate [--config configs/tiny.yaml] [--set KEY=VALUE ...] [--rates 10mbit,30mbit,100mbit]
+                                 [--out DIR]
 
 1. Calibration: one fake-backend run of the DiLoCo config (compute only; no link time goes in), and
    the shard group's collectives timed on the config's mesh (hsdp.plan.collectives: loopback gloo
@@ -67,6 +68,7 @@ def measured_mean(run_dir: Path, periodic: bool) -> Optional[float]:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hsdp.plan.validate", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--rates", default="10mbit,30mbit,100mbit")
     p.add_argument("--out", default="runs/plan-validate")
     p.add_argument("--hsdp-steps", type=int, default=12)
@@ -74,13 +76,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--calibrate-steps", type=int, default=5 * H)
     p.add_argument("--report-only", action="store_true", help="run nothing: the table from <out>'s runs")
     a = p.parse_args(argv)
+    a.shared = [*SHARED, *a.overrides]  # every run's, the calibration's and the prediction's (e.g. the mesh)
     why = None if a.report_only else missing_requirements()
     try:
         rates = parse_rates(a.rates, "--rates")
         if why:
             raise ConfigError(why)
         for extra in RUNS.values():
-            load_config(a.config, [*SHARED, *extra])
+            load_config(a.config, [*a.shared, *extra])
     except ConfigError as e:
         print(f"validate: {e}", file=sys.stderr)
         return 2
@@ -106,20 +109,21 @@ def measure(a: argparse.Namespace, out: Path, steps: dict[str, int]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     loads = {"before calibration": load()}
     t0 = time.time()
-    compute = measure_fake_run(a.config, [*SHARED, *RUNS["diloco-h8-int8"]], a.calibrate_steps, keep=str(out))
+    compute = measure_fake_run(a.config, [*a.shared, *RUNS["diloco-h8-int8"]], a.calibrate_steps, keep=str(out))
     loads["after calibration"] = load()
     print(f"[validate] calibration: {compute.step_s:.4f} s/step + {compute.sync_s:.4f} s per sync", flush=True)
-    intra = measure_shard_collectives(load_config(a.config, [*SHARED, *RUNS["diloco-h8-int8"]]))
+    intra = measure_shard_collectives(load_config(a.config, [*a.shared, *RUNS["diloco-h8-int8"]]))
     loads["after timing the shard group"] = load()
     cmd = [sys.executable, "-m", "hsdp.slowlink", "--config", a.config, "--rate", a.rates, "--no-probe"]
     cmd += ["--name", "plan", "--out", str(out / "slowlink"), "--runs"]
     cmd += [f"{run}=" + ",".join([*extra, f"run.steps={steps[run]}"]) for run, extra in RUNS.items()]
-    for o in [*SHARED, f"run.out_dir={out}"]:
+    for o in [*a.shared, f"run.out_dir={out}"]:
         cmd += ["--set", o]
     proc = subprocess.run(cmd, cwd=REPO)
     loads["after the link runs"] = load()
     return {
         "config": a.config,
+        "overrides": a.overrides,
         "load_average_1_5_15": loads,
         "wall_s": time.time() - t0,
         "slowlink_exit": proc.returncode,
@@ -152,7 +156,7 @@ def compare(
     labels = {parse_rates(lab, "--rates")[0]: parse_label(lab) for lab in a.rates.split(",") if lab}
     rows = []
     for run, extra in RUNS.items():
-        cfg = load_config(a.config, [*SHARED, *extra, f"run.steps={steps[run]}"])
+        cfg = load_config(a.config, [*a.shared, *extra, f"run.steps={steps[run]}"])
         w = build_workload(cfg)
         periodic = cfg.sync.warmup_steps is not None
         for bps in rates:

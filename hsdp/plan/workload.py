@@ -48,7 +48,7 @@ class Workload:
     """A config's step: units, mesh and dtypes, and the sync config whose schedule and codec it runs."""
 
     units: tuple[Unit, ...]
-    M: int  # replicas (mesh.sync)
+    M: int  # replicas, or sites (mesh.sync)
     S: int  # shard group (mesh.shard)
     A: int  # micro-steps (optim.grad_accum)
     param_bytes: int  # b_p
@@ -58,6 +58,7 @@ class Workload:
     tokens_per_step: int  # the whole run's, all replicas
     flops_per_token: int
     params: int  # the model's parameters (unpadded)
+    R: int = 1  # in-site replicas (mesh.replicate): each carries 1/R of its site's sync payloads (§1.1)
 
     # -------------------------------------------------------- the shard group (per rank, per step)
     def gather_messages(self, u: int) -> Message:
@@ -80,15 +81,43 @@ class Workload:
 
     # -------------------------------------------------------- the sync group (per rank)
     def grad_sync_message(self, u: int) -> Message:
-        """Stage 3 of the grad reduction: the reduced grad shard all-reduced across replicas (§3)."""
-        return Message("all_reduce", ring_bytes_of("all_reduce", self.M, self.units[u].held * self.reduce_bytes))
+        """Stage 3 of the grad reduction: the reduced grad shard (a site's: this rank's 1/R slice of it)
+        all-reduced across replicas or sites (§3, §1.1)."""
+        nbytes = -(-self.units[u].held // self.R) * self.reduce_bytes
+        return Message("all_reduce", ring_bytes_of("all_reduce", self.M, nbytes))
 
     def grad_sync_bytes(self) -> int:
         return 0 if self.M == 1 else sum(self.grad_sync_message(u).nbytes for u in range(len(self.units)))
 
+    def grad_stages(self, u: int, grad_sync: bool) -> list[tuple[str, Message]]:
+        """After the shard group's reduce-scatter, the unit's grad collectives in the engine's order
+        (hsdp/engines/collectives.py `replica_stages`), each with its channel: "inter" (the slow link) or
+        "site" (the in-site replicas' fast link, §1.1)."""
+        part = -(-self.units[u].held // self.R) * self.reduce_bytes  # one in-site replica's slice
+        if not grad_sync or self.M == 1:
+            whole = self.units[u].held * self.reduce_bytes
+            return [("site", Message("all_reduce", ring_bytes_of("all_reduce", self.R, whole)))] if self.R > 1 else []
+        if self.R == 1:
+            return [("inter", self.grad_sync_message(u))]
+        return [
+            ("site", Message("reduce_scatter", ring_bytes_of("reduce_scatter", self.R, part))),
+            ("inter", self.grad_sync_message(u)),
+            ("site", Message("all_gather", ring_bytes_of("all_gather", self.R, part))),
+        ]
+
     def param_sync_messages(self, u: int) -> list[Message]:
-        """The collectives of one unit's param sync through the config's codec (§2.3–2.5)."""
-        return codec_messages(self.sync, self.units[u].held, self.M)
+        """The collectives of one unit's param sync through the config's codec (§2.3–2.5), sliced per site."""
+        return codec_messages(self.sync, self.units[u].held, self.M, self.R)
+
+    def site_round_messages(self, units: list[int]) -> list[Message]:
+        """The in-site all-gather of a round's slices after they crossed the slow link (§1.1): per unit
+        for the fp32 all-reduce, one for a packed codec's gathered payloads (a row per site)."""
+        if self.R == 1:
+            return []
+        payloads = [codec_payload(self.sync, self.units[u].held, self.R) for u in units]
+        if payloads and all(op == "all_gather" for op, _ in payloads):
+            return [Message("all_gather", ring_bytes_of("all_gather", self.R, self.M * sum(b for _, b in payloads)))]
+        return [Message("all_gather", ring_bytes_of("all_gather", self.R, b)) for _, b in payloads]
 
     def fragments(self) -> list[list[int]]:
         return fragment_units(len(self.units), self.sync.fragments)
@@ -111,21 +140,29 @@ class Workload:
         return sum(self.fragment_sync_bytes(f) for f in range(self.sync.fragments))
 
 
-def codec_messages(sync: SyncConfig, n: int, M: int) -> list[Message]:
-    """What the codec `sync` names sends for a unit of n held elements on M replicas.
+def codec_messages(sync: SyncConfig, n: int, M: int, parts: int = 1) -> list[Message]:
+    """What the codec `sync` names sends for a unit of n held elements on M replicas (or sites, each
+    sending its payload in `parts` slices, one per in-site replica: this rank's slice)."""
+    op, nbytes = codec_payload(sync, n, parts)
+    return [Message(op, ring_bytes_of(op, M, nbytes))]
+
+
+def codec_payload(sync: SyncConfig, n: int, parts: int = 1) -> tuple[str, int]:
+    """(op, bytes of this rank's input) of a unit of n held elements through the codec `sync` names; a
+    site's payload is cut in `parts` slices of ⌈bytes/parts⌉ (hsdp/comm/site.py).
 
     Plain averaging (no θ_g) all-reduces θ_m itself, in fp32, as the fp32 codec does Δ_m.
     """
     codec = build_codec(sync)
     if isinstance(codec, Fp32Codec):
-        return [Message("all_reduce", ring_bytes_of("all_reduce", M, 4 * n))]
+        return "all_reduce", 4 * -(-n // parts)
     if isinstance(codec, DenseLowBitCodec):
         fields = codec.values.fields(n)
     elif isinstance(codec, TopKCodec):
         fields = codec.fields(n)
     else:  # a codec this planner does not know yet: refuse rather than guess its bytes
         raise TypeError(f"plan: no byte count for codec {type(codec).__name__}")
-    return [Message("all_gather", ring_bytes_of("all_gather", M, sum(f.nbytes for f in fields)))]
+    return "all_gather", -(-sum(f.nbytes for f in fields) // parts)
 
 
 def unit_flops(unit: torch.nn.Module, index: int, cfg: Config) -> float:
@@ -139,7 +176,7 @@ def build_workload(cfg: Config, params: int | None = None) -> Workload:
     """The config's workload; `params` scales every unit to a model of that many parameters (projection)."""
     with torch.device("meta"):
         model = GPT(cfg.model)
-    S, M = cfg.mesh.shard, cfg.mesh.sync
+    S, M, R = cfg.mesh.shard, cfg.mesh.sync, cfg.mesh.replicate
     total = sum(p.numel() for p in model.parameters())
     scale = 1.0 if params is None else params / total
     flops = [unit_flops(unit, i, cfg) for i, unit in enumerate(model.units)]
@@ -159,12 +196,13 @@ def build_workload(cfg: Config, params: int | None = None) -> Workload:
         units=units,
         M=M,
         S=S,
+        R=R,
         A=cfg.optim.grad_accum,
         param_bytes=DTYPES[cfg.precision.param_dtype].itemsize,
         reduce_bytes=DTYPES[cfg.precision.reduce_dtype].itemsize,
         prefetch=cfg.mesh.prefetch,
         sync=cfg.sync,
-        tokens_per_step=M * S * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum,
+        tokens_per_step=M * R * S * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum,
         flops_per_token=per_token,
         params=total if params is None else params,
     )

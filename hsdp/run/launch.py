@@ -256,7 +256,7 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
     except ConfigError as e:
         raise WorkerError(str(e)) from None
     server, address = start_lighthouse(cfg)
-    shard, local_world = cfg.mesh.shard, cfg.world_size
+    shard, local_world = cfg.mesh.replicate * cfg.mesh.shard, cfg.world_size  # a replica's (a site's) ranks
     try:
         with start_zygote(worker, cfg.compile.enabled).workers() as workers:
             stores: dict[int, dist.TCPStore] = {}  # a fresh one per start: a restarted world must not see old keys

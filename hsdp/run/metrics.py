@@ -135,6 +135,32 @@ def steady_rate(tokens_per_step: float, median_step_s: Optional[float]) -> Optio
     return tokens_per_step / median_step_s if median_step_s else None
 
 
+def ledger_entry(ledger: dict[str, Any], tokens_per_step: int, wall_s: float, quorum_s: float = 0.0) -> dict[str, Any]:
+    """One replica's round ledger for summary.json (docs/design.md §2.12): the tokens it trained, those that
+    reached the global model, and its seconds waiting at syncs for the last replica (an elastic run's
+    quorums, `quorum_s`, and a weighted run's weight exchange) with their share of its wall time."""
+    wait = float(ledger.get("wait_s") or 0.0) + quorum_s
+    return {
+        "trained_tokens": int(ledger["trained"]) * tokens_per_step,
+        "merged_tokens": round(float(ledger["merged"]) * tokens_per_step),
+        "sync_wait_s": round(wait, 3),
+        "wait_fraction": round(wait / wall_s, 4) if wall_s > 0 else None,
+    }
+
+
+def ledger_totals(per_replica: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's `replica_ledger` (per replica) and the run's `goodput` (merged ÷ trained tokens over
+    every replica) and `wait_fraction` (the most any replica waited)."""
+    trained = sum(e["trained_tokens"] for e in per_replica.values())
+    merged = sum(e["merged_tokens"] for e in per_replica.values())
+    waits = [e["wait_fraction"] for e in per_replica.values() if e.get("wait_fraction") is not None]
+    return {
+        "replica_ledger": dict(sorted(per_replica.items(), key=lambda kv: int(kv[0]))),
+        "goodput": round(merged / trained, 4) if trained else None,
+        "wait_fraction": max(waits) if waits else None,
+    }
+
+
 def run_rates(step_times: Sequence[float], tokens_per_step: float, tokens: float, train_s: float) -> dict[str, Any]:
     """summary.json's rates, from the run's step times (a resumed run's earlier ones included):
 
@@ -229,7 +255,7 @@ def _step_of(line: str) -> float:
 
 # The cumulative counters of a metrics record that a replica restarted within the run (healed, not resumed
 # from a checkpoint) continues from its previous life's last record, so that none goes backwards.
-CARRIED = ("elapsed_s", "sync_bytes", "shard_bytes", "train_time_s", "tokens", "trained_tokens")
+CARRIED = ("elapsed_s", "sync_bytes", "shard_bytes", "replicate_bytes", "train_time_s", "tokens", "trained_tokens")
 
 
 def carried_counters(previous: Optional[dict[str, Any]]) -> dict[str, float]:

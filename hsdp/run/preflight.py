@@ -91,15 +91,16 @@ def check_init_from(cfg: Config) -> None:
 
 def check_world_size(cfg: Config, world_size: int) -> None:
     """The mesh must match the world torchrun launched (an elastic replica's world: one replica, mesh.shard)."""
-    if cfg.elastic.enabled and world_size != cfg.mesh.shard:
+    site = cfg.mesh.replicate * cfg.mesh.shard
+    if cfg.elastic.enabled and world_size != site:
         raise ConfigError(
-            f"mesh.shard: an elastic run's torchrun world is one replica of mesh.shard={cfg.mesh.shard} ranks, "
-            f"got a world of {world_size}"
+            f"mesh.shard: an elastic run's torchrun world is one replica (site) of mesh.replicate×mesh.shard="
+            f"{site} ranks, got a world of {world_size}"
         )
     if not cfg.elastic.enabled and world_size != cfg.world_size:
         raise ConfigError(
-            f"mesh: sync×shard = {cfg.mesh.sync}×{cfg.mesh.shard} = {cfg.world_size} does not match "
-            f"the launched world size {world_size}"
+            f"mesh: sync×replicate×shard = {cfg.mesh.sync}×{cfg.mesh.replicate}×{cfg.mesh.shard} = "
+            f"{cfg.world_size} does not match the launched world size {world_size}"
         )
 
 

@@ -24,7 +24,7 @@ from typing import Optional
 from hsdp.config.schema import Config, ConfigError
 from hsdp.core.atomic import write_json
 from hsdp.run.guard import ONE_LINE_ERRORS
-from hsdp.run.metrics import last_record, merged_rates
+from hsdp.run.metrics import last_record, ledger_totals, merged_rates
 from hsdp.run.zygote import Exit, Workers
 from hsdp.sync.elastic import clear_markers, in_words, lighthouse_unreachable
 from hsdp.sync.seam import ReplicaSeat
@@ -351,4 +351,7 @@ def merge_replica_summaries(
             default=None,
         ),
     }
+    ledger = {k: v for s in summaries.values() for k, v in (s.get("replica_ledger") or {}).items()}
+    if ledger:  # each replica's own; goodput and the most any replica waited over all of them
+        merged.update(ledger_totals(ledger))
     (run_dir / "summary.json").write_text(json.dumps(merged, indent=1, allow_nan=False))

@@ -89,6 +89,12 @@ class Reduction:
     gather: Optional[RoundGather] = None  # the round's one all-gather that carries them (send_round)
     at: int = 0  # where this unit's bytes start in each replica's row of it
     nbytes: int = 0  # how many they are
+    # a weighted mean (sync.weighting=tokens): each contributing row's factor c_j = M·w_j/Σw (mean 1), so the
+    # codec's plain mean of c_j·x_j is Σ w_j x_j / Σ w_j. None: the plain mean. The fp32 codec's sum takes
+    # each replica's own factor before it is sent (the policy scales Δ_m); a lossy codec's decode scales the
+    # rows it decoded (their block scales, int2 tables, or values), so what each replica sends and its
+    # error-feedback residual stay its own.
+    factors: Optional[torch.Tensor] = None
 
 
 class Codec(Protocol):
@@ -279,6 +285,8 @@ class DenseLowBitCodec(_PackedCodec):
         fields = self.values.fields(n)
         per_replica = [_unpack(rows[m], fields) for m in range(M)]
         stacked = [torch.stack([parts[i] for parts in per_replica]) for i in range(len(fields))]
+        if red.factors is not None:  # decoding is linear in a row's scales (int2: its table): weight them
+            stacked[1].mul_(red.factors.to(stacked[1].dtype).view(M, 1))
         self.values.decode_mean(stacked, M, red.delta)
         red.buffers, red.gather, red.done = (), None, True
 
@@ -327,11 +335,17 @@ class TopKCodec(_PackedCodec):
         idx = torch.empty(c, dtype=topk_index_dtype(self.chunk), device=red.delta.device)
         senders = torch.zeros_like(red.delta) if self.mean == "chosen" else None
         ones = torch.ones_like(vals) if senders is not None else None
-        fused = self.values.quantize == "int2" and self.bits > 0  # SparseLoCo's payload: one launch per replica
+        factors = None if red.factors is None else red.factors.tolist()
+        # SparseLoCo's payload: one launch per replica (its kernel counts senders by 1, not by a factor)
+        fused = self.values.quantize == "int2" and self.bits > 0 and not (factors and senders is not None)
         for m in range(M):  # replicas in order, then ÷ M (or ÷ how many sent each coordinate)
             packed_idx, *parts = _unpack(rows[m], fields)
+            if factors is not None and ones is not None:  # mean="chosen": Σ c_j x_j over Σ c_j of the senders
+                ones.fill_(factors[m])
             if fused:  # unpack + dequantize + scatter-add (+ count) in one kernel, the same sums
                 packed_vals, table = parts  # int2's two fields
+                if factors is not None:  # ±table: decoding is linear in it
+                    table = table * factors[m]
                 block = self.values.block
                 decode_topk_int2_add(
                     packed_idx, packed_vals, table, self.bits, self.chunk, self.k, block, red.delta, senders
@@ -339,13 +353,15 @@ class TopKCodec(_PackedCodec):
                 continue
             unpack_bits(packed_idx, self.bits, idx)
             self.values.decode(parts, vals)
+            if factors is not None:
+                vals.mul_(factors[m])
             scatter_add_chunks(idx, vals, self.chunk, self.k, red.delta)
             if senders is not None and ones is not None:  # both set with mean="chosen"
                 scatter_add_chunks(idx, ones, self.chunk, self.k, senders)
         if senders is None:
             red.delta.div_(M)
-        else:  # a coordinate nobody sent is 0 / 1 = 0
-            red.delta.div_(senders.clamp_(min=1.0))
+        else:  # a coordinate nobody sent (or only replicas of factor 0) is 0 / 1 = 0
+            red.delta.div_(senders.masked_fill_(senders == 0, 1.0))
         red.buffers, red.gather, red.done = (), None, True
 
 

@@ -60,6 +60,10 @@ class Membership(Protocol):
     def stats(self, step_times: list[float]) -> dict[str, Any]:
         """Fields for the summary (`step_times`: the run's step times, this process's steps last)."""
 
+    def sync_wait_s(self) -> float:
+        """Seconds this rank waited to agree on its rounds' members (an elastic run's quorums), besides the
+        policy's own wait in the rounds' weight exchange."""
+
     def shutdown(self) -> None:
         """Leave the replicas (after the summary)."""
 
@@ -73,7 +77,8 @@ class LocalMembership:
         self.cfg = cfg
 
     def build_mesh(self, device: torch.device) -> Mesh:
-        return build_mesh(self.cfg.mesh.sync, self.cfg.mesh.shard, device, self.cfg.mesh.timeout_s)
+        m = self.cfg.mesh
+        return build_mesh(m.sync, m.shard, device, m.timeout_s, m.replicate)
 
     def logs(self, mesh: Mesh) -> bool:
         return mesh.rank == 0
@@ -101,6 +106,9 @@ class LocalMembership:
 
     def stats(self, step_times: list[float]) -> dict[str, Any]:
         return {}
+
+    def sync_wait_s(self) -> float:
+        return 0.0  # the c10d group has no quorum: a round's first collective is where it waits
 
     def shutdown(self) -> None:
         pass

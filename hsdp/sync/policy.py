@@ -37,6 +37,7 @@ round holds each due unit's Δ until it lands (4 bytes/element, plus the codec's
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Optional, Protocol, cast
 
@@ -46,7 +47,7 @@ from hsdp.comm.transport import Transport
 from hsdp.config.schema import ConfigError, SyncConfig
 from hsdp.sync.codec import Codec, PackedCodec, Reduction, build_codec, send_round
 from hsdp.sync.outer import OuterOptimizer
-from hsdp.sync.schedule import fragment_units, fragments_due, grad_sync_due, uses_global_copy
+from hsdp.sync.schedule import fragment_units, fragments_due, grad_sync_due, uses_global_copy, weights_by_tokens
 from hsdp.sync.state import REPLICA_BUFFERS, OuterState, PendingSync, SyncState
 from kernels.outer import compute_delta
 
@@ -58,6 +59,9 @@ class Sync(Protocol):
     def backward_grad_sync(self, step: int) -> bool: ...
     def commit_grads(self, step: int, grads: list[torch.Tensor]) -> bool: ...
     def after_step(self, step: int) -> bool: ...
+    def note_trained(self, step: int, applied: bool) -> None: ...
+    def ledger(self) -> dict[str, Any]: ...
+    def load_ledger(self, saved: dict[str, Any]) -> None: ...
     def finish(self) -> list[int]: ...
     def replicas_identical(self, step: int) -> bool: ...
     def state_dict(self) -> dict[str, Any]: ...  # {"meta": JSON structure, "buffers": name → per-unit flat}
@@ -72,8 +76,20 @@ class NoSync:
 
     replica_buffers: frozenset[str] = frozenset()
 
+    def __init__(self) -> None:
+        self.trained_steps = 0  # every step's grads cross every rank: each trained step is merged
+
     def grad_sync(self, step: int) -> bool:
         return True
+
+    def note_trained(self, step: int, applied: bool) -> None:
+        self.trained_steps += applied
+
+    def ledger(self) -> dict[str, Any]:
+        return {"since_sync": [], "trained": self.trained_steps, "merged": self.trained_steps, "wait_s": 0.0}
+
+    def load_ledger(self, saved: dict[str, Any]) -> None:
+        self.trained_steps = int(saved["trained"])
 
     def backward_grad_sync(self, step: int) -> bool:
         return True
@@ -130,6 +146,15 @@ class SyncPolicy:
         self.landed: list[int] = []  # fragments whose sync landed in the last after_step / finish
         self.dropped = 0  # rounds that did not commit (an elastic replica failed during them): not applied
         self.residual_before: dict[int, torch.Tensor] = {}  # elastic + error feedback: see settle_residuals
+        # The round ledger (docs/design.md §2.12): the steps this replica trained since each fragment's last
+        # sync began (its weight in that fragment's next round), and of all it trained, how many reached the
+        # global model (a grad-sync step whose round committed; a param round that committed counting it).
+        self.weighted = weights_by_tokens(cfg)
+        self.since_sync = [0] * cfg.fragments
+        self.trained_steps = 0
+        self.merged_steps = 0.0
+        self.wait_s = 0.0  # in the rounds' weight exchange: until the last replica arrived (weighted only)
+        self.round_weights: list[list[float]] = []  # per weighted round: every counted replica's steps
         if cfg.warmup_steps == 0:
             self.start_global_copy()
 
@@ -164,6 +189,29 @@ class SyncPolicy:
         for g in grads:
             g.div_(n)
         return True
+
+    def note_trained(self, step: int, applied: bool) -> None:
+        """The loop trained `step` (a step a paced replica skipped is not noted); `applied`: its update ran."""
+        self.trained_steps += 1
+        if self.grad_sync(step):
+            self.merged_steps += applied  # its grads crossed the replicas in the step's own round
+        else:
+            self.since_sync = [n + 1 for n in self.since_sync]
+
+    def ledger(self) -> dict[str, Any]:
+        """The round ledger, as a checkpoint keeps it per rank (RankExtras) and a resume restores it."""
+        return {
+            "since_sync": list(self.since_sync),
+            "trained": self.trained_steps,
+            "merged": self.merged_steps,
+            "wait_s": self.wait_s,
+        }
+
+    def load_ledger(self, saved: dict[str, Any]) -> None:
+        if len(saved["since_sync"]) == len(self.since_sync):  # another sync.fragments: counted afresh
+            self.since_sync = list(saved["since_sync"])
+        self.trained_steps, self.merged_steps = int(saved["trained"]), float(saved["merged"])
+        self.wait_s = float(saved.get("wait_s") or 0.0)
 
     def after_step(self, step: int) -> bool:
         """Called after the local update of `step`; True if a param sync started after it.
@@ -227,9 +275,17 @@ class SyncPolicy:
         """Start the due fragments' reductions (async when τ > 0); their syncs land after step + τ. A packed
         codec's payloads (every unit of every due fragment, in order) leave in one all-gather (send_round);
         the fp32 codec's all-reduces have started per unit."""
-        syncs = [
-            PendingSync(f, step, step + self.delay, [self.start_reduction(u) for u in self.fragments[f]]) for f in due
-        ]
+        own = [self.since_sync[f] for f in due]
+        for f in due:
+            self.since_sync[f] = 0
+        factors = self.round_factors(own) if self.weighted else [None] * len(due)
+        syncs = []
+        for f, steps, c in zip(due, own, factors):
+            mine = None if c is None else float(c[1])  # the fp32 sum takes this replica's own factor
+            reds = [self.start_reduction(u, mine) for u in self.fragments[f]]
+            for red in reds:
+                red.factors = None if c is None else c[0]
+            syncs.append(PendingSync(f, step, step + self.delay, reds, own_steps=steps))
         if self.codec.packed:
             send_round([red for sync in syncs for red in sync.reductions], self.transport, self.delay > 0)
         self.state.in_flight.extend(syncs)
@@ -253,16 +309,38 @@ class SyncPolicy:
                 for u, red in zip(self.fragments[sync.fragment], sync.reductions):
                     self.apply(u, red.delta)
                 self.landed.append(sync.fragment)
+                if self.transport.counted:  # this replica's steps reached θ_g for this fragment's 1/P
+                    self.merged_steps += sync.own_steps / len(self.fragments)
             self.state.in_flight.remove(sync)
         self.dropped += not commit
 
-    def start_reduction(self, u: int) -> Reduction:
+    def round_factors(self, own: list[int]) -> list[Optional[tuple[torch.Tensor, float]]]:
+        """sync.weighting=tokens: per due fragment, every contributing replica's factor c_j = M·w_j/Σw (w: the
+        steps each trained since the fragment's last sync; tokens ∝ steps) and this replica's own, from one
+        tiny all-gather of the weights over the sync transport before the payloads. None for a fragment
+        nobody trained (the plain mean). Its wait (the last replica's arrival) is the round's wait_s."""
+        mine = torch.tensor(own, dtype=torch.float32)
+        gathered = torch.zeros(self.transport.size * len(own), dtype=torch.float32)  # a lost round: 0s
+        t0 = time.perf_counter()
+        self.transport.all_gather(gathered, mine, async_op=False).wait()
+        self.wait_s += time.perf_counter() - t0
+        rows = self.transport.contributed_rows(gathered).view(-1, len(own)).double()
+        self.round_weights.append(rows.sum(1).tolist())
+        total, M = rows.sum(0), rows.shape[0]
+        return [
+            None if total[i] <= 0 else ((rows[:, i] * M / total[i]).float(), own[i] * M / float(total[i]))
+            for i in range(len(own))
+        ]
+
+    def start_reduction(self, u: int, factor: Optional[float] = None) -> Reduction:
         """Unit u's part of a round, through the codec: Δ_m = θ_g − θ_m, or without θ_g (plain average,
         τ = 0) θ_m itself, reduced in place unless a round may fail (then a copy, which a drop discards).
-        A packed codec only encodes it here (start_round sends the round's payloads together)."""
+        A packed codec only encodes it here (start_round sends the round's payloads together). `factor`:
+        this replica's weight in a weighted round, taken by the fp32 sum before it is sent."""
         held = self.held[u]
         if not self.uses_global:
-            return self.codec_start(held.clone() if self.transport.may_fail else held)
+            x = held.clone() if self.transport.may_fail else held
+            return self.codec_start(x, factor=factor)
         outer = self.state.outer[u]
         assert outer is not None, "a param sync before the global copy θ_g (start_global_copy)"
         delta = torch.empty_like(held)
@@ -274,12 +352,16 @@ class SyncPolicy:
             self.state.eager[u] = estimate
         error = self.state.error_of(u) if self.cfg.error_feedback else None
         self.keep_residual(u)
-        return self.codec_start(delta, error)
+        return self.codec_start(delta, error, factor)
 
-    def codec_start(self, x: torch.Tensor, error: Optional[torch.Tensor] = None) -> Reduction:
+    def codec_start(
+        self, x: torch.Tensor, error: Optional[torch.Tensor] = None, factor: Optional[float] = None
+    ) -> Reduction:
         """A packed codec's encode (sent with the round), or the fp32 codec's all-reduce, started now."""
         if self.codec.packed:
             return cast(PackedCodec, self.codec).encode(x, error)
+        if factor is not None and factor != 1.0:  # Σ_j c_j x_j / M: the weighted mean (x is this round's)
+            x.mul_(factor)
         return self.codec.start(x, self.transport, self.delay > 0, error=error)
 
     # ---- error feedback on a transport that may fail (elastic, docs/design.md §11): a residual changes only

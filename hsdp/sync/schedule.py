@@ -66,3 +66,16 @@ def uses_global_copy(cfg: SyncConfig) -> bool:
     is snapshotted against θ_g, even for plain averaging) or a merge with α > 0 (θ_m is mixed with θ_g)."""
     lossy = cfg.quantize != "none" or cfg.topk > 0
     return cfg.method == "diloco" or lossy or cfg.delay > 0 or cfg.alpha > 0
+
+
+def weights_by_tokens(cfg: SyncConfig) -> bool:
+    """Whether the outer mean weights each replica's Δ by the tokens it trained since the fragment's last
+    sync (sync.weighting tokens, or auto on a paced run: docs/design.md §2.12)."""
+    return cfg.weighting == "tokens" or (cfg.weighting == "auto" and cfg.every_s > 0)
+
+
+def last_round_step(steps: int, cfg: SyncConfig) -> int:
+    """The last step of a `steps`-step run after which a param sync starts (-1: none)."""
+    if cfg.warmup_steps is None:
+        return -1
+    return max((s for s in range(cfg.warmup_steps, steps) if fragments_due(s, cfg)), default=-1)

@@ -57,6 +57,7 @@ class PendingSync:
     start: int
     land: int
     reductions: list[Reduction]  # one per unit of the fragment, in `fragments[fragment]` order
+    own_steps: int = 0  # the steps this replica trained into its Δ (its weight; merged if the round counts it)
 
 
 class SyncState:

@@ -8,6 +8,13 @@ inner optimizer state, the sync policy's state_dict cut per param), named by key
 Crash safety: rank 0 renames `.tmp_step_N` to `step_N` only after a barrier that every rank reaches
 once its files are written, then writes `.complete`; older checkpoints beyond `run.keep_checkpoints`
 are deleted only after that. A kill at any point leaves the previous complete checkpoint as the latest.
+
+Asynchronous saves (`run.checkpoint_async`, the default): the training thread checks the state (finite),
+copies it (the staged state: its own tensors, which training then goes on changing, are never written)
+and hands it to a writer thread, which does everything above on a process group of its own (gloo: its
+barriers and DCP's collectives never interleave with training's) while training goes on. One save is in
+flight at a time: the next one, and the run's end (`finish`), wait for it and raise its error there. What
+training waits for is `checkpoint_save_s` in summary.json; the writes themselves, `checkpoint_write_s`.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ import os
 import pickle
 import random
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -70,6 +79,9 @@ class Progress:
     resumed_from: Optional[Path] = None
     tokens: Optional[int] = None  # the run's tokens trained so far, as this rank counts them (train.py)
     trained_tokens: Optional[int] = None  # of those, the tokens of the ranks whose metrics this rank writes
+    # this replica's own counts (docs/design.md §2.12): the policy's round ledger, the paced periods
+    ledger: Optional[dict[str, Any]] = None
+    pace: Optional[dict[str, Any]] = None
 
 
 class RankExtras:
@@ -100,6 +112,8 @@ class RankExtras:
                 "wall_s": progress.prior_wall_s + time.perf_counter() - self.t_start,
                 "tokens": progress.tokens,
                 "trained_tokens": progress.trained_tokens,
+                "ledger": progress.ledger,
+                "pace": progress.pace,
             },
         }
 
@@ -140,7 +154,12 @@ class Checkpoints:
         self.t_start = t_start
         self.resumed_from: Optional[Path] = None
         self.last_load_s: Optional[float] = None  # this rank's seconds in the load, and in all saves
-        self.saves, self.save_s = 0, 0.0
+        self.saves, self.save_s = 0, 0.0  # save_s: what the training thread spent in save() (exposed)
+        self.write_s = 0.0  # the writes' own seconds (on the writer thread when asynchronous)
+        self.background = cfg.run.checkpoint_async
+        self._writer: Optional[threading.Thread] = None
+        self._write_error: Optional[BaseException] = None
+        self._group: Any = None  # the writer's process group (created by the first asynchronous save)
 
     # ------------------------------------------------------------ resume
     def resume(self) -> Progress:
@@ -191,6 +210,8 @@ class Checkpoints:
             resumed_from=path,
             tokens=p.get("tokens"),  # None: a checkpoint from before these were saved
             trained_tokens=p.get("trained_tokens"),
+            ledger=p.get("ledger"),
+            pace=p.get("pace"),
         )
 
     # ------------------------------------------------------------ save
@@ -200,55 +221,93 @@ class Checkpoints:
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "checkpoint_load_s": self.last_load_s,
             "checkpoints_saved": self.saves,
-            "checkpoint_save_s": round(self.save_s, 4),
+            "checkpoint_save_s": round(self.save_s, 4),  # what training waited for (all of it when synchronous)
+            "checkpoint_write_s": round(self.write_s, 4),
+            "checkpoint_async": self.background,
         }
 
     def due(self, step: int) -> bool:
+        """Whether a checkpoint is saved after the update, sync and log of `step`."""
         every = self.cfg.run.checkpoint_every
         return every > 0 and (step + 1) % every == 0
 
-    def maybe_save(self, step: int, progress: Progress) -> None:
-        """After the update, sync and log of `step`: save if it is a checkpoint step."""
-        if self.due(step):
-            self.save(step, progress)
-
     def save(self, step: int, progress: Progress) -> Path:
-        """Write `checkpoints/step_{step}` atomically (collective: every rank calls it).
+        """Write `checkpoints/step_{step}` atomically (collective: every rank calls it); asynchronously, hand
+        it to the writer thread after the previous save is complete (module docstring). Returns its path.
 
         Refuses (Diverged, on every rank) a state that holds a NaN or inf, before anything is
         written: a bad state is never checkpointed, so pruning never removes the last good one.
         A save that fails on rank 0 removes what it wrote before the error propagates; any failure
         is SaveFailed, which says so when the disk is full (`save_failure`), whatever layer raised it.
         """
+        t0 = time.perf_counter()
+        self.finish()  # one save in flight: the previous one complete, its error raised here
+        engine_state = self.engine.checkpoint_state(self.optimizer)
+        state = dcp_state(engine_state, self.engine.state_per_replica, self.mesh.sync_rank)
+        self._refuse_non_finite(step, state)
+        state[extra_key(self.mesh.rank)] = pickle.dumps(RankExtras(self.mesh, self.t_start, progress).state_dict())
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "engine": self.cfg.mesh.engine,
+            "mesh": {
+                "sync": self.mesh.sync_size,
+                "replicate": self.mesh.replicate_size,  # in-site replicas: their ranks save one copy (DCP dedups)
+                "shard": self.mesh.shard_size,
+                "replica": self.replica,
+            },
+            "replicas_identical": self.engine.replicas_identical(step),
+            "engine_meta": {} if engine_state.sync_meta is None else {"sync": engine_state.sync_meta},
+            "saved_at": time.time(),
+        }
+        staged = stage(state) if self.background else None
+        if staged is None:  # synchronous (or a state this copy cannot stage: tensor subclasses, e.g. DTensor)
+            self.background = False
+            final = self._write(step, state, meta, group=None)
+            self.save_s += time.perf_counter() - t0
+            return final
+        if self._group is None:  # collective: every rank reaches its first save together
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.mesh.timeout_s))
+        self._writer = threading.Thread(
+            target=self._write_in_background, args=(step, staged, meta), name=f"checkpoint-step_{step}", daemon=True
+        )
+        self._writer.start()
+        self.save_s += time.perf_counter() - t0
+        return self.root / f"step_{step}"
+
+    def finish(self) -> None:
+        """Wait for the save in flight (if any); its failure is raised here, on the training thread."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        error, self._write_error = self._write_error, None
+        if error is not None:
+            raise error
+
+    def _write_in_background(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        try:
+            self._write(step, state, meta, group=self._group)
+        except BaseException as e:  # raised on the training thread by the next save or the run's end
+            self._write_error = e
+
+    def _write(self, step: int, state: dict[str, Any], meta: dict[str, Any], group: Any) -> Path:
+        """The save's I/O (every rank; `group`: the process group of its collectives, None: the default)."""
         import torch.distributed.checkpoint as dcp  # on first use (see load)
 
         t0 = time.perf_counter()
         tmp, final = self.root / f".tmp_step_{step}", self.root / f"step_{step}"
         rank0 = self.first
-        engine_state = self.engine.checkpoint_state(self.optimizer)
-        state = dcp_state(engine_state, self.engine.state_per_replica, self.mesh.sync_rank)
-        self._refuse_non_finite(step, state)
         needed = state_bytes(state) * dist.get_world_size()  # about what this save writes (ranks hold alike shards)
         try:
             if rank0:
                 shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
                 tmp.mkdir(parents=True)
-            dist.barrier()
-            state[extra_key(self.mesh.rank)] = pickle.dumps(RankExtras(self.mesh, self.t_start, progress).state_dict())
-            meta = {
-                "format": FORMAT,
-                "step": step,
-                "engine": self.cfg.mesh.engine,
-                "mesh": {"sync": self.mesh.sync_size, "shard": self.mesh.shard_size, "replica": self.replica},
-                "replicas_identical": self.engine.replicas_identical(step),
-                "engine_meta": {} if engine_state.sync_meta is None else {"sync": engine_state.sync_meta},
-                "saved_at": time.time(),
-            }
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
-            dist.barrier()  # every rank's files are written (DCP's metadata only on rank 0's side)
+            dist.barrier(group=group)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=group)
+            dist.barrier(group=group)  # every rank's files are written (DCP's metadata only on rank 0's side)
             digests: Optional[list[Any]] = [None] * dist.get_world_size() if rank0 else None
             mine = hash_files(tmp, rank_data_files(tmp, dist.get_rank()))  # each rank hashes its own (DCP's) files
-            dist.gather_object(mine, digests, dst=0)
+            dist.gather_object(mine, digests, dst=0, group=group)
             if rank0:
                 assert digests is not None  # rank 0's list, filled by gather_object
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -274,7 +333,7 @@ class Checkpoints:
                 + (f"the last complete checkpoint, {kept}, is kept" if kept else "no checkpoint was saved before it")
             ) from None
         self.saves += 1
-        self.save_s += time.perf_counter() - t0
+        self.write_s += time.perf_counter() - t0
         return final
 
     def _refuse_non_finite(self, step: int, state: dict[str, Any]) -> None:
@@ -292,6 +351,32 @@ class Checkpoints:
     def last_good(self) -> Optional[Path]:
         """The newest complete checkpoint (every checkpoint is finite), for the divergence message."""
         return latest_checkpoint(self.home)
+
+
+def stage(state: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A copy of a DCP state dict that training cannot change: plain tensors copied to the CPU, a DTensor
+    (the hsdp engine's sharded state) cloned where it lives (its local shard, same mesh and placements: no
+    communication), bytes and numbers kept. None if it holds another tensor subclass (nothing to stage it
+    with: the save is then synchronous)."""
+    from torch.distributed.tensor import DTensor
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value.detach().clone()
+        if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+                raise TypeError(type(value).__name__)
+            return value.detach().to("cpu", copy=True)
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy(v) for v in value)
+        return value  # bytes, numbers, strings: immutable
+
+    try:
+        return {k: copy(v) for k, v in state.items()}
+    except TypeError:
+        return None
 
 
 def prune(run_dir: Path, newest: Path, keep: int, drop_later: bool = True) -> None:

@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hsdp.config.faults import Fault, Place, parse_faults
@@ -25,14 +27,19 @@ class FaultInjected(RuntimeError):
 
 
 class FaultPoints:
-    """The faults of replica `replica`'s `life`-th start, on shard rank `shard_rank`."""
+    """The faults of replica `replica`'s `life`-th start, on rank `shard_rank` of its world (its site's rank on
+    a three-level mesh)."""
 
     def __init__(
         self, spec: str, replicas: int, replica: int, life: int, shard_rank: int, run_dir: Path, wait_s: float
     ) -> None:
         faults = parse_faults(spec, replicas)
         self.replica, self.life, self.shard_rank = replica, life, shard_rank
-        self.mine = [f for f in faults if (f.at.replica, f.at.life) == (replica, life)]
+        self.mine = [
+            f
+            for f in faults
+            if (f.at.replica, f.at.life) == (replica, life) and f.rank in (None, shard_rank)  # every rank, or this one
+        ]
         # the places of this life that some fault waits for: marked when passed
         self.watched = {
             f.wait_for for f in faults if f.wait_for and (f.wait_for.replica, f.wait_for.life) == (replica, life)
@@ -52,6 +59,29 @@ class FaultPoints:
         if place in self.watched:
             self.markers.mkdir(parents=True, exist_ok=True)
             self._marker(place).touch()
+
+    def watches(self, point: str, round_: int) -> bool:
+        """Whether some fault waits for this life's `point` of round `round_`."""
+        return Place(self.replica, self.life, round_, point) in self.watched
+
+    def watch(self, point: str, round_: int, reached: Callable[[], bool]) -> None:
+        """Mark `point` of round `round_` once `reached()` (polled on a daemon thread) — for a point the
+        training thread cannot see pass, as it waits inside torchft (`asked_quorum`). Only when some fault
+        waits for it; the thread ends when marked, or after mesh.timeout_s (the waiter then fails itself)."""
+        place = Place(self.replica, self.life, round_, point)
+        if not self.watches(point, round_):
+            return
+
+        def poll() -> None:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < self.wait_s:
+                if reached():
+                    self.markers.mkdir(parents=True, exist_ok=True)
+                    self._marker(place).touch()
+                    return
+                time.sleep(POLL_S)
+
+        threading.Thread(target=poll, name=f"fault-{point}", daemon=True).start()
 
     def _marker(self, place: Place) -> Path:
         return self.markers / f"{place.replica}.{place.life}.{place.round}.{place.point}.rank{self.shard_rank}"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import socket
-from typing import Optional
+import urllib.request
+from typing import NamedTuple, Optional
 from urllib.parse import urlsplit
 
 
@@ -29,3 +31,33 @@ def lighthouse_unreachable(url: str, timeout_s: float) -> Optional[OSError]:
 def in_words(e: OSError) -> str:
     """An OSError in a few words ("Connection refused", "timed out")."""
     return e.strerror or str(e) or type(e).__name__
+
+
+class QuorumStatus(NamedTuple):
+    """What the lighthouse's status page says: the id of its last quorum and the requests waiting for the next."""
+
+    quorum_id: int
+    pending: int
+
+
+# torchft's /status page (templates/status.html): "Current quorum_id: N" and the next quorum's status line,
+# which ends "[H/P participants healthy]..." with P the requests registered for the next quorum
+_QUORUM_ID = re.compile(r"Current quorum_id:\s*(-?\d+)")
+_PENDING = re.compile(r"\[(\d+)/(\d+) participants healthy\]")
+
+
+def quorum_status(url: str, timeout_s: float) -> Optional[QuorumStatus]:
+    """The lighthouse's QuorumStatus, or None when it cannot be read (unreachable, or a page of another shape).
+
+    Only the `asked_quorum` fault point reads it (faults.py): a replica's quorum request is at the lighthouse
+    once the pending count rises, or the quorum id moves on (the quorum formed with it)."""
+    parts = urlsplit(url)
+    try:
+        with urllib.request.urlopen(f"http://{parts.hostname}:{parts.port}/status", timeout=timeout_s) as r:
+            page = r.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    quorum, pending = _QUORUM_ID.search(page), _PENDING.search(page)
+    if quorum is None or pending is None:
+        return None
+    return QuorumStatus(int(quorum[1]), int(pending[2]))

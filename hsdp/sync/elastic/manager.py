@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -17,7 +18,8 @@ CONNECT_FACTOR = 6  # elastic.timeout_s multiples a quorum (and re-forming the g
 def build_manager(
     cfg: Config, replica: int, shard_rank: int, shard: int, lighthouse: str, heal: HealState
 ) -> tuple[Any, Any]:
-    """(torchft Manager, its gloo group) of shard rank `shard_rank` of replica `replica`, meeting the other
+    """(torchft Manager, its gloo group) of rank `shard_rank` of replica `replica`'s world of `shard` ranks (a
+    site's replicate·shard ranks on a three-level mesh), meeting the other
     replicas at `lighthouse`; `heal` is what it sends a peer that heals from it and loads when it heals."""
     from torchft.manager import Manager  # lazy: only elastic runs need torchft
 
@@ -44,7 +46,8 @@ def build_manager(
         init_sync=False,  # replicas start from the same seeded init: no copy at step 0
         timeout=timeout,
         # A quorum waits for the peers' next sync (up to sync.every steps away), not only for failures.
-        quorum_timeout=timedelta(seconds=max(cfg.mesh.timeout_s, CONNECT_FACTOR * cfg.elastic.timeout_s)),
+        quorum_timeout=timedelta(seconds=quorum_timeout_s(cfg)),
+        quorum_retries=quorum_retries(cfg),
         connect_timeout=timeout,
         rank=shard_rank,
         world_size=shard,
@@ -56,6 +59,24 @@ def build_manager(
     )
     heal.snapshots = _http_transport(timeout, host)  # this rank's state, for a peer healing out of band
     return manager, pg
+
+
+def quorum_timeout_s(cfg: Config) -> float:
+    """torchft's bound on one quorum: it waits for the peers' next sync (up to sync.every steps away), not only
+    for failures."""
+    return max(cfg.mesh.timeout_s, CONNECT_FACTOR * cfg.elastic.timeout_s)
+
+
+def quorum_retries(cfg: Config) -> int:
+    """How often torchft's manager asks the lighthouse again within one quorum, about every elastic.timeout_s.
+
+    A lighthouse lost while a quorum request is at it fails that request; with no retry torchft's manager
+    never answers its own caller (its Rust side does not broadcast a failed quorum) and the replica waits out
+    the whole quorum timeout (mesh.timeout_s, 300 s by default) even when a new lighthouse is up a second
+    later. A retry sleeps quorum_timeout ÷ (retries + 1) and reconnects: about elastic.timeout_s. That is
+    much longer than a manager's heartbeat interval (0.1 s), so a restarted lighthouse has heard every live
+    replica before the first retry reaches it and does not form a quorum of the early ones alone."""
+    return max(1, math.ceil(quorum_timeout_s(cfg) / cfg.elastic.timeout_s) - 1)
 
 
 def _http_transport(timeout: timedelta, host: str):

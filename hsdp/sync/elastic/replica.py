@@ -42,7 +42,7 @@ from hsdp.comm.mesh import Mesh, build_elastic_mesh
 from hsdp.config.schema import Config
 from hsdp.sync.elastic.faults import FaultPoints
 from hsdp.sync.elastic.heal import HealState, PeerGone
-from hsdp.sync.elastic.lighthouse import lighthouse_unreachable
+from hsdp.sync.elastic.lighthouse import lighthouse_unreachable, quorum_status
 from hsdp.sync.elastic.manager import build_manager
 from hsdp.sync.elastic.phase import Phase, PhaseLog
 from hsdp.sync.elastic.straggler import RoundBound
@@ -106,19 +106,21 @@ class ElasticReplica(PhaseLog):
     def build_mesh(self, device: torch.device) -> Mesh:
         """The replica's own world as its mesh, with the torchft transport as its sync group."""
         c = self.cfg
-        self._mesh = build_elastic_mesh(self.replica, c.mesh.sync, c.mesh.shard, device, c.mesh.timeout_s, self._build)
+        m = c.mesh
+        self._mesh = build_elastic_mesh(self.replica, m.sync, m.shard, device, m.timeout_s, self._build, m.replicate)
         return self._mesh
 
-    def _build(self, comm: Comm, shard_rank: int) -> FTTransport:
+    def _build(self, comm: Comm, site_rank: int) -> FTTransport:
         """This rank's faults, heal state, torchft manager and transport (its manager heartbeats from here)."""
         cfg = self.cfg
         faults = FaultPoints(
-            cfg.elastic.faults, cfg.mesh.sync, self.replica, self.restart, shard_rank, cfg.run_dir, cfg.mesh.timeout_s
+            cfg.elastic.faults, cfg.mesh.sync, self.replica, self.restart, site_rank, cfg.run_dir, cfg.mesh.timeout_s
         )
         faults.at("start", 0)
         self._faults = faults
         self._heal = HealState(self, faults)
-        manager, pg = build_manager(cfg, self.replica, shard_rank, cfg.mesh.shard, self.lighthouse, self._heal)
+        site = cfg.mesh.replicate * cfg.mesh.shard  # the replica's (a site's) own world: its manager's group
+        manager, pg = build_manager(cfg, self.replica, site_rank, site, self.lighthouse, self._heal)
         self._transport = FTTransport(
             manager,
             pg,
@@ -127,6 +129,7 @@ class ElasticReplica(PhaseLog):
             partition_timeout_s=cfg.elastic.partition_timeout_s,
             bound=self.bound,
             lighthouse_unreachable=lambda: lighthouse_unreachable(self.lighthouse, cfg.elastic.timeout_s),
+            lighthouse_status=lambda: quorum_status(self.lighthouse, cfg.elastic.timeout_s),
             heartbeat_window_s=cfg.elastic.timeout_s,  # the lighthouse's heartbeat timeout (run/replicas.py)
             faults=faults,
             on_cut=self._on_cut,
@@ -142,7 +145,7 @@ class ElasticReplica(PhaseLog):
             self.enter(Phase.TRAINING, "a quorum answers again")
 
     def logs(self, mesh: Mesh) -> bool:
-        return mesh.shard_rank == 0  # each replica's first rank
+        return mesh.shard_rank == 0 and mesh.replicate_rank == 0  # each replica's (site's) first rank
 
     def join(self, state: ReplicaState, start_step: int) -> int:
         """The first quorum: the step to train from.
@@ -195,7 +198,7 @@ class ElasticReplica(PhaseLog):
             time.sleep(0.2)
         self.joined_s = time.perf_counter() - t0
         transport.joined_at = transport.rounds  # elastic.faults count this life's rounds from here
-        if heal.heals and self.mesh.shard_rank == 0:
+        if heal.heals and self.mesh.shard_rank == 0 and self.mesh.replicate_rank == 0:
             print(
                 f"elastic: replica {self.replica} healed from a live replica at its step {heal.healed_to}, "
                 f"training from step {step}",
@@ -239,7 +242,8 @@ class ElasticReplica(PhaseLog):
         following = next((s for s in range(at + 1, cfg.run.steps) if fragments_due(s, cfg.sync)), None)
         if following is None:  # the peers sync no more: train on alone to the end, as they do
             return at + 1
-        # Every rank of the replica trains the same steps (their shard collectives pair up): the largest lag's.
+        # Every rank of the replica trains the same steps (their shard and in-site collectives pair up): the
+        # largest lag's.
         self.skipped = self._replica_max(steps_behind(time.perf_counter() - closed, pace, following - at))
         self.contributes_from = following
         return at + 1 + self.skipped
@@ -259,9 +263,10 @@ class ElasticReplica(PhaseLog):
         self.spectated += 1
 
     def _replica_max(self, value: int) -> int:
-        """The largest `value` among this replica's ranks (its shard group, in its own world)."""
+        """The largest `value` among this replica's ranks: its own world, every shard and (on a three-level mesh)
+        every in-site replica, since all of them must train the same steps and heal together."""
         t = torch.tensor([int(value)], dtype=torch.int64, device=self.heal.seam.held[0].device)
-        self.transport.comm.all_reduce(t, "shard", op=dist.ReduceOp.MAX)
+        self.transport.comm.all_reduce(t, "world", op=dist.ReduceOp.MAX)
         return int(t.item())
 
     def _heal_again(self) -> None:
@@ -387,6 +392,7 @@ class ElasticReplica(PhaseLog):
             "rejoins": self.rejoins,
             "rejoin_paused_s": round(self.paused_s, 3),
             "quorum_failures": t.quorum_failures,
+            "lighthouse_restarts_seen": t.lighthouse_restarts,  # found by its quorum id going back (no refusal)
             "quorum_failed_s": round(t.quorum_failed_s, 3),
             # the straggler bound (elastic.round_timeout_s): rounds that counted a late replica out, this
             # replica's own late rounds, and the local steps it skipped to arrive within the bound
@@ -394,6 +400,10 @@ class ElasticReplica(PhaseLog):
             "own_late_rounds": self.bound.own_late_rounds,
             "cut_steps": self.bound.cut_steps,
         }
+
+    def sync_wait_s(self) -> float:
+        """Its quorums' waits: where a replica that arrives first waits for the others (torchft's quorum)."""
+        return float(sum(self.transport.quorum_waits))
 
     def shutdown(self) -> None:
         self.enter(Phase.LEAVING, "the run is over")

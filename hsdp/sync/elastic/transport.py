@@ -25,7 +25,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 from hsdp import torch_compat
 from hsdp.comm.groups import Comm, ring_bytes_of
 from hsdp.sync.elastic.faults import FaultPoints
-from hsdp.sync.elastic.lighthouse import in_words
+from hsdp.sync.elastic.lighthouse import QuorumStatus, in_words
 from hsdp.sync.elastic.straggler import RoundBound
 
 
@@ -67,6 +67,9 @@ class FTTransport:
     (asked before each quorum attempt: manager.lighthouse_unreachable says why a quorum must not be asked
     for then). `heartbeat_window_s`: the lighthouse's heartbeat timeout (elastic.timeout_s), waited once a
     lighthouse that refused connections (its process gone: a fresh one when it is back) accepts again.
+    `lighthouse_status()`: the lighthouse's QuorumStatus, read before each quorum: a quorum id lower than the
+    one read before the last quorum means a restarted lighthouse (its ids start over), and the heartbeat
+    window is waited before asking it, whether or not this replica saw it refuse a connection.
     """
 
     may_fail = True
@@ -81,6 +84,7 @@ class FTTransport:
         partition_timeout_s: float = 120.0,
         bound: Optional[RoundBound] = None,
         lighthouse_unreachable: Callable[[], Optional[OSError]] = lambda: None,
+        lighthouse_status: Callable[[], Optional[QuorumStatus]] = lambda: None,
         heartbeat_window_s: float = 0.0,
         faults: Optional[FaultPoints] = None,
         on_cut: Callable[[bool], None] = lambda cut: None,
@@ -93,6 +97,9 @@ class FTTransport:
         # then 1, 2, ... (set by the replica when its join ends)
         self.joined_at: Optional[int] = None
         self.lighthouse_unreachable, self.heartbeat_window_s = lighthouse_unreachable, heartbeat_window_s
+        self.lighthouse_status = lighthouse_status
+        self._lighthouse_quorum_id: Optional[int] = None  # its quorum id before this replica's last quorum
+        self.lighthouse_restarts = 0  # restarted lighthouses found by their quorum id (not by a refusal)
         self.sleep: Callable[[float], None] = time.sleep  # tests pass one that moves their fake clock
         self.partition_timeout_s = partition_timeout_s
         # Rounds whose quorum failed at first (the lighthouse unreachable, or no quorum within the manager's
@@ -140,6 +147,7 @@ class FTTransport:
         self.open = True
         work = self.bound.work()  # before the quorum: a late replica's wait for it is not work
         self._fault("before_quorum", self.fault_round(self.rounds + 1))
+        self._watch_asked_quorum(self.fault_round(self.rounds + 1))
         t0 = self.clock()
         self._quorum_or_pause()
         self._round_start = self.clock()  # the quorum's wait is counted in quorum_waits, not twice
@@ -157,6 +165,19 @@ class FTTransport:
         self.rounds += 1
         self._sent = False
         self._fault("after_quorum", self.fault_round(self.rounds))
+
+    def _watch_asked_quorum(self, round_: int) -> None:
+        """Mark `asked_quorum` once this replica's request is at the lighthouse (another request pending, or
+        the quorum formed): exact when the replicas that would race it wait for the mark before asking."""
+        if self.faults is None or not self.faults.watches("asked_quorum", round_):
+            return
+        before = self.lighthouse_status()
+
+        def asked() -> bool:
+            now = self.lighthouse_status()
+            return before is not None and now is not None and (now.pending > 0 or now.quorum_id != before.quorum_id)
+
+        self.faults.watch("asked_quorum", round_, asked)
 
     def fault_round(self, rounds: int) -> int:
         """The fault points' number of the round that is the `rounds`-th of this process (0: the join's)."""
@@ -196,11 +217,15 @@ class FTTransport:
         restarted = False  # the lighthouse refused a connection during this pause: it is a fresh one when back
         while True:
             try:
-                error = self.lighthouse_unreachable()
+                # One call when the lighthouse answers: its status page (the quorum id, below); only when that
+                # cannot be read, a connection attempt says why (refused: a lost lighthouse; unreachable: a cut).
+                status = self.lighthouse_status()
+                error = None if status is not None else self.lighthouse_unreachable()
                 if error:
                     restarted = restarted or isinstance(error, ConnectionRefusedError)
                     raise ConnectionError(f"the lighthouse does not accept connections: {in_words(error)}")
-                if restarted:
+                fresh = self._lighthouse_restarted(status)  # every time: it keeps the last quorum id
+                if restarted or fresh:
                     self.sleep(self.heartbeat_window_s)
                     restarted = False
                 if first is None:
@@ -233,6 +258,26 @@ class FTTransport:
             self.on_cut(False)
             self.quorum_failed_s += self.clock() - first
             print(f"elastic: a quorum again after {self.clock() - first:.1f} s", file=sys.stderr, flush=True)
+
+    def _lighthouse_restarted(self, status: Optional[QuorumStatus]) -> bool:
+        """Whether the lighthouse's quorum id went back since this replica's last quorum: a lighthouse restarted
+        while this replica trained (it never saw a refusal). Asked at once, that fresh lighthouse may have heard
+        only this replica's heartbeats and form a quorum of it alone (torchft's rule wants more than half of
+        the replicas it has heard), ahead of the others, who would then heal from it and lose their period.
+        `status`: the status page read just now (None: not readable)."""
+        if status is None:
+            return False
+        before, self._lighthouse_quorum_id = self._lighthouse_quorum_id, status.quorum_id
+        if before is None or status.quorum_id >= before:
+            return False
+        self.lighthouse_restarts += 1
+        print(
+            f"elastic: the lighthouse was restarted (its quorum id went back from {before} to {status.quorum_id}); "
+            f"asking it for a quorum after one heartbeat window ({self.heartbeat_window_s:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
 
     def _quorum_timeout_s(self) -> float:
         """torchft's own bound on one quorum (the manager's quorum_timeout; manager.py sets it)."""

@@ -1,0 +1,346 @@
+"""Seeded chaos in the slow-link benchmark: faults drawn as a Poisson process, applied to an elastic job.
+
+`chaos: SEED:MTBF_S` (a run's key, or `--chaos SEED:MTBF_S`) draws faults over the whole group with
+mean time MTBF_S between them, each of one kind, on one replica, for a spell:
+
+    kill        every trainer process of a replica's node gets SIGKILL (a lost machine); the launcher's
+                rule starts a replacement after elastic.restart_delay_s, which heals from a live replica
+    stop        its trainers are SIGSTOPped for the spell (a frozen machine: heartbeats stop too)
+    partition   its link is down for the spell (hsdp.bench.netns.SlowLink.cut), every process alive
+    slow        its trainers run a third of the time for the spell (SIGSTOP/SIGCONT at 10 Hz: a throttled GPU)
+    lighthouse  the lighthouse is killed and started again after the spell (the control plane lost)
+
+The same seed gives the same schedule (kinds, replicas, times, spells): it is drawn up front from
+`random.Random(seed)` over the run's time bound. A fault whose replica is still in an earlier fault (killed
+and not yet back, stopped, cut, slowed) is applied once that one is over, so at most one fault holds a replica
+at a time while faults on different replicas overlap freely; slowlink.json records when each was drawn and
+applied. Replica 0 is never killed or cut: its node holds the lighthouse and prepares the run folder, and
+losing that node is what the `lighthouse` kind does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from hsdp.bench.elastic import ElasticJob, logged_steps
+from hsdp.bench.faults import require_elastic
+from hsdp.bench.netns import namespace_pids
+from hsdp.config.schema import Config, ConfigError
+from hsdp.run.replicas import merge_replica_summaries
+
+KINDS = ("kill", "stop", "partition", "slow", "lighthouse")
+SPELL_S = {"stop": (2.0, 12.0), "partition": (5.0, 20.0), "slow": (10.0, 30.0), "lighthouse": (2.0, 6.0)}
+SLOW_FACTOR = 3.0  # a slowed node runs 1/3 of the time
+SLOW_PERIOD_S = 0.1
+BACK_TIMEOUT_S = 120.0  # a killed replica counts as back once its replacement logs a step, or after this
+
+
+@dataclass(frozen=True)
+class Chaos:
+    """The seed and the mean time between faults (over the whole group) of a chaos schedule."""
+
+    seed: int
+    mtbf_s: float
+
+    @classmethod
+    def parse(cls, text: str, cfg: Config, what: str) -> Chaos:
+        """'SEED:MTBF_S' for an elastic run of at least 2 replicas, or ConfigError."""
+        usage = f"{what}: expected SEED:MTBF_S (e.g. 7:30), got {text!r}"
+        seed, sep, mtbf = str(text).partition(":")
+        try:
+            s, m = int(seed), float(mtbf)
+        except ValueError:
+            raise ConfigError(usage) from None
+        if not sep or not m > 0:
+            raise ConfigError(usage)
+        require_elastic(cfg, what, "chaos", "one fault ends all")
+        if cfg.mesh.sync < 2:
+            raise ConfigError(f"{what}: chaos needs mesh.sync >= 2 replicas, got {cfg.mesh.sync}")
+        return cls(s, m)
+
+
+@dataclass(frozen=True)
+class ChaosFault:
+    """One drawn fault: `kind` on `replica` (None: the lighthouse) at `at_s` after the start, for `seconds`."""
+
+    kind: str
+    replica: Optional[int]
+    at_s: float
+    seconds: float
+
+
+def draw_schedule(chaos: Chaos, replicas: int, horizon_s: float, restart_delay_s: float) -> list[ChaosFault]:
+    """The faults of `chaos` over `horizon_s` seconds for `replicas` replicas: exponential gaps of mean MTBF_S,
+    a kind uniformly, a replica uniformly among those the kind may hit, a spell uniformly in its range."""
+    rng = random.Random(chaos.seed)
+    faults, t = [], 0.0
+    while True:
+        t += rng.expovariate(1.0 / chaos.mtbf_s)
+        if t >= horizon_s:
+            return faults
+        kind = rng.choice(KINDS)
+        if kind == "lighthouse":
+            replica = None
+        elif kind in ("kill", "partition"):
+            replica = rng.randrange(1, replicas)  # not node 0 (module docstring)
+        else:
+            replica = rng.randrange(replicas)
+        lo, hi = SPELL_S.get(kind, (restart_delay_s, restart_delay_s))
+        faults.append(ChaosFault(kind, replica, round(t, 3), round(rng.uniform(lo, hi), 3)))
+
+
+@dataclass
+class Applied:
+    """A fault as it happened: drawn, applied (None: the run ended first), over (None: still on at the end)."""
+
+    fault: ChaosFault
+    applied_s: Optional[float] = None
+    over_s: Optional[float] = None
+    step: Optional[int] = None  # the replica's last logged step when applied
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self.fault), "applied_s": self.applied_s, "over_s": self.over_s, "step": self.step}
+
+
+class _Slowdown(threading.Thread):
+    """Runs `pids` a 1/SLOW_FACTOR of the time until `stop` is set (then leaves them running)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        super().__init__(daemon=True, name="chaos-slow")
+        self.pids, self.stop = pids, threading.Event()
+
+    def run(self) -> None:
+        on = SLOW_PERIOD_S / SLOW_FACTOR
+        while not self.stop.is_set():
+            _signal(self.pids, signal.SIGSTOP)
+            self.stop.wait(SLOW_PERIOD_S - on)
+            _signal(self.pids, signal.SIGCONT)
+            self.stop.wait(on)
+        _signal(self.pids, signal.SIGCONT)
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+@dataclass
+class ChaosJob(ElasticJob):
+    """An ElasticJob driven by a chaos schedule (every kill, stop, cut, slow spell and lighthouse loss)."""
+
+    chaos: Optional[Chaos] = None
+    schedule: list[Applied] = field(default_factory=list)
+    _holding: dict[Optional[int], Applied] = field(default_factory=dict)  # replica (None: lighthouse) → its fault
+    _slowdowns: dict[int, _Slowdown] = field(default_factory=dict)
+    _generation: dict[int, int] = field(default_factory=dict)
+    _pending: dict[int, float] = field(default_factory=dict)  # replica → when its replacement starts
+    _clock0: Optional[float] = None  # when every replica had logged a step: the schedule's time 0
+    crashes: list[dict[str, Any]] = field(default_factory=list)  # nodes that failed on their own, restarted
+
+    horizon_s: float = 3600.0  # the schedule's span: the run's time bound
+
+    def start(self) -> ChaosJob:
+        assert self.chaos is not None and self.cfg is not None
+        drawn = draw_schedule(self.chaos, self.link.replicas, self.horizon_s, self.cfg.elastic.restart_delay_s)
+        self.schedule = [Applied(f) for f in drawn]
+        super().start()
+        return self
+
+    def now_s(self) -> Optional[float]:
+        """Seconds since every replica logged its first step (None before: faults hit a training group, not
+        its start-up, which no schedule measures)."""
+        if self._clock0 is None:
+            if any(self._logged_step(m) < 0 for m in range(self.link.replicas)):
+                return None
+            self._clock0 = time.monotonic()
+        return time.monotonic() - self._clock0
+
+    def trainer_pids(self, m: int) -> list[int]:
+        """Every process of replica m's node but the lighthouse (node 0's namespace holds it too)."""
+        keep = {self.lighthouse.pid} if self.lighthouse is not None else set()
+        return [p for p in namespace_pids(self.link.namespaces[m]) if p not in keep]
+
+    # ------------------------------------------------------------ the schedule, tick by tick
+    def on_tick(self) -> None:
+        now = self.now_s()
+        if now is None:
+            return
+        self._end_spells(now)
+        self._restart_crashed(now)
+        self._start_replacements(now)
+        for a in self.schedule:
+            if a.applied_s is None and a.fault.at_s <= now and a.fault.replica not in self._holding:
+                self._apply(a, now)
+
+    def _apply(self, a: Applied, now: float) -> None:
+        f, m = a.fault, a.fault.replica
+        if m is not None and self.procs[m].poll() is not None:
+            return  # its node has finished the run: nothing left to hit
+        a.applied_s, a.step = round(now, 3), None if m is None else self._logged_step(m)
+        self._holding[m] = a
+        where = "the lighthouse" if m is None else f"replica {m}"
+        print(f"[chaos] {f.kind} {where} at {now:.1f} s for {f.seconds:g} s (step {a.step})", flush=True)
+        if f.kind == "kill":
+            self._kill(m)
+        elif f.kind == "stop":
+            _signal(self.trainer_pids(m), signal.SIGSTOP)
+        elif f.kind == "partition":
+            self.link.cut(m)
+        elif f.kind == "slow":
+            self._slowdowns[m] = _Slowdown(self.trainer_pids(m))
+            self._slowdowns[m].start()
+        elif f.kind == "lighthouse":
+            self._stop_lighthouse()
+
+    def _kill(self, m: int) -> None:
+        _signal(self.trainer_pids(m), signal.SIGKILL)
+        self.procs[m].wait()
+        self.stale.add(m)
+        self._pending[m] = time.monotonic() + self.cfg.elastic.restart_delay_s
+
+    def _restart_crashed(self, now: float) -> None:
+        """A node that exited non-zero on its own (a replica failing in the chaos: e.g. the peer it healed from
+        died and no other was ahead) is restarted after elastic.restart_delay_s, as the launcher and torchrun's
+        --max-restarts restart a failed replica, up to elastic.max_restarts times per replica; past that its
+        exit ends the job."""
+        for m, proc in enumerate(self.procs):
+            code = proc.poll()
+            if m in self.stale or code in (None, 0):
+                continue
+            mine = sum(c["replica"] == m for c in self.crashes)
+            if mine >= self.cfg.elastic.max_restarts:
+                continue
+            self.crashes.append({"replica": m, "at_s": round(now, 3), "exit_code": code})
+            print(f"[chaos] replica {m}'s node exited {code} on its own at {now:.1f} s; restarting it", flush=True)
+            self.stale.add(m)
+            self._pending[m] = time.monotonic() + self.cfg.elastic.restart_delay_s
+
+    def _start_replacements(self, now: float) -> None:
+        for m, due in list(self._pending.items()):
+            if time.monotonic() < due or None in self._holding:
+                continue  # not due, or the lighthouse is down (a replacement's first check would fail)
+            del self._pending[m]
+            others = [p.poll() for i, p in enumerate(self.procs) if i != m]
+            if all(c == 0 for c in others):  # as the launcher: no replacement once the others finished
+                self._holding.pop(m, None)
+                continue
+            self._generation[m] = self._generation.get(m, 0) + 1
+            self.procs[m] = self._start_node(m, generation=self._generation[m])
+            self.stale.discard(m)
+
+    def _end_spells(self, now: float) -> None:
+        for m, a in list(self._holding.items()):
+            f = a.fault
+            if f.kind == "kill":
+                assert m is not None and a.applied_s is not None
+                if m in self._pending:
+                    continue
+                # back: its replacement logged a step past the kill's (healed), finished, or is taking too long
+                back = self._logged_step(m) > (a.step if a.step is not None else -1)
+                if back or self.procs[m].poll() is not None or now > a.applied_s + BACK_TIMEOUT_S:
+                    self._over(m, a, now)
+            elif now >= (a.applied_s or 0) + f.seconds:
+                if f.kind == "stop":
+                    _signal(self.trainer_pids(m), signal.SIGCONT)
+                elif f.kind == "partition":
+                    self.link.restore(m)
+                elif f.kind == "slow":
+                    self._slowdowns.pop(m).stop.set()
+                elif f.kind == "lighthouse":
+                    self._start_lighthouse()
+                self._over(m, a, now)
+
+    def _over(self, m: Optional[int], a: Applied, now: float) -> None:
+        a.over_s = round(now, 3)
+        del self._holding[m]
+
+    def node_pending(self) -> bool:
+        return bool(self._pending)
+
+    def _undo_all(self) -> None:
+        """Every spell ended (the run is over or stopped): processes running, links up, the lighthouse gone."""
+        now = self.now_s() or 0.0
+        for m, a in list(self._holding.items()):
+            if a.fault.kind == "stop":
+                _signal(self.trainer_pids(m), signal.SIGCONT)
+            elif a.fault.kind == "partition":
+                self.link.restore(m)
+            elif a.fault.kind == "slow":
+                self._slowdowns.pop(m).stop.set()
+            if a.fault.kind != "kill":
+                self._over(m, a, now)
+
+    def wait(self, timeout_s: float) -> int:
+        rc = super().wait(timeout_s)
+        self._undo_all()
+        return rc
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self._undo_all()
+        super().stop(grace_s)
+
+    def _write_summary(self) -> None:
+        """summary.json from the replicas' own summaries, with every replica's kills as its failures."""
+        kills = {r: 0 for r in range(self.link.replicas)}
+        for a in self.schedule:
+            if a.applied_s is not None and a.fault.kind == "kill" and a.fault.replica is not None:
+                kills[a.fault.replica] += 1
+        for c in self.crashes:
+            kills[c["replica"]] += 1
+        merge_replica_summaries(self.cfg.run_dir, kills, restarts=kills)
+
+    def faults(self) -> dict[str, Any]:
+        out = super().faults()
+        applied = [a for a in self.schedule if a.applied_s is not None]
+        out["chaos"] = {"seed": self.chaos.seed, "mtbf_s": self.chaos.mtbf_s} if self.chaos else {}
+        out["faults"] = [a.to_json() for a in applied]
+        out["crashes"] = self.crashes
+        return out
+
+
+def after_chaos(job: ChaosJob, replicas: int) -> dict[str, Any]:
+    """What a chaos schedule left behind, checked: the steps each replica did not train, whether the replicas'
+    final params are bitwise equal (run.save_model), every complete checkpoint's checksums, the processes
+    still in the namespaces."""
+    import torch
+
+    from hsdp.config.schema import ConfigError as Invalid
+    from hsdp.run.checkpoint import complete_checkpoints
+    from hsdp.run.checkpoint.find import replica_home
+    from hsdp.run.checkpoint.validate import verify_files
+    from hsdp.sync.schedule import fragments_due
+
+    assert job.cfg is not None
+    run_dir, steps = job.cfg.run_dir, job.cfg.run.steps
+    out: dict[str, Any] = {"steps_lost": {}, "replicas_equal": None, "checkpoints": 0, "invalid_checkpoints": []}
+    for m in range(replicas):
+        logged = set(logged_steps(run_dir / f"metrics.replica{m}.jsonl"))
+        out["steps_lost"][str(m)] = steps - len(logged)
+    # the replicas that finished (one that ended early, e.g. cut off in the last period while its peers
+    # finished, has no final model: counted in `models`)
+    models = [p for p in (run_dir / f"model.replica{m}.pt" for m in range(replicas)) if p.is_file()]
+    out["models"] = len(models)
+    # equal only if the run ends on a sync (a last period without one leaves the replicas apart by design)
+    out["ends_on_sync"] = fragments_due(steps - 1, job.cfg.sync)
+    if len(models) >= 2 and out["ends_on_sync"]:
+        first = torch.load(models[0])
+        out["replicas_equal"] = all(
+            all(torch.equal(first[k], other[k]) for k in first) for other in (torch.load(p) for p in models[1:])
+        )
+    for m in range(replicas):
+        for path in complete_checkpoints(replica_home(run_dir, m)):
+            out["checkpoints"] += 1
+            try:
+                verify_files(path)
+            except Invalid as e:
+                out["invalid_checkpoints"].append(f"{path.name} of replica {m}: {e}")
+    out["processes_left"] = sum(len(namespace_pids(ns)) for ns in job.link.namespaces)
+    return out

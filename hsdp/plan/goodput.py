@@ -1,0 +1,263 @@
+"""Goodput under faults in the planner: what a fault of each kind costs a run of N replicas, and so the share
+of replica-seconds that is useful work, from 2 to 1,024 replicas (docs/design.md §11.3).
+
+    python -m hsdp.plan.goodput [--replicas 2,4,...,1024] [--mtbf-h 1,6,24] [--step-s 0.5 --every 32 --round-s 10]
+                                [--heal-s 60] [--detect-s 10] [--checkpoint-every-s 1800 --save-s 2]
+                                [--validate SLOWLINK.json] [--plot OUT.png] [--json]
+
+Faults arrive on each replica at rate 1/MTBF (the group: N/MTBF), of the chaos benchmark's replica kinds
+(hsdp/bench/chaos.py: kill, stop, partition, slow; equal shares, its mean spells), and on the one
+lighthouse at 1/MTBF. A fault costs replica-seconds; with L = fault rate × mean cost ÷ N
+(lost per useful replica-second) goodput = (1 − the share of time training waits for checkpoint saves) ÷
+(1 + L), and the time to a target is the calm run's ÷ goodput. Per fault (P: one sync period, H steps
+and the round; w: elastic.timeout_s, the failure detection and a restarted lighthouse's heartbeat window;
+h: a replacement's heal; s: the fault's spell; f = 3: a slow spell's factor):
+
+    kind         lockstep (one job)        elastic (step-counted rounds)        paced (sync.every_s)
+    kill         N·(R + C/2)               h + P/2 + (N−1)·w                    h + P/2 + (N−1)·w
+    stop         N·s                       N·min(s, w) + [s > w]·(s − w + h)    s (+ h if s > w)
+    partition    N·(R + C/2)               s + P/2 + h + (N−1)·w                s + P/2 + h + (N−1)·w
+    slow         N·s·(1 − 1/f)             N·s·(1 − 1/f)                         s·(1 − 1/f)
+    lighthouse   0 (none)                  N·(w + s·min(1, s/P))                N·(w + s·min(1, s/P))
+
+Lockstep is one synchronous job: a lost node or link ends it, and all N restart (R, defaulting to h) from
+the last checkpoint (half an interval C of work redone on average). In step-counted rounds every replica
+waits at the round for a stopped or slowed one (N times the spell); paced rounds go on without it. A kill
+or a cut loses the replica's unmerged half period and its heal; the survivors lose the detection at their
+next round. After a lighthouse restart every replica waits one heartbeat window before its next quorum,
+and those whose round falls in the outage wait for it.
+
+`--validate` reads a slow-link report (slowlink.json with chaos runs and their calm target run) and
+predicts each chaos run's goodput from the faults it actually had (kinds, spells, the heal times it
+measured) and the calm run's period: the model's per-fault costs against the measured wall-time goodput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+KINDS = ("kill", "stop", "partition", "slow", "lighthouse")
+MEAN_SPELL_S = {"kill": 0.0, "stop": 7.0, "partition": 12.5, "slow": 20.0, "lighthouse": 4.0}  # chaos.py's ranges
+SLOW_FACTOR = 3.0
+MODES = ("lockstep", "elastic", "paced")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the goodput model needs to know of a run (seconds throughout)."""
+
+    replicas: int
+    period_s: float  # one sync period: H steps and the round
+    heal_s: float  # a replacement's time from the fault to contributing again (start, join, fetch)
+    detect_s: float  # elastic.timeout_s: failure detection, and a restarted lighthouse's heartbeat window
+    checkpoint_every_s: float = math.inf  # C
+    save_s: float = 0.0  # what training waits for per save (synchronous: the whole write)
+    restart_s: Optional[float] = None  # R: a lockstep job's relaunch (default: heal_s)
+
+
+def fault_cost(kind: str, spell_s: float, mode: str, c: Cluster) -> float:
+    """Replica-seconds one fault of `kind` with spell `spell_s` costs a run in `mode` (the module's table)."""
+    n, p, w, h = c.replicas, c.period_s, c.detect_s, c.heal_s
+    r = c.heal_s if c.restart_s is None else c.restart_s
+    redo = r + (c.checkpoint_every_s / 2 if math.isfinite(c.checkpoint_every_s) else 0.0)
+    if kind in ("kill", "partition"):
+        if mode == "lockstep":
+            return n * redo
+        return (spell_s if kind == "partition" else 0.0) + p / 2 + h + (n - 1) * w
+    if kind == "stop":
+        beyond = spell_s > w  # out of the quorum after the heartbeat timeout: healed when back
+        if mode == "lockstep":
+            return n * spell_s
+        if mode == "paced":
+            return spell_s + (h if beyond else 0.0)
+        return n * min(spell_s, w) + ((spell_s - w + h) if beyond else 0.0)
+    if kind == "slow":
+        lost = spell_s * (1 - 1 / SLOW_FACTOR)
+        return lost if mode == "paced" else n * lost
+    if kind == "lighthouse":
+        return 0.0 if mode == "lockstep" else n * (w + spell_s * min(1.0, spell_s / p))
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def goodput(c: Cluster, mtbf_s: float, mode: str, mix: Optional[dict[str, float]] = None) -> float:
+    """Useful ÷ total replica-seconds with faults at 1/`mtbf_s` per replica of the replica kinds in `mix`
+    (equal shares by default, with chaos.py's mean spells) and at 1/`mtbf_s` on the lighthouse, less the
+    share spent waiting for checkpoint saves."""
+    on_replicas = [k for k in KINDS if k != "lighthouse"]
+    shares = mix or {k: 1 / len(on_replicas) for k in on_replicas}
+    per_fault = sum(share * fault_cost(k, MEAN_SPELL_S[k], mode, c) for k, share in shares.items())
+    # replica-seconds lost per useful replica-second: (N / mtbf) replica faults per second × cost ÷ N
+    # replicas, and the one lighthouse's faults at 1 / mtbf (one more machine); the lost time is added to the
+    # run (more faults fall into it), so goodput is 1 / (1 + that), not 1 − that
+    lighthouse = fault_cost("lighthouse", MEAN_SPELL_S["lighthouse"], mode, c) / c.replicas
+    lost = (per_fault + lighthouse) / mtbf_s
+    saving = c.save_s / c.checkpoint_every_s if math.isfinite(c.checkpoint_every_s) else 0.0
+    return (1.0 - saving) / (1.0 + lost)
+
+
+def predict_run(faults: list[dict[str, Any]], wall_s: float, c: Cluster, mode: str = "elastic") -> float:
+    """The goodput the model gives a run of `wall_s` seconds that had exactly these `faults` (slowlink.json's
+    chaos list: kind, seconds; each spell cut at the run's end): 1 − their summed cost ÷ (N · the run's
+    replica-seconds)."""
+    cost = 0.0
+    for f in faults:
+        if f.get("applied_s") is None:
+            continue
+        spell = min(float(f["seconds"]), max(0.0, wall_s - float(f["applied_s"])))  # what fell inside the run
+        cost += fault_cost(f["kind"], spell, mode, c)
+    return max(0.0, 1.0 - cost / (c.replicas * wall_s))
+
+
+# ------------------------------------------------------------------ validation against measured chaos runs
+def validate(report_path: Path, detect_s: float) -> list[dict[str, Any]]:
+    """Each chaos run of a slowlink.json against the model: its measured wall-time goodput (the calm target
+    run's wall time ÷ its own) and the model's, from its own faults, the calm run's period and the heal
+    times its kills measured (from the kill to the replacement's first logged step)."""
+    report = json.loads(report_path.read_text())
+    runs = report["runs"]
+    calm = {r["rate"]: r for r in runs if r["run"] == report["target_run"] and r.get("wall_time_s")}
+    out = []
+    for r in runs:
+        chaos = (r.get("faults") or {}).get("chaos")
+        base = calm.get(r["rate"])
+        if not chaos or base is None or not r.get("wall_time_s"):
+            continue
+        faults = r["faults"]["faults"]
+        heals = [f["over_s"] - f["applied_s"] for f in faults if f["kind"] == "kill" and f.get("over_s") is not None]
+        every = _every(report, r["run"])
+        period = base["mean_step_s"] * every
+        c = Cluster(report["mesh"][0], period, _mean(heals, 30.0), detect_s)
+        measured = base["wall_time_s"] / r["wall_time_s"]
+        predicted = predict_run(faults, r["wall_time_s"], c)
+        out.append(
+            {
+                "run": r["run"],
+                "rate": r["rate"],
+                "replicas": c.replicas,
+                "faults": len([f for f in faults if f.get("applied_s") is not None]),
+                "period_s": round(period, 3),
+                "heal_s": round(c.heal_s, 2),
+                "measured": round(measured, 3),
+                "predicted": round(predicted, 3),
+                "error": round(predicted / measured - 1, 3),
+            }
+        )
+    return out
+
+
+def _every(report: dict[str, Any], run: str) -> int:
+    """sync.every of a run, from the report's shared overrides (the last one set wins)."""
+    every = 1
+    for o in report.get("set", []):
+        if o.startswith("sync.every="):
+            every = int(o.split("=", 1)[1])
+    return every
+
+
+def _mean(values: list[float], default: float) -> float:
+    return sum(values) / len(values) if values else default
+
+
+# ------------------------------------------------------------------ the command
+def table(c: Cluster, replicas: list[int], mtbfs_h: list[float]) -> str:
+    lines = [
+        "| replicas | MTBF per replica | " + " | ".join(f"goodput ({m})" for m in MODES) + " |",
+        "|---:|---:|" + "---:|" * len(MODES),
+    ]
+    for m_h in mtbfs_h:
+        for n in replicas:
+            cells = [f"{goodput(replace(c, replicas=n), m_h * 3600, mode):.3f}" for mode in MODES]
+            lines.append(f"| {n} | {m_h:g} h | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(c: Cluster, replicas: list[int], mtbfs_h: list[float], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"lockstep": ":", "elastic": "-", "paced": "--"}
+    for i, m_h in enumerate(mtbfs_h):
+        for mode in MODES:
+            ys = [goodput(replace(c, replicas=n), m_h * 3600, mode) for n in replicas]
+            ax.plot(replicas, ys, styles[mode], color=f"C{i}", label=f"{mode}, MTBF {m_h:g} h")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("goodput (useful ÷ total replica-seconds)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"period {c.period_s:g} s, heal {c.heal_s:g} s, detection {c.detect_s:g} s")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_list(text: str, flag: str, kind: type) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"plan.goodput: {flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not (v > 0 and math.isfinite(v)) for v in values):
+        raise SystemExit(f"plan.goodput: {flag}: expected positive numbers, got {text!r}")
+    return values
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hsdp.plan.goodput", description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", default="2,4,8,16,32,64,128,256,512,1024")
+    p.add_argument("--mtbf-h", default="1,6,24", help="each replica's mean time between faults (hours)")
+    p.add_argument("--step-s", type=float, default=0.5, help="one training step (s)")
+    p.add_argument("--every", type=int, default=32, help="sync.every: steps per period")
+    p.add_argument("--round-s", type=float, default=10.0, help="a round's exposed sync time (s)")
+    p.add_argument("--heal-s", type=float, default=60.0, help="a replacement's restart, join and state fetch (s)")
+    p.add_argument("--detect-s", type=float, default=10.0, help="elastic.timeout_s (s)")
+    p.add_argument("--checkpoint-every-s", type=float, default=1800.0)
+    p.add_argument("--save-s", type=float, default=2.0, help="what training waits for per save (async: the copy)")
+    p.add_argument("--validate", metavar="SLOWLINK.json", help="compare with the chaos runs of a slow-link report")
+    p.add_argument("--plot", metavar="OUT.png")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    replicas = [int(v) for v in parse_list(a.replicas, "--replicas", float)]
+    mtbfs = parse_list(a.mtbf_h, "--mtbf-h", float)
+    for flag, v in [("--step-s", a.step_s), ("--every", a.every), ("--heal-s", a.heal_s), ("--detect-s", a.detect_s)]:
+        if not (v > 0 and math.isfinite(v)):
+            raise SystemExit(f"plan.goodput: {flag}: expected a positive number, got {v}")
+    c = Cluster(2, a.step_s * a.every + a.round_s, a.heal_s, a.detect_s, a.checkpoint_every_s, a.save_s)
+    if a.validate:
+        rows = validate(Path(a.validate), a.detect_s)
+        if a.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            print("| run | rate | replicas | faults | period | heal | measured goodput | model | error |")
+            print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+            for r in rows:
+                print(
+                    f"| {r['run']} | {r['rate']} | {r['replicas']} | {r['faults']} | {r['period_s']:.1f} s "
+                    f"| {r['heal_s']:.1f} s | {r['measured']:.3f} | {r['predicted']:.3f} | {r['error']:+.1%} |"
+                )
+        return 0
+    if a.json:
+        rows = [
+            {"replicas": n, "mtbf_h": m, **{mode: goodput(replace(c, replicas=n), m * 3600, mode) for mode in MODES}}
+            for m in mtbfs
+            for n in replicas
+        ]
+        print(json.dumps(rows, indent=1))
+    else:
+        print(table(c, replicas, mtbfs))
+    if a.plot:
+        plot(c, replicas, mtbfs, a.plot)
+        print(f"wrote {a.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

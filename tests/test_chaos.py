@@ -1,0 +1,131 @@
+"""Seeded chaos (hsdp/bench/chaos.py): the schedule is a function of the seed, a Poisson process of the
+stated mean gap, and only hits what each kind may hit; a bad `chaos:` is one ConfigError before any run."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+
+import pytest
+
+from hsdp.bench.chaos import KINDS, SPELL_S, Chaos, draw_schedule
+from hsdp.bench.plan import LinkOptions, make_plan
+from hsdp.config.loader import load_config
+from hsdp.config.schema import ConfigError
+from tests.helpers import REPO
+
+ELASTIC = ["elastic.enabled=true", "sync.warmup_steps=0", "mesh.sync=3", "mesh.shard=1"]
+
+
+def test_the_same_seed_draws_the_same_schedule_and_another_seed_another() -> None:
+    a = draw_schedule(Chaos(7, 30.0), replicas=3, horizon_s=3600, restart_delay_s=2)
+    assert a == draw_schedule(Chaos(7, 30.0), replicas=3, horizon_s=3600, restart_delay_s=2)
+    assert a != draw_schedule(Chaos(8, 30.0), replicas=3, horizon_s=3600, restart_delay_s=2)
+
+
+def test_faults_arrive_as_a_poisson_process_of_the_mean_gap() -> None:
+    """Exponential gaps: over many draws the mean gap is MTBF_S and their spread (std ≈ mean) is the
+    exponential's, not a fixed period's; every kind appears about equally often."""
+    faults = draw_schedule(Chaos(1, 30.0), replicas=3, horizon_s=300_000, restart_delay_s=2)
+    times = [0.0] + [f.at_s for f in faults]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert len(gaps) > 9000
+    assert statistics.mean(gaps) == pytest.approx(30.0, rel=0.05)
+    assert statistics.stdev(gaps) == pytest.approx(30.0, rel=0.08)
+    counts = {k: sum(f.kind == k for f in faults) for k in KINDS}
+    assert all(c == pytest.approx(len(faults) / len(KINDS), rel=0.1) for c in counts.values()), counts
+
+
+def test_each_kind_hits_what_it_may_for_a_spell_in_its_range() -> None:
+    """Kills and partitions never hit replica 0 (its node holds the lighthouse); stops and slow spells hit any
+    replica; a lighthouse fault has no replica; spells lie in their ranges, a kill's is the restart delay."""
+    faults = draw_schedule(Chaos(3, 5.0), replicas=3, horizon_s=20_000, restart_delay_s=2.5)
+    for f in faults:
+        if f.kind in ("kill", "partition"):
+            assert f.replica in (1, 2)
+        elif f.kind == "lighthouse":
+            assert f.replica is None
+        else:
+            assert f.replica in (0, 1, 2)
+        lo, hi = SPELL_S.get(f.kind, (2.5, 2.5))
+        assert lo <= f.seconds <= hi
+    assert {f.replica for f in faults if f.kind == "stop"} == {0, 1, 2}
+
+
+def test_a_bad_chaos_value_is_one_config_error_naming_the_key(tmp_path) -> None:
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ELASTIC)
+    assert Chaos.parse("7:30", cfg, "--chaos") == Chaos(7, 30.0)
+    for text, why in [("7", "SEED:MTBF_S"), ("x:3", "SEED:MTBF_S"), ("7:0", "SEED:MTBF_S"), ("7:-1", "SEED:MTBF_S")]:
+        with pytest.raises(ConfigError, match=why):
+            Chaos.parse(text, cfg, "--chaos")
+    plain = load_config(str(REPO / "configs" / "tiny.yaml"), [])
+    with pytest.raises(ConfigError, match="runs.x.chaos: chaos needs an elastic run"):
+        Chaos.parse("7:30", plain, "runs.x.chaos")
+
+    shutil.copy(REPO / "configs" / "tiny.yaml", tmp_path / "tiny.yaml")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"base: tiny.yaml\nrates: [20mbit]\nset: [{', '.join(ELASTIC)}]\nruns:\n  calm: []\n"
+        "  wild: {set: [], chaos: '7:30'}\n"
+    )
+    plan = make_plan(LinkOptions(spec=str(spec), shared=[f"run.out_dir={tmp_path}"]))
+    assert plan.chaoses == {"wild": Chaos(7, 30.0)}
+    with pytest.raises(ConfigError, match="--chaos: no run is elastic"):
+        make_plan(LinkOptions(rate="20mbit", runs=["plain="], chaos="1:3", shared=[f"run.out_dir={tmp_path}"]))
+    spec.write_text(
+        f"base: tiny.yaml\nrates: [20mbit]\nset: [{', '.join(ELASTIC)}]\nruns:\n"
+        "  wild: {set: [], chaos: '7:30', kill: '1@3'}\n"
+    )
+    with pytest.raises(ConfigError, match="runs.wild: chaos draws its own kills"):
+        make_plan(LinkOptions(spec=str(spec), shared=[f"run.out_dir={tmp_path}"]))
+
+
+def test_the_chaos_table_sets_a_run_against_the_calm_one(tmp_path) -> None:
+    """slowlink.md's chaos table: the faults by kind, the restarts, both goodputs against the target run, the
+    steps lost and what was checked after the run (2 of 3 replicas finished, equal; checkpoints valid)."""
+    from hsdp.bench.analysis import Assessed
+    from hsdp.bench.plan import LinkPlan
+    from hsdp.bench.records import LinkRun, Measured, RunRecord
+    from hsdp.bench.report import chaos_table
+
+    plan = LinkPlan(
+        "x", "b", [], [("20mbit", 20_000_000)], ["20mbit"], 0, "calm", 60, 2, {}, tmp_path, tmp_path, (3, 1)
+    )
+    calm = LinkRun(
+        "calm",
+        "20mbit",
+        20_000_000,
+        0,
+        tmp_path,
+        Measured(),
+        RunRecord(tmp_path, {}, wall_time_s=90.0, final_val_loss=2.0),
+    )
+    faults = {
+        "chaos": {"seed": 7, "mtbf_s": 30.0},
+        "faults": [{"kind": "kill"}, {"kind": "stop"}, {"kind": "stop"}],
+        "crashes": [{"replica": 1}],
+        "after": {
+            "steps_lost": {"0": 0, "1": 40},
+            "replicas_equal": True,
+            "models": 2,
+            "checkpoints": 6,
+            "invalid_checkpoints": [],
+            "processes_left": 0,
+        },
+    }
+    summary = {"goodput": 0.9}
+    chaos = LinkRun(
+        "wild",
+        "20mbit",
+        20_000_000,
+        0,
+        tmp_path,
+        Measured(faults=faults),
+        RunRecord(tmp_path, summary, wall_time_s=120.0, final_val_loss=2.02),
+    )
+    assessed = {("wild", "20mbit"): Assessed(2.0, time_to_target_vs_target_run=1.25)}
+    (line,) = [x for x in chaos_table(plan, [calm, chaos], assessed) if x.startswith("| wild")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2:5] == ["7:30", "1 kill, 2 stop", "1"]
+    assert cells[6:11] == ["2.0200", "+1.0%", "0.80", "0.75", "0.900"]
+    assert cells[11:] == ["40", "6/6", "yes (2 of 3 finished)", "0"]
