@@ -5,7 +5,8 @@ world of 1 runs in-process and a larger world runs as local processes (gloo on
 CPU, nccl on CUDA), forked by this launcher's zygote, a process that has already
 imported torch and the worker's module (`start_zygote`, hsdp.run.zygote). The
 first rank to fail ends every rank and `launch` raises `WorkerError` carrying
-that rank's traceback; a hung collective fails after `mesh.timeout_s`.
+that rank's traceback (the rank whose error is its own, not a peer's "connection
+closed": `_root_cause`); a hung collective fails after `mesh.timeout_s`.
 
 Stopping: SIGINT or SIGTERM to the launcher stops every local worker (SIGTERM,
 then SIGKILL after `STOP_GRACE_S`) and `launch` raises `Interrupted`, whose
@@ -369,6 +370,37 @@ def _stopped_too_long(workers: Workers, timeout_s: float, stopped_at: dict[int, 
     return None
 
 
+# What a rank raises when a peer died or went quiet: a symptom of another rank's failure, not a cause.
+PEER_LOSS_SYMPTOMS = (
+    "Connection closed by peer",  # gloo, the peer's sockets closed as it exited
+    "Connection reset by peer",
+    "remote worker crashing",  # torch's hint on a gloo peer loss
+    "Broken pipe",
+    "CollectiveTimeout",  # ours
+    "Timed out waiting",  # gloo's
+)
+
+
+def _is_symptom(ended: Exit) -> bool:
+    """True if `ended` failed because a peer failed first (its error is about the lost peer)."""
+    return ended.code is not None and ended.code > 0 and any(s in ended.traceback for s in PEER_LOSS_SYMPTOMS)
+
+
+def _root_cause(workers: Workers, failed: list[Exit], grace_s: float = 5.0) -> Exit:
+    """The failure to report out of the ranks `failed` that just ended non-zero: the first whose error is its
+    own; if all are peer-loss symptoms, one that ends within `grace_s` with an error of its own (the rank
+    that raised tears its sockets down as it exits, so its peers' "connection closed" can reach the
+    launcher before its own exit does on a busy machine); else the first."""
+    deadline = time.monotonic() + grace_s
+    ended = list(failed)
+    while (cause := next((e for e in ended if not _is_symptom(e)), None)) is None:
+        left = deadline - time.monotonic()
+        if not workers.running() or left <= 0:
+            return failed[0]
+        ended = [e for e in workers.wait(min(left, 0.2)) if e.code != 0]
+    return cause
+
+
 def _not_answering(workers: Workers, failed: Exit, grace_s: float = 3.0) -> list[int]:
     """After a rank timed out in a collective: the ranks that are stopped, or that do not also fail within
     `grace_s` (their peers time out too), i.e. the ones that stopped answering."""
@@ -457,7 +489,8 @@ def launch(cfg: Config, worker: Worker, seat: Optional[ReplicaSeat] = None) -> N
             try:
                 stop.arm()
                 while failed is None and workers.running():
-                    failed = next((e for e in workers.wait(1.0) if e.code != 0), None)
+                    ended = [e for e in workers.wait(1.0) if e.code != 0]
+                    failed = _root_cause(workers, ended) if ended else None
                     if failed is None:
                         failed = _stopped_too_long(workers, cfg.mesh.timeout_s, stopped_at)
                 if failed is not None and failed.index not in workers.running():
