@@ -67,6 +67,11 @@ def parse_args(argv: Optional[list[str]]) -> LinkOptions:
         "SIGSTOP, partition, slow spell, lighthouse restart; the same SEED, the same schedule; a run's own "
         "`chaos:` wins)",
     )
+    p.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="run replica m's processes on CPU core m only (taskset), as if each had a machine of its own",
+    )
     p.add_argument("--plot", action="store_true", help="also write PNGs (needs matplotlib: pip install -e .[plot])")
     p.add_argument(
         "--no-run",

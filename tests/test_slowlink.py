@@ -387,3 +387,42 @@ def test_elastic_run_through_the_link_survives_a_killed_node(tmp_path, removes_l
     report = {r["run"]: r for r in json.loads((tmp_path / "out" / "slowlink.json").read_text())["runs"]}
     assert report["el"]["steps"] == KILL_RUN_STEPS and report["el"]["train_time_s"] > 0
     assert set(netns.names_of_pid(os.getpid())) <= before
+
+
+def test_pin_cores_comes_from_the_spec_or_the_flag_and_needs_a_core_per_node(tmp_path, monkeypatch):
+    """`pin_cores: true` in the spec or `--pin-cores`; refused in one line when there are more nodes than cores,
+    and a non-boolean spec value names the key."""
+    from hsdp.bench import plan as plan_module
+    from hsdp.bench.plan import LinkOptions, make_plan
+
+    shutil.copy(REPO / "configs" / "tiny.yaml", tmp_path / "tiny.yaml")
+    spec = tmp_path / "spec.yaml"
+    shared = [f"run.out_dir={tmp_path}", "mesh.sync=2"]
+    spec.write_text("base: tiny.yaml\nrates: [20mbit]\nruns:\n  a: []\n")
+    assert not make_plan(LinkOptions(spec=str(spec), shared=shared)).pin_cores
+    assert make_plan(LinkOptions(spec=str(spec), shared=shared, pin_cores=True)).pin_cores
+    spec.write_text("base: tiny.yaml\nrates: [20mbit]\npin_cores: true\nruns:\n  a: []\n")
+    assert make_plan(LinkOptions(spec=str(spec), shared=shared)).pin_cores
+    monkeypatch.setattr(plan_module.os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(ConfigError, match="--pin-cores: 2 nodes need a CPU core each, this process may use 1"):
+        make_plan(LinkOptions(spec=str(spec), shared=shared))
+    spec.write_text("base: tiny.yaml\nrates: [20mbit]\npin_cores: 'yes'\nruns:\n  a: []\n")
+    with pytest.raises(ConfigError, match="pin_cores: .*expected true or false"):
+        make_plan(LinkOptions(spec=str(spec), shared=shared))
+
+
+@needs_netns
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning two replicas needs two cores")
+def test_a_pinned_replica_runs_on_its_own_core(removes_leftovers):
+    """With pin_cores, what replica m's namespace runs may use the m-th core only (as if a machine of its own)."""
+    link = netns.SlowLink(2, 40_000_000, pin_cores=True)
+    removes_leftovers.append(link.prefix)
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        link.up()
+        for m in range(2):
+            cmd = [*link.exec_prefix(m), sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+            assert json.loads(out) == [cores[m]]
+    finally:
+        assert link.down() == []

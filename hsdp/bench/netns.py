@@ -104,6 +104,7 @@ class SlowLink:
     replicas: int
     rate_bps: Optional[int]
     delay_ms: float = 0.0
+    pin_cores: bool = False  # replica m's processes run on the m-th CPU core this process may use
     prefix: str = ""
     namespaces: list[str] = field(default_factory=list)  # replica m's namespace
     bridge_ns: Optional[str] = None
@@ -179,8 +180,13 @@ class SlowLink:
 
     # -- use
     def exec_prefix(self, m: int) -> list[str]:
-        """The command prefix that runs a program in replica m's namespace."""
-        return [shutil.which("ip") or "ip", "netns", "exec", self.namespaces[m]]
+        """The command prefix that runs a program in replica m's namespace (and on its own core if pinned:
+        a replica then stands for a machine of its own, whose stopped or slowed trainer frees no CPU for
+        the others)."""
+        prefix = [shutil.which("ip") or "ip", "netns", "exec", self.namespaces[m]]
+        if self.pin_cores:
+            prefix += [shutil.which("taskset") or "taskset", "--cpu-list", str(sorted(os.sched_getaffinity(0))[m])]
+        return prefix
 
     def tx_bytes(self) -> list[int]:
         """Bytes each replica has sent on its veth (its uplink), as the kernel counts them (L2 frames)."""

@@ -6,6 +6,7 @@ override is a ConfigError (exit 2) and not a failure an hour in.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -104,6 +105,7 @@ class LinkOptions:
     partition: Optional[str] = None  # REPLICA@AT:SECONDS for every elastic run (a run's own `partition` wins)
     slow: Optional[str] = None  # REPLICA:FACTOR for every run (a run's own `slow` wins)
     chaos: Optional[str] = None  # SEED:MTBF_S for every elastic run (a run's own `chaos` wins)
+    pin_cores: bool = False  # node m's processes on CPU core m (the spec's `pin_cores: true` too)
     plot: bool = False
     no_run: bool = False
     cleanup: bool = False
@@ -126,6 +128,7 @@ class LinkPlan:
     # (M, ranks per node) of the base config with the shared overrides: a node is a replica (its S shard
     # ranks) or, on a three-level mesh, a site (its R·S ranks: docs/design.md §1.1)
     mesh: tuple[int, int] = (0, 0)
+    pin_cores: bool = False  # node m's processes on CPU core m (hsdp.bench.netns.SlowLink.exec_prefix)
     kills: dict[str, Kill] = field(default_factory=dict)  # elastic runs whose node is killed
     partitions: dict[str, Partition] = field(default_factory=dict)  # elastic runs whose replica is cut off
     slows: dict[str, Slow] = field(default_factory=dict)  # runs with a slow replica
@@ -171,6 +174,7 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
         rates=plan_rates,
         default_rates=[r[0] for r in rates],
         delay_ms=opts.delay_ms if opts.delay_ms is not None else float(spec_delay),
+        pin_cores=opts.pin_cores or bool(spec and spec.pin_cores),
         target=target,
         timeout_s=opts.timeout_s or float(spec_timeout),
         probe_s=opts.probe_s if opts.probe_s is not None else float(spec_probe),
@@ -181,6 +185,9 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
     )
     if plan.delay_ms < 0:
         raise ConfigError(f"--delay-ms: expected >= 0, got {plan.delay_ms}")
+    cores = len(os.sched_getaffinity(0))
+    if plan.pin_cores and plan.mesh[0] > cores:
+        raise ConfigError(f"--pin-cores: {plan.mesh[0]} nodes need a CPU core each, this process may use {cores}")
     for run, label in plan_items(plan):  # validate every run's config before building anything
         c = load_checked_config(base, overrides(plan, run, label))
         kill = runs[run].kill or (opts.kill if c.elastic.enabled else None)

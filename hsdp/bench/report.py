@@ -124,7 +124,7 @@ def runs_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, A
     M, S = plan.mesh
     lines = [
         f"Mesh {M}×{S} (replicas or sites × ranks in each), one network namespace per replica or site, "
-        f"one-way delay {plan.delay_ms:g} ms; target = final val loss of `{plan.target}` at the same rate.",
+        f"one-way delay {plan.delay_ms:g} ms{'; each on its own CPU core' if plan.pin_cores else ''}; target = final val loss of `{plan.target}` at the same rate.",
         "",
         "| run | rate | steps | median step | mean step | mean vs "
         + plan.target

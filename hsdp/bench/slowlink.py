@@ -16,6 +16,7 @@ Spec file (all keys but `runs` optional; the command line's flags override it):
     target: hsdp
     timeout_s: 900                           # per run
     probe_s: 2                               # probe size in seconds at the rate
+    pin_cores: false                         # true: replica m's processes on core m (one machine each)
     runs:
       hsdp: []                               # at every rate
       diloco-h32-int8: [sync.warmup_steps=0, sync.every=32, sync.method=diloco, sync.quantize=int8]
@@ -109,6 +110,7 @@ def write_report(plan: LinkPlan, results: dict[Key, LinkRun], probes: dict[str, 
         "set": plan.shared,
         "mesh": list(plan.mesh),
         "delay_ms": plan.delay_ms,
+        "pin_cores": plan.pin_cores,
         "target_run": plan.target,
         "runs": [{**r.to_json(), **(assessed[(r.run, r.rate)].to_json() if r.ok else {})} for r in runs],
         "probes": [p.to_json() for p in probe_list],
@@ -196,7 +198,7 @@ def execute(
             continue
         link = None
         try:
-            link = SlowLink(plan.mesh[0], bps, plan.delay_ms)
+            link = SlowLink(plan.mesh[0], bps, plan.delay_ms, pin_cores=plan.pin_cores)
             link.up()  # after the assignment: a failure half-way is still torn down below
             port = run_at_rate(plan, label, link, runs, results, probes, port, opts)
         finally:

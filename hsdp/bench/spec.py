@@ -17,7 +17,7 @@ from hsdp.config.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEP_KEYS = ("base", "set", "columns", "ratio", "relative", "nocomm", "runs")
-LINK_KEYS = ("base", "set", "rates", "delay_ms", "target", "timeout_s", "probe_s", "runs")
+LINK_KEYS = ("base", "set", "rates", "delay_ms", "target", "timeout_s", "probe_s", "pin_cores", "runs")
 
 
 class SweepSpec(TypedDict):
@@ -56,6 +56,7 @@ class LinkSpec:
     target: Optional[str] = None
     timeout_s: Optional[float] = None
     probe_s: Optional[float] = None
+    pin_cores: Optional[bool] = None
 
 
 def read_spec(path: str, kind: str, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -168,7 +169,15 @@ def load_link_spec(path: str) -> LinkSpec:
         target=spec.get("target"),
         timeout_s=spec.get("timeout_s"),
         probe_s=spec.get("probe_s"),
+        pin_cores=pin_cores_value(path, spec.get("pin_cores")),
     )
+
+
+def pin_cores_value(path: str, value: Any) -> Optional[bool]:
+    """The spec's `pin_cores` (true/false), None if absent."""
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"pin_cores: {path}: expected true or false, got {value!r}")
+    return value
 
 
 def parse_runs_arg(items: list[str]) -> dict[str, LinkRunSpec]:
