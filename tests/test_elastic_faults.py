@@ -375,6 +375,42 @@ def test_a_lighthouse_restarted_while_the_replica_trained_is_given_one_heartbeat
     assert "the lighthouse was restarted (its quorum id went back from 7 to 0)" in capsys.readouterr().err
 
 
+def test_a_restarted_lighthouse_is_asked_once_the_last_quorums_replicas_heartbeat_to_it() -> None:
+    """The wait before asking a restarted lighthouse ends when as many replicas heartbeat to it as were in the
+    last quorum (2 here), polled every 0.1 s; never more than the heartbeat window (a replica of that quorum
+    died: the count stays short); a page that does not say how many heartbeat: the whole window at once."""
+    from hsdp.sync.elastic.lighthouse import QuorumStatus
+
+    def run(beating: list[Optional[int]]) -> list[float]:
+        clock = _Clock()
+        manager = _UnreachableManager(clock, failures=0)  # its quorums have 2 participants
+        ids = iter([7, 0])  # the round before the restart, then a fresh lighthouse
+        counts = iter(beating)
+        sleeps: list[float] = []
+
+        def sleep(s: float) -> None:
+            sleeps.append(round(s, 6))
+            clock.now += s
+
+        def status() -> Optional[QuorumStatus]:
+            quorum_id = next(ids, 0)
+            return QuorumStatus(quorum_id, 0, next(counts) if quorum_id == 0 else None)
+
+        t = _transport(manager, clock, 60, lighthouse_status=status, heartbeat_window_s=5.0)
+        t.sleep = sleep
+        for _ in range(2):
+            t.begin_round()
+            t.commit_round()
+        return sleeps
+
+    # the detecting read (1 heartbeating: this replica), then the wait's reads: 1, then 2
+    assert run([1, 1, 2]) == [0.1, 0.1]
+    assert run([2]) == []  # both already heartbeat: no wait at all
+    short = run([1] * 60)  # the other never comes back: the window, not more
+    assert sum(short) == pytest.approx(5.0) and max(short) == pytest.approx(0.1)
+    assert run([None]) == [5.0]  # the page does not say: the whole window
+
+
 def test_lighthouse_unreachable_says_why_a_port_refuses_and_nothing_for_one_that_listens() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -153,18 +153,20 @@ def test_a_watched_point_is_marked_once_the_probe_says_so(tmp_path: Path) -> Non
 
 
 def test_the_lighthouse_status_counts_the_requests_for_the_next_quorum() -> None:
-    """quorum_status reads torchft's lighthouse page: its quorum id and the pending requests (a request from a
-    replica that is not heartbeating counts as registered, not healthy)."""
+    """quorum_status reads torchft's lighthouse page: its quorum id, the pending requests (a request from a
+    replica that is not heartbeating counts as registered, not healthy) and the replicas heartbeating."""
     from torchft.coordination import LighthouseClient, LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000)
     try:
         url = server.address()
-        assert quorum_status(url, 5.0) == QuorumStatus(quorum_id=0, pending=0)
+        assert quorum_status(url, 5.0) == QuorumStatus(quorum_id=0, pending=0, heartbeating=0)
         client = LighthouseClient(url, connect_timeout=timedelta(seconds=5))
+        client.heartbeat("beating")
+        assert quorum_status(url, 5.0) == QuorumStatus(quorum_id=0, pending=0, heartbeating=1)
         threading.Thread(target=_ask_quietly, args=(client,), daemon=True).start()  # blocks: min_replicas=2
         deadline = time.monotonic() + 30
-        while quorum_status(url, 5.0) != QuorumStatus(quorum_id=0, pending=1):
+        while quorum_status(url, 5.0)[:2] != (0, 1):  # (its heartbeat count by then depends on the time)
             assert time.monotonic() < deadline, quorum_status(url, 5.0)
             time.sleep(0.05)
     finally:

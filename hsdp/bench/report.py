@@ -122,9 +122,10 @@ def run_row(r: LinkRun, a: Assessed) -> str:
 
 def runs_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, Assessed]) -> list[str]:
     M, S = plan.mesh
+    pinned = "; each on its own CPU core" if plan.pin_cores else ""
     lines = [
         f"Mesh {M}×{S} (replicas or sites × ranks in each), one network namespace per replica or site, "
-        f"one-way delay {plan.delay_ms:g} ms{'; each on its own CPU core' if plan.pin_cores else ''}; target = final val loss of `{plan.target}` at the same rate.",
+        f"one-way delay {plan.delay_ms:g} ms{pinned}; target = final val loss of `{plan.target}` at the same rate.",
         "",
         "| run | rate | steps | median step | mean step | mean vs "
         + plan.target

@@ -34,23 +34,28 @@ def in_words(e: OSError) -> str:
 
 
 class QuorumStatus(NamedTuple):
-    """What the lighthouse's status page says: the id of its last quorum and the requests waiting for the next."""
+    """What the lighthouse's status page says: the id of its last quorum, the requests waiting for the next and
+    how many replicas' managers heartbeat to it (None where the page does not say)."""
 
     quorum_id: int
     pending: int
+    heartbeating: Optional[int] = None
 
 
 # torchft's /status page (templates/status.html): "Current quorum_id: N" and the next quorum's status line,
-# which ends "[H/P participants healthy]..." with P the requests registered for the next quorum
+# which ends "[H/P participants healthy][B heartbeating]..." with P the requests registered for the next
+# quorum and B the replicas whose managers heartbeat to it
 _QUORUM_ID = re.compile(r"Current quorum_id:\s*(-?\d+)")
 _PENDING = re.compile(r"\[(\d+)/(\d+) participants healthy\]")
+_HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
 
 
 def quorum_status(url: str, timeout_s: float) -> Optional[QuorumStatus]:
     """The lighthouse's QuorumStatus, or None when it cannot be read (unreachable, or a page of another shape).
 
-    Only the `asked_quorum` fault point reads it (faults.py): a replica's quorum request is at the lighthouse
-    once the pending count rises, or the quorum id moves on (the quorum formed with it)."""
+    Read before each quorum (transport.py: a quorum id that went back is a restarted lighthouse, asked once
+    the replicas of the last quorum heartbeat to it) and by the `asked_quorum` fault point (faults.py: a
+    replica's quorum request is at the lighthouse once the pending count rises, or the quorum id moves on)."""
     parts = urlsplit(url)
     try:
         with urllib.request.urlopen(f"http://{parts.hostname}:{parts.port}/status", timeout=timeout_s) as r:
@@ -60,4 +65,5 @@ def quorum_status(url: str, timeout_s: float) -> Optional[QuorumStatus]:
     quorum, pending = _QUORUM_ID.search(page), _PENDING.search(page)
     if quorum is None or pending is None:
         return None
-    return QuorumStatus(int(quorum[1]), int(pending[2]))
+    beating = _HEARTBEATING.search(page)
+    return QuorumStatus(int(quorum[1]), int(pending[2]), None if beating is None else int(beating[1]))

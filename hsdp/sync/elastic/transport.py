@@ -28,6 +28,8 @@ from hsdp.sync.elastic.faults import FaultPoints
 from hsdp.sync.elastic.lighthouse import QuorumStatus, in_words
 from hsdp.sync.elastic.straggler import RoundBound
 
+HEARTBEAT_POLL_S = 0.1  # between reads of a restarted lighthouse's status page (torchft heartbeats every 0.1 s)
+
 
 class Done:
     """A finished collective (torchft already waited, or an errored manager made it a no-op)."""
@@ -65,11 +67,12 @@ class FTTransport:
     fake. `partition_timeout_s`: how long a round's quorum may keep failing before PartitionTimeout.
     `lighthouse_unreachable()`: why the lighthouse does not accept a connection now (an OSError), or None
     (asked before each quorum attempt: manager.lighthouse_unreachable says why a quorum must not be asked
-    for then). `heartbeat_window_s`: the lighthouse's heartbeat timeout (elastic.timeout_s), waited once a
-    lighthouse that refused connections (its process gone: a fresh one when it is back) accepts again.
+    for then). `heartbeat_window_s`: the lighthouse's heartbeat timeout (elastic.timeout_s), the most waited
+    once a lighthouse that refused connections (its process gone: a fresh one when it is back) accepts again.
     `lighthouse_status()`: the lighthouse's QuorumStatus, read before each quorum: a quorum id lower than the
-    one read before the last quorum means a restarted lighthouse (its ids start over), and the heartbeat
-    window is waited before asking it, whether or not this replica saw it refuse a connection.
+    one read before the last quorum means a restarted lighthouse (its ids start over), and it is asked once
+    the last quorum's replicas heartbeat to it (at most the window), whether or not this replica saw it
+    refuse a connection.
     """
 
     may_fail = True
@@ -208,11 +211,11 @@ class FTTransport:
         No quorum is asked for while the lighthouse refuses connections (lost, restarting, or cut off): torchft
         would fail that quorum at once and still keep this process waiting out its whole quorum timeout, so a
         lighthouse back a second later would cost that timeout (30 s to 300 s) instead of a second. If it
-        refused connections (its process was gone), the replica waits one heartbeat window once it accepts
-        again: a restarted lighthouse knows only the replicas that heartbeated to it since, and asked at once
-        it would form a quorum of this replica alone and make the others heal; within the window every live
-        replica's manager has reconnected. After a cut link (unreachable, timed out) the lighthouse is the same
-        one and knows them: no wait."""
+        refused connections (its process was gone), the replica waits once it accepts again until the replicas
+        of its last quorum heartbeat to it, at most one heartbeat window (`_await_heartbeats`): a restarted
+        lighthouse knows only the replicas that heartbeated to it since, and asked at once it would form a
+        quorum of this replica alone and make the others heal. After a cut link (unreachable, timed out) the
+        lighthouse is the same one and knows them: no wait."""
         first: Optional[float] = None
         restarted = False  # the lighthouse refused a connection during this pause: it is a fresh one when back
         while True:
@@ -226,7 +229,7 @@ class FTTransport:
                     raise ConnectionError(f"the lighthouse does not accept connections: {in_words(error)}")
                 fresh = self._lighthouse_restarted(status)  # every time: it keeps the last quorum id
                 if restarted or fresh:
-                    self.sleep(self.heartbeat_window_s)
+                    self._await_heartbeats(status)
                     restarted = False
                 if first is None:
                     self.manager.start_quorum()
@@ -273,11 +276,28 @@ class FTTransport:
         self.lighthouse_restarts += 1
         print(
             f"elastic: the lighthouse was restarted (its quorum id went back from {before} to {status.quorum_id}); "
-            f"asking it for a quorum after one heartbeat window ({self.heartbeat_window_s:g} s)",
+            f"asking it for a quorum once the replicas of the last quorum heartbeat to it (at most "
+            f"{self.heartbeat_window_s:g} s)",
             file=sys.stderr,
             flush=True,
         )
         return True
+
+    def _await_heartbeats(self, status: Optional[QuorumStatus]) -> None:
+        """Before asking a restarted lighthouse for a quorum: wait until as many replicas heartbeat to it as were
+        in this replica's last quorum (each manager heartbeats every 0.1 s, so that is a fraction of a second
+        when they are all alive), at most one heartbeat window (a replica of that quorum may have died
+        since). `status`: its page as just read; one that does not say how many heartbeat: the whole window."""
+        expected = self._last_size
+        deadline = self.clock() + self.heartbeat_window_s
+        while (left := deadline - self.clock()) > 0:
+            if status is None or status.heartbeating is None or not expected:
+                self.sleep(left)
+                return
+            if status.heartbeating >= expected:
+                return
+            self.sleep(min(HEARTBEAT_POLL_S, left))
+            status = self.lighthouse_status()
 
     def _quorum_timeout_s(self) -> float:
         """torchft's own bound on one quorum (the manager's quorum_timeout; manager.py sets it)."""
