@@ -25,7 +25,7 @@ C = Cluster(replicas=4, period_s=20.0, heal_s=30.0, detect_s=5.0, checkpoint_eve
         ("partition", 12.0, "elastic", 12 + 10 + 30 + 3 * 5),
         ("slow", 9.0, "elastic", 4 * 9 * (2 / 3)),
         ("slow", 9.0, "paced", 9 * (2 / 3)),
-        ("lighthouse", 4.0, "elastic", 4 * (5 + 4 * 4 / 20)),
+        ("lighthouse", 4.0, "elastic", 4 * (0.2 + 4 * 4 / 20)),  # the heartbeats reach it, the outage's share
         ("lighthouse", 4.0, "lockstep", 0.0),
     ],
 )

@@ -426,3 +426,22 @@ def test_a_pinned_replica_runs_on_its_own_core(removes_leftovers):
             assert json.loads(out) == [cores[m]]
     finally:
         assert link.down() == []
+
+
+def test_an_elastic_runs_val_series_is_the_replicas_mean(tmp_path):
+    """An elastic run's metrics: replica 0's steps, each val loss the mean over the replicas that evaluated at
+    that step (what the merged final_val_loss is), so the time to the target is read off the same quantity;
+    a torn last line is skipped."""
+    from hsdp.bench.records import read_metrics
+
+    def line(step: int, val: object) -> str:
+        return json.dumps({"step": step, "step_time_s": 0.1, "tokens": 8 * (step + 1), "val_loss": val})
+
+    (tmp_path / "metrics.replica0.jsonl").write_text("\n".join([line(0, None), line(1, 2.4), line(2, 2.2)]) + "\n")
+    # replica 1 was down at step 1 (no val there) and has a torn last line
+    (tmp_path / "metrics.replica1.jsonl").write_text(line(0, None) + "\n" + line(2, 2.0) + '\n{"step": 3, "val')
+    steps = read_metrics(tmp_path)
+    assert [s.step for s in steps] == [0, 1, 2]
+    assert [s.val_loss for s in steps] == [None, 2.4, pytest.approx(2.1)]
+    (tmp_path / "metrics.jsonl").write_text(line(0, 3.0) + "\n")  # a plain run: its own file, as it is
+    assert [s.val_loss for s in read_metrics(tmp_path)] == [3.0]

@@ -42,17 +42,35 @@ def read_metrics(run_dir: Path) -> list[LoggedStep]:
     """metrics.jsonl of a run folder (a torn last line is skipped); [] if there is none.
 
     An elastic run has one file per replica: replica 0's (metrics.replica0.jsonl) stands for the run
-    (the slow-link benchmark never kills replica 0, so there it is the survivor's)."""
+    (the slow-link benchmark never kills replica 0, so there it is the survivor's), with each val loss
+    the mean over the replicas that evaluated at that step, as the merged summary's final_val_loss is the
+    replicas' mean (each replica evaluates on its own batches: one replica's series may never reach it)."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        path = Path(run_dir) / "metrics.replica0.jsonl"
+    if path.is_file():
+        return [LoggedStep.from_json(line) for line in _json_lines(path)]
+    path = Path(run_dir) / "metrics.replica0.jsonl"
     if not path.is_file():
         return []
+    vals: dict[int, list[float]] = {}
+    for other in sorted(Path(run_dir).glob("metrics.replica*.jsonl")):
+        for line in _json_lines(other):
+            if line.get("val_loss") is not None:
+                vals.setdefault(line["step"], []).append(line["val_loss"])
+    steps = []
+    for line in _json_lines(path):
+        if line.get("val_loss") is not None:
+            line["val_loss"] = statistics.fmean(vals[line["step"]])
+        steps.append(LoggedStep.from_json(line))
+    return steps
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """A JSON-lines file's records (a torn last line is skipped)."""
     lines = []
     for text in path.read_text().splitlines():
         with contextlib.suppress(ValueError):  # a torn last line
             lines.append(json.loads(text))
-    return [LoggedStep.from_json(line) for line in lines]
+    return lines
 
 
 def wall_clock(steps: list[LoggedStep]) -> Optional[dict[int, float]]:

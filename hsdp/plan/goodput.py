@@ -10,22 +10,23 @@ Faults arrive on each replica at rate 1/MTBF (the group: N/MTBF), of the chaos b
 lighthouse at 1/MTBF. A fault costs replica-seconds; with L = fault rate × mean cost ÷ N
 (lost per useful replica-second) goodput = (1 − the share of time training waits for checkpoint saves) ÷
 (1 + L), and the time to a target is the calm run's ÷ goodput. Per fault (P: one sync period, H steps
-and the round; w: elastic.timeout_s, the failure detection and a restarted lighthouse's heartbeat window;
-h: a replacement's heal; s: the fault's spell; f = 3: a slow spell's factor):
+and the round; w: elastic.timeout_s, the failure detection; v: what a restarted lighthouse costs a replica
+before its next quorum, its replicas' heartbeats reaching it (torchft heartbeats every 0.1 s); h: a
+replacement's heal; s: the fault's spell; f = 3: a slow spell's factor):
 
     kind         lockstep (one job)        elastic (step-counted rounds)        paced (sync.every_s)
     kill         N·(R + C/2)               h + P/2 + (N−1)·w                    h + P/2 + (N−1)·w
     stop         N·s                       N·min(s, w) + [s > w]·(s − w + h)    s (+ h if s > w)
     partition    N·(R + C/2)               s + P/2 + h + (N−1)·w                s + P/2 + h + (N−1)·w
     slow         N·s·(1 − 1/f)             N·s·(1 − 1/f)                         s·(1 − 1/f)
-    lighthouse   0 (none)                  N·(w + s·min(1, s/P))                N·(w + s·min(1, s/P))
+    lighthouse   0 (none)                  N·(v + s·min(1, s/P))                N·(v + s·min(1, s/P))
 
 Lockstep is one synchronous job: a lost node or link ends it, and all N restart (R, defaulting to h) from
 the last checkpoint (half an interval C of work redone on average). In step-counted rounds every replica
 waits at the round for a stopped or slowed one (N times the spell); paced rounds go on without it. A kill
 or a cut loses the replica's unmerged half period and its heal; the survivors lose the detection at their
-next round. After a lighthouse restart every replica waits one heartbeat window before its next quorum,
-and those whose round falls in the outage wait for it.
+next round. After a lighthouse restart every replica waits for the others' heartbeats to reach it before
+its next quorum, and those whose round falls in the outage wait for it.
 
 `--validate` reads a slow-link report (slowlink.json with chaos runs and their calm target run) and
 predicts each chaos run's goodput from the faults it actually had (kinds, spells, the heal times it
@@ -59,6 +60,7 @@ class Cluster:
     checkpoint_every_s: float = math.inf  # C
     save_s: float = 0.0  # what training waits for per save (synchronous: the whole write)
     restart_s: Optional[float] = None  # R: a lockstep job's relaunch (default: heal_s)
+    lighthouse_wait_s: float = 0.2  # v: a restarted lighthouse hearing every replica's heartbeat
 
 
 def fault_cost(kind: str, spell_s: float, mode: str, c: Cluster) -> float:
@@ -81,7 +83,7 @@ def fault_cost(kind: str, spell_s: float, mode: str, c: Cluster) -> float:
         lost = spell_s * (1 - 1 / SLOW_FACTOR)
         return lost if mode == "paced" else n * lost
     if kind == "lighthouse":
-        return 0.0 if mode == "lockstep" else n * (w + spell_s * min(1.0, spell_s / p))
+        return 0.0 if mode == "lockstep" else n * (c.lighthouse_wait_s + spell_s * min(1.0, spell_s / p))
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
