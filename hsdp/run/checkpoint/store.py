@@ -349,7 +349,11 @@ class Checkpoints:
             )
 
     def last_good(self) -> Optional[Path]:
-        """The newest complete checkpoint (every checkpoint is finite), for the divergence message."""
+        """The newest complete checkpoint (every checkpoint is finite), for the divergence message, once the save
+        in flight (if any) has ended: it was staged from a finite step, so it is the last good one when written
+        (its error, if any, is still raised by finish)."""
+        if self._writer is not None:
+            self._writer.join()
         return latest_checkpoint(self.home)
 
 
