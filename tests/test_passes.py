@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
 
-from hsdp.compile.passes import max_gathered_alive, pipeline_reduce_waits, prefetch_gathers, schedule_of_code
+from hsdp.compile.census import saved_gathered
+from hsdp.compile.passes import (
+    INVOKE_SUBGRAPH,
+    max_gathered_alive,
+    pipeline_reduce_waits,
+    prefetch_gathers,
+    route_region_saves_to_inputs,
+    schedule_of_code,
+)
 
 C = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -85,6 +95,66 @@ def test_sync_all_reduce_starts_after_its_reduce_scatter_and_waits_late() -> Non
     pipeline_reduce_waits(g)
     g.lint()
     assert _order(g) == "g0 rs0 g1 r0 ar0 rs1 g2 r1 a0 o0 ar1 rs2 r2 a1 o1 ar2 a2 o2"
+
+
+def _region_graph() -> fx.GraphModule:
+    """A unit run as a nested compile region, as AOTAutograd stitches one into the joint graph: the forward
+    region returns (output, saved...) with a saved weight sliced and transposed out of its gathered input
+    and the input activation saved as is; the backward region reads both."""
+    sub = fx.Graph()
+    gathered, x = sub.placeholder("gathered"), sub.placeholder("x")
+    weight = sub.call_function(aten.slice.Tensor, (gathered, 0, 0, 4), name="weight")
+    weight_t = sub.call_function(aten.t.default, (weight,), name="weight_t")
+    out = sub.call_function(aten.mm.default, (x, weight_t), name="out")
+    sub.output((out, weight_t, x))
+    root = torch.nn.Module()
+    root.fw_region = fx.GraphModule(torch.nn.Module(), sub)
+    g = fx.Graph()
+    held, x_in, tangent = g.placeholder("held"), g.placeholder("x"), g.placeholder("tangents_1")
+    ag = g.call_function(C.all_gather_into_tensor.default, (held, 2, "shard"), name="ag")
+    w = g.call_function(C.wait_tensor.default, (ag,), name="w")
+    region = g.call_function(INVOKE_SUBGRAPH, (g.get_attr("fw_region"), "fw_region", w, x_in), name="region")
+    outs = [g.call_function(operator.getitem, (region, k), name=f"out{k}") for k in range(3)]
+    grad = g.call_function(aten.mm.default, (tangent, outs[1]), name="grad_x")  # stands in for the bw region
+    grad_w = g.call_function(aten.mm.default, (outs[2], tangent), name="grad_w")
+    g.output((outs[0], grad, grad_w))
+    return fx.GraphModule(root, g)
+
+
+def test_region_saves_are_rebuilt_from_the_regions_inputs() -> None:
+    """The backward reads the weight view rebuilt on the gather's result (so it can be re-gathered) and the
+    activation from the region's input; the region's saved outputs are no longer read."""
+    gm = _region_graph()
+    route_region_saves_to_inputs(gm.graph)
+    gm.graph.lint()
+    nodes = {n.name: n for n in gm.graph.nodes}
+    weight_t = nodes["grad_x"].args[1]
+    assert weight_t.target is aten.t.default and weight_t.args[0].target is aten.slice.Tensor
+    assert weight_t.args[0].args[0] is nodes["w"]  # the slice of the gathered buffer, outside the region
+    assert nodes["grad_w"].args[0] is nodes["x"]
+    assert "out1" not in nodes and "out2" not in nodes and "out0" in nodes
+
+
+def test_census_sees_full_params_saved_through_a_region() -> None:
+    """A forward graph that outputs (saves) a region's view of its gathered input saves full params; after
+    the rewiring only the region's real output leaves it."""
+    gm = _region_graph()
+    out1 = next(n for n in gm.graph.nodes if n.name == "out1")
+    assert saved_gathered(gm.graph) == []  # the saved view feeds an op, not the graph's outputs
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    output.args = ((*output.args[0], out1),)
+    assert saved_gathered(gm.graph) == [out1]
+
+
+def test_schedule_counts_a_region_call_as_compute() -> None:
+    code = """
+def call(args):
+    buf0 = torch.ops._c10d_functional.all_gather_into_tensor.default(primals_1, 2, '0')
+    partitioned_fw_subgraph_0_0_args = [buf2, buf3]
+    buf5 = partitioned_fw_subgraph_0_0(partitioned_fw_subgraph_0_0_args)
+    torch.ops._c10d_functional.wait_tensor.default(buf0)
+"""
+    assert schedule_of_code(code) == ["start all_gather buf0 <- primals_1", "compute ×1", "wait buf0"]
 
 
 def test_schedule_read_from_generated_code() -> None:

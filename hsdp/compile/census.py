@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +27,16 @@ from typing import Any, Optional
 import torch.fx as fx
 
 from hsdp.comm.groups import ring_bytes_of
-from hsdp.compile.passes import BUCKET_VIEW_OPS, COLLECTIVES, SOURCE_HASH, WAITS, C, max_gathered_alive
+from hsdp.compile.passes import (
+    BUCKET_VIEW_OPS,
+    COLLECTIVES,
+    INVOKE_SUBGRAPH,
+    SOURCE_HASH,
+    WAITS,
+    C,
+    max_gathered_alive,
+    region_input_views,
+)
 from hsdp.core.atomic import write_json
 from hsdp.torch_compat import CustomGraphPass, inductor_cache_dir, resolve_process_group
 
@@ -80,17 +90,29 @@ def label_record(record: GraphRecord, labels: dict[str, str]) -> GraphCensus:
 
 
 def saved_gathered(graph: fx.Graph) -> list[fx.Node]:
-    """Forward-graph outputs that are an all-gather's result or a cast/view/copy of it (full params saved)."""
+    """Forward-graph outputs that are an all-gather's result or a cast/view/copy of it (full params saved),
+    a nested compile region's output that is a view of its gathered input included."""
     gathered: set[fx.Node] = set()
     for n in graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target == C.all_gather_into_tensor.default or (
+        if n.target is operator.getitem and _region_view_of_gathered(n, gathered):
+            gathered.add(n)
+        elif n.target == C.all_gather_into_tensor.default or (
             (n.target in WAITS or n.target in BUCKET_VIEW_OPS) and any(i in gathered for i in n.all_input_nodes)
         ):
             gathered.add(n)
     output = next(n for n in graph.nodes if n.op == "output")
     return [n for n in output.all_input_nodes if n in gathered]
+
+
+def _region_view_of_gathered(getitem: fx.Node, gathered: set[fx.Node]) -> bool:
+    """Is this output of a region's call a view the region made of a gathered input?"""
+    region = getitem.args[0]
+    if not isinstance(region, fx.Node) or region.target is not INVOKE_SUBGRAPH:
+        return False
+    view = region_input_views(region).get(int(getitem.args[1]))  # type: ignore[arg-type]
+    return view is not None and region.args[2 + view[0]] in gathered
 
 
 def _group_size(group_name: str) -> int:

@@ -28,6 +28,7 @@ embedding) saves nothing and is not re-gathered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -156,16 +157,66 @@ def gather_bucket(
     plan: ReducePlan,
     acc: Optional[torch.Tensor] = None,
     pending: Optional[torch.Tensor] = None,
-) -> list[list[torch.Tensor]]:
-    """Full params of a bucket of units from one all-gather of their concatenated shards.
+) -> list[torch.Tensor]:
+    """Each unit's gathered [S, N] of a bucket of units, from one all-gather of their concatenated shards.
 
     Its backward is one reduce-scatter (+ sync all-reduce) of the bucket; autograd splits the
     result back into each unit's grad shard.
     """
     held = helds[0] if len(helds) == 1 else torch.cat(helds)
     gathered = _GatherShards.apply(held, acc, pending, param_dtype, groups, plan).view(groups.shard_size, -1)
-    per_unit = gathered.split([layout.N for layout in layouts], dim=1)
-    return [unpack_params(g, layout) for g, layout in zip(per_unit, layouts)]
+    return list(gathered.split([layout.N for layout in layouts], dim=1))
+
+
+UnitRun = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, the unit's gathered [S, N]) -> output
+
+
+def run_unit(module: nn.Module, layout: UnitLayout) -> UnitRun:
+    """The unit's forward on its gathered shards: unpack the full params, then functional_call.
+
+    The unpacking is inside so a region's one tensor input is the gathered buffer (its params as
+    separate inputs would alias one another, which a nested compile region refuses).
+    """
+    names = [s.name for s in layout.specs]
+
+    def run(x: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        params = unpack_params(gathered, layout)
+        # tie_weights=False: between uses every param of the module points at one empty placeholder.
+        return functional_call(module, dict(zip(names, params)), (x,), tie_weights=False)
+
+    return run
+
+
+def unit_runs(units: list[tuple[nn.Module, UnitLayout]], regional: bool) -> list[UnitRun]:
+    """Each unit's forward, as the graph calls it.
+
+    regional: units of one class and one layout (the transformer blocks) share one
+    `torch.compiler.nested_compile_region` on the first such unit's module, so dynamo traces the block
+    once, AOTAutograd partitions it once and inductor compiles it once, whatever the depth; the outer
+    graph keeps every collective (our passes schedule them as before). Without it every block is
+    traced inline and the compile grows with the depth.
+    """
+
+    def kind(module: nn.Module, layout: UnitLayout) -> tuple:
+        """Units of one kind run the same code on params of the same names and shapes."""
+        return type(module), layout.S, tuple((s.name, s.shape, s.offset) for s in layout.specs)
+
+    runs: list[UnitRun] = []
+    shared: dict[tuple, UnitRun] = {}
+    count: dict[tuple, int] = {}
+    for module, layout in units:
+        key = kind(module, layout)
+        count[key] = count.get(key, 0) + 1
+    for module, layout in units:
+        key = kind(module, layout)
+        if not regional or count[key] == 1:
+            runs.append(run_unit(module, layout))
+            continue
+        if key not in shared:  # one region per kind of unit; every call may reuse its compiled code
+            region = torch.compiler.nested_compile_region(run_unit(module, layout), max_reuse_entries=count[key] + 1)
+            shared[key] = region
+        runs.append(shared[key])
+    return runs
 
 
 def sharded_loss(
@@ -177,6 +228,7 @@ def sharded_loss(
     groups: Groups,
     plan: ReducePlan,
     buckets: list[list[int]],
+    runs: list[UnitRun],
     accs: Optional[list[torch.Tensor]] = None,
     pendings: Optional[list[torch.Tensor]] = None,
 ) -> torch.Tensor:
@@ -189,9 +241,6 @@ def sharded_loss(
         layouts = [units[u][1] for u in bucket]
         acc, pending = accs[b] if accs else None, pendings[b] if pendings else None
         gathered = gather_bucket([helds[u] for u in bucket], layouts, param_dtype, groups, plan, acc, pending)
-        for u, params in zip(bucket, gathered):
-            module, layout = units[u]
-            names = [s.name for s in layout.specs]
-            # tie_weights=False: between uses every param of the module points at one empty placeholder.
-            x = functional_call(module, dict(zip(names, params)), (x,), tie_weights=False)
+        for u, unit_gathered in zip(bucket, gathered):
+            x = runs[u](x, unit_gathered)
     return loss_fn(x, y)

@@ -101,8 +101,66 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return found
 
 
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
+
+def region_input_views(node: fx.Node) -> dict[int, tuple[int, list[fx.Node]]]:
+    """For a nested compile region's call (invoke_subgraph): output index → (operand index, the view/copy
+    ops inside the region that make the output from that operand, first to last), for each output
+    computed from one region input by unpacking ops alone (e.g. a weight sliced out of the gathered
+    buffer, which the region's own partition saved for its backward)."""
+    owner = node.graph.owning_module
+    if owner is None or not isinstance(node.args[0], fx.Node):
+        return {}
+    sub = getattr(owner, str(node.args[0].target), None)
+    if not isinstance(sub, fx.GraphModule):
+        return {}
+    placeholders = {p: i for i, p in enumerate(sub.graph.find_nodes(op="placeholder"))}
+    found: dict[int, tuple[int, list[fx.Node]]] = {}
+    for k, out in enumerate(sub.graph.find_nodes(op="output")[0].args[0]):
+        chain: list[fx.Node] = []
+        n = out
+        while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _UNPACK_OPS:
+            if len(n.all_input_nodes) != 1:
+                break
+            chain.append(n)
+            n = n.all_input_nodes[0]
+        if isinstance(n, fx.Node) and n in placeholders:
+            found[k] = (placeholders[n], chain[::-1])
+    return found
+
+
+def route_region_saves_to_inputs(graph: fx.Graph) -> None:
+    """A region's backward reads its saved views of the region's inputs from the caller's side.
+
+    AOTAutograd partitions a nested compile region on its own: the views of the unit's gathered params
+    that its backward needs (and its input activation) come out of the forward region as saved
+    outputs, and the outer partitioner would keep those (the full params) alive from forward to
+    backward. Each such output is rebuilt outside the region by the same view ops on the region's
+    input, and the backward reads that instead (the same values): on a gather's result those views are
+    tagged for recomputation by `recompute_gathers`, so backward re-gathers, and release holds for
+    regions as for inlined units.
+    """
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not INVOKE_SUBGRAPH:
+            continue
+        views = region_input_views(node)
+        operands = node.args[2:]
+        for user in list(node.users):
+            if user.target is not operator.getitem or user.args[1] not in views:
+                continue
+            operand, chain = views[user.args[1]]
+            value, anchor = operands[operand], node
+            for op in chain:  # the region's view ops, on the caller's tensor, in order after the call
+                with graph.inserting_after(anchor):
+                    value = anchor = graph.node_copy(op, lambda _, v=value: v)
+            user.replace_all_uses_with(value)
+            graph.erase_node(user)
+
+
 def recompute_gathers(graph: fx.Graph) -> None:
     """Tag forward all-gathers, their waits, casts and unpacking as MUST_RECOMPUTE (see module doc)."""
+    route_region_saves_to_inputs(graph)
     backward = backward_nodes(graph)
     gathers = [
         n
@@ -367,4 +425,6 @@ def _collective_event(line: str) -> str | None:
 
 
 def _is_kernel_call(line: str) -> bool:
-    return line.startswith(("cpp_fused", "extern_kernels.", "triton_", "aten.")) or ".run(" in line
+    """A kernel launch, or a call of a nested compile region's code (a whole block's kernels)."""
+    region_call = "= partitioned_" in line and "_args" not in line.split("=", 1)[0]
+    return line.startswith(("cpp_fused", "extern_kernels.", "triton_", "aten.")) or ".run(" in line or region_call

@@ -128,6 +128,7 @@ class CompileConfig:
     passes: str = "ours"  # hsdp: who schedules the graph's collectives (ours: prefetch + late waits; inductor's; none)
     prefetch: int = 1  # passes=ours: all-gathers start this many units ahead of their use
     bucket_mb: float = 0.0  # hsdp: neighbouring units share one all-gather/reduce-scatter up to this size (0 = off)
+    regional: bool = True  # hsdp: identical blocks compile once (a nested compile region), not once per layer
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from hsdp.compile.cache import cpu_options
 from hsdp.compile.census import CollectiveCensus
 from hsdp.compile.gloo import route_functional_collectives_to_c10d
-from hsdp.compile.graph import Groups, plan_buckets, sharded_loss
+from hsdp.compile.graph import Groups, plan_buckets, sharded_loss, unit_runs
 from hsdp.compile.passes import CacheablePass, OurPasses, inductor_overlap_options, recompute_gathers, schedule_of_code
 from hsdp.compile.turns import CompileTurns
 from hsdp.config.schema import CompileConfig, Config
@@ -78,6 +78,8 @@ class CompiledHSDPEngine(HSDPEngine):
             leaf.grad = u.grad_flat
         self.census = CollectiveCensus(labels={name: role for role, name in GRAPH_GROUP_NAMES.items()})
         # Units per all-gather: neighbours share one up to compile.bucket_mb (0: one unit each).
+        # Each unit's forward in the graph; compile.regional: identical blocks share one compiled region.
+        self.runs = unit_runs([(u.module, u.layout) for u in self.units], self.compile_cfg.regional)
         self.buckets = plan_buckets([u.layout for u in self.units], self.param_dtype, self.compile_cfg.bucket_mb)
         self._compiled: dict[Variant, Any] = {}
         self.accs: Optional[list[torch.Tensor]] = None  # gradient-accumulation leaves (see _accumulators)
@@ -104,7 +106,13 @@ class CompiledHSDPEngine(HSDPEngine):
             units = [(u.module, u.layout) for u in self.units]
             plan, _ = variant
             fn = partial(
-                sharded_loss, units, param_dtype=self.param_dtype, groups=self.groups, plan=plan, buckets=self.buckets
+                sharded_loss,
+                units,
+                param_dtype=self.param_dtype,
+                groups=self.groups,
+                plan=plan,
+                buckets=self.buckets,
+                runs=self.runs,
             )
             # dynamic=False: the variants trace the same code, and dynamo would otherwise make the
             # divide factors that differ between them symbolic ("automatic dynamic") on a later compile.
