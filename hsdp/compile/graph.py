@@ -187,6 +187,17 @@ def run_unit(module: nn.Module, layout: UnitLayout) -> UnitRun:
     return run
 
 
+def region_key(x: torch.Tensor, gathered: torch.Tensor) -> int:
+    """Which traced region a call of one kind of unit reuses: one per layout of its gathered input.
+
+    Dynamo's own reuse check refuses any region with side effects, and functional_call's swapping of the
+    module's params is one, so it would trace every layer anew. The swap leaves the module as it found
+    it, and a kind's calls differ only in their tensors' values, so a key of the input's strides (which a
+    bucket of units can change) is all that tells two calls apart; shapes are the kind's own.
+    """
+    return gathered.stride(0) * 1_000_003 + gathered.stride(1)
+
+
 def unit_runs(units: list[tuple[nn.Module, UnitLayout]], regional: bool) -> list[UnitRun]:
     """Each unit's forward, as the graph calls it.
 
@@ -212,9 +223,10 @@ def unit_runs(units: list[tuple[nn.Module, UnitLayout]], regional: bool) -> list
         if not regional or count[key] == 1:
             runs.append(run_unit(module, layout))
             continue
-        if key not in shared:  # one region per kind of unit; every call may reuse its compiled code
-            region = torch.compiler.nested_compile_region(run_unit(module, layout), max_reuse_entries=count[key] + 1)
-            shared[key] = region
+        if key not in shared:  # one region per kind of unit; every call reuses its traced and compiled code
+            shared[key] = torch.compiler.nested_compile_region(
+                run_unit(module, layout), max_reuse_entries=count[key] + 1, reuse_hash_fn=region_key
+            )
         runs.append(shared[key])
     return runs
 
