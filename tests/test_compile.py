@@ -57,8 +57,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult,
             SMALL + SGD + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=4", ACCUM],
             compiled=["compile.enabled=true", "compile.passes=ours", "compile.prefetch=2"],
         ),
+        # The whole step traced inline (compile.regional=false), scheduled by inductor's passes.
         "2x2-diloco": _pair(
-            tmp, "diloco", SMALL + SGD + DILOCO, compiled=["compile.enabled=true", "compile.passes=inductor"]
+            tmp,
+            "diloco",
+            SMALL + SGD + DILOCO,
+            compiled=["compile.enabled=true", "compile.passes=inductor", "compile.regional=false"],
         ),
         # bf16 runs with our passes (prefetch 1): the passes do not change numerics (checked below in fp32).
         "1x2-bf16": _pair(
@@ -157,6 +161,20 @@ def test_release_in_the_compiled_graphs(runs, case: str) -> None:
         assert g["reduce_scatters"] == UNITS_NEEDING_WEIGHTS + 1
     if case == "2x2-diloco":  # the grad-sync variant all-reduces every unit's grad shard across replicas
         assert sorted(g["all_reduces"] for g in backwards) == [0, UNITS_NEEDING_WEIGHTS + 1]
+
+
+@pytest.mark.parametrize("case", ["1x2-bf16", "1x4-accum", "2x2-diloco"])
+def test_blocks_share_one_compiled_region(runs, case: str) -> None:
+    """compile.regional (the default): the forward graph's code defines the block's code once and calls it
+    for every block; compile.regional=false (2x2-diloco) traces every block inline."""
+    n_layer = int(next(o for o in SMALL if o.startswith("model.n_layer=")).split("=")[1])
+    forward = (runs[case][1].run_dir / "compiled" / "graph0.py").read_text()
+    defined = re.findall(r"^def (partitioned_fw_subgraph\w*)\(", forward, flags=re.M)
+    calls = re.findall(r"= (partitioned_fw_subgraph\w*)\(partitioned", forward)
+    if case == "2x2-diloco":
+        assert defined == [] and calls == []
+    else:
+        assert len(defined) == 1 and calls == defined * n_layer, (defined, calls)
 
 
 @pytest.mark.parametrize("case,k", [("1x2-bf16", 1), ("1x4-accum", 2)])
