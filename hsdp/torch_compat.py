@@ -215,6 +215,20 @@ def capture_output_code(sink: Optional[Callable[[str], None]]) -> Iterator[None]
         GraphLowering.save_output_code = previous
 
 
+def reusable_compile_region(
+    fn: Callable[..., Any], max_reuse_entries: int, reuse_key: Callable[..., int]
+) -> Optional[Callable[..., Any]]:
+    """`torch.compiler.nested_compile_region` whose calls reuse one trace by `reuse_key`; None on a torch
+    without it or without `reuse_hash_fn` (its calls could not reuse a region that has side effects, so the
+    caller traces inline)."""
+    import inspect
+
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    if region is None or "reuse_hash_fn" not in inspect.signature(region).parameters:
+        return None
+    return region(fn, max_reuse_entries=max_reuse_entries, reuse_hash_fn=reuse_key)
+
+
 def allow_autograd_functions_in_aot_cache() -> None:
     """Patch: let AOTAutograd cache graphs holding (pure) autograd.Functions; older torch: no cache hit."""
     config = torch._functorch.config

@@ -317,3 +317,24 @@ def test_an_elastic_gloo_group_formed_again_under_a_used_prefix_connects():
     for th in threads:
         th.join(timeout=120)  # the hang guard
     assert results == {(0, 0): 2.0, (1, 0): 2.0, (0, 1): 2.0, (1, 1): 2.0}, results
+
+
+def test_a_reusable_compile_region_is_none_where_torch_cannot_reuse_one(monkeypatch):
+    """This torch reuses one region across calls; a torch without nested_compile_region, or whose
+    nested_compile_region takes no reuse key, gets None (the caller traces each unit inline)."""
+
+    def key(*args):
+        return 0
+
+    def double(x):
+        return 2 * x
+
+    assert torch_compat.reusable_compile_region(double, 3, key) is not None
+
+    def old_region(fn, max_reuse_entries=1):  # nested_compile_region before reuse_hash_fn
+        return fn
+
+    monkeypatch.setattr(torch.compiler, "nested_compile_region", old_region)
+    assert torch_compat.reusable_compile_region(double, 3, key) is None
+    monkeypatch.delattr(torch.compiler, "nested_compile_region")
+    assert torch_compat.reusable_compile_region(double, 3, key) is None

@@ -38,7 +38,7 @@ from torch.func import functional_call
 
 from hsdp.core.layout import ReducePlan, UnitLayout
 from hsdp.models.gpt import loss_fn
-from hsdp.torch_compat import C10D_FUNCTIONAL
+from hsdp.torch_compat import C10D_FUNCTIONAL, reusable_compile_region
 from kernels.pack import cast_shard
 from kernels.reduce import scale_grad, scaled_grad_shard
 
@@ -220,14 +220,11 @@ def unit_runs(units: list[tuple[nn.Module, UnitLayout]], regional: bool) -> list
         count[key] = count.get(key, 0) + 1
     for module, layout in units:
         key = kind(module, layout)
-        if not regional or count[key] == 1:
-            runs.append(run_unit(module, layout))
-            continue
-        if key not in shared:  # one region per kind of unit; every call reuses its traced and compiled code
-            shared[key] = torch.compiler.nested_compile_region(
-                run_unit(module, layout), max_reuse_entries=count[key] + 1, reuse_hash_fn=region_key
-            )
-        runs.append(shared[key])
+        if regional and count[key] > 1 and key not in shared:  # one region per kind: every call reuses it
+            region = reusable_compile_region(run_unit(module, layout), count[key] + 1, region_key)
+            if region is not None:  # None: this torch cannot reuse one (the unit is traced inline)
+                shared[key] = region
+        runs.append(shared.get(key) or run_unit(module, layout))
     return runs
 
 
