@@ -26,8 +26,9 @@ ENGINES = {
     "hsdp inlined": ["mesh.engine=hsdp", "compile.regional=false"],
     "fsdp2": ["mesh.engine=fsdp2"],
     "hsdp none": ["mesh.engine=hsdp", "compile.regional=true", "compile.passes=none"],  # the traced order
+    "hsdp blocks": ["mesh.engine=hsdp", "compile.scope=blocks"],  # each block compiled, collectives eager
 }
-DEFAULT_ENGINES = ["hsdp regional", "hsdp inlined", "fsdp2"]
+DEFAULT_ENGINES = ["hsdp blocks", "hsdp regional", "fsdp2"]
 JOB = [
     "sync.warmup_steps=null",
     "sync.method=average",

@@ -160,6 +160,7 @@ def test_compile_clock_times_first_calls_and_counts_recompiles():
         assert first
         fn(torch.ones(3))
     assert graphs_captured() == before + 1 and clock.recompiles == 0 and clock.compile_time_s > 0
+    assert clock.stats()["dynamo_graphs"] == 1  # the graph the first call captured
     first_call = clock.compile_time_s
     with clock.call("a") as first:
         assert not first

@@ -272,7 +272,9 @@ def test_registry_matches_the_config_choices():
 
     assert tuple(ENGINES) == CHOICES["mesh.engine"]
     assert all(cls.name == name for name, cls in ENGINES.items())
-    assert COMPILED["hsdp"].name == "hsdp" and issubclass(COMPILED["hsdp"], ENGINES["hsdp"])
+    assert tuple(COMPILED) == CHOICES["compile.scope"]
+    for scope in COMPILED.values():
+        assert scope["hsdp"].name == "hsdp" and issubclass(scope["hsdp"], ENGINES["hsdp"])
 
 
 def test_the_elastic_wing_is_reached_through_its_package_module_only():

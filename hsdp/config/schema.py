@@ -124,11 +124,12 @@ class SyncConfig:
 
 @dataclass
 class CompileConfig:
-    enabled: bool = False  # hsdp: fwd+bwd as torch.compile graphs, collectives inside; fsdp2: compiled per block
+    enabled: bool = False  # torch.compile: hsdp as compile.scope says; fsdp2: each block (its collectives eager)
     passes: str = "ours"  # hsdp: who schedules the graph's collectives (ours: prefetch + late waits; inductor's; none)
     prefetch: int = 1  # passes=ours: all-gathers start this many units ahead of their use
     bucket_mb: float = 0.0  # hsdp: neighbouring units share one all-gather/reduce-scatter up to this size (0 = off)
-    regional: bool = True  # hsdp: identical blocks compile once (a nested compile region), not once per layer
+    regional: bool = True  # scope=step: identical blocks compile once (a nested compile region), not once per layer
+    scope: str = "step"  # hsdp: step (one graph per step, collectives inside) | blocks (each block, collectives eager)
 
 
 @dataclass
@@ -198,6 +199,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sync.weighting": ("auto", "tokens", "equal"),
     "sync.outer_lr_schedule": ("constant", "cosine", "linear"),
     "compile.passes": ("ours", "inductor", "none"),
+    "compile.scope": ("step", "blocks"),
     "kernels.backend": ("auto", "triton", "torch"),
     "wandb.mode": ("offline", "online", "disabled"),
 }

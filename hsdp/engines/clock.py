@@ -41,6 +41,7 @@ class CompileClock:
         self.first_call_s: dict[Hashable, float] = {}
         self.second_call_s: dict[Hashable, float] = {}
         self.recompiles = 0
+        self.first_call_graphs = 0  # graphs dynamo captured during first calls (the compile's own)
 
     @property
     def compile_time_s(self) -> float:
@@ -60,6 +61,7 @@ class CompileClock:
         elapsed = time.perf_counter() - t0
         if first:
             self.first_call_s[variant] = elapsed
+            self.first_call_graphs += graphs_captured() - before
             return
         self.recompiles += graphs_captured() - before
         self.second_call_s.setdefault(variant, elapsed)
@@ -67,6 +69,7 @@ class CompileClock:
     def stats(self) -> dict[str, float]:
         return {
             "recompiles": self.recompiles,
+            "dynamo_graphs": self.first_call_graphs,
             "compile_time_s": round(self.compile_time_s, 2),
             "compile_first_call_s": round(sum(self.first_call_s.values()), 2),
         }

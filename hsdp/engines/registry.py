@@ -44,8 +44,12 @@ ENGINES = _Engines(
         "ddp": "hsdp.engines.baselines:DDPEngine",
     }
 )
-# An engine whose compiled path is another class; the others compile themselves (fsdp2: per block).
-COMPILED = _Engines({"hsdp": "hsdp.engines.compiled:CompiledHSDPEngine"})
+# An engine whose compiled path is another class, per compile.scope; the others compile themselves (fsdp2:
+# per block, whatever the scope).
+COMPILED = {
+    "step": _Engines({"hsdp": "hsdp.engines.compiled:CompiledHSDPEngine"}),
+    "blocks": _Engines({"hsdp": "hsdp.engines.blocks:BlockCompiledHSDPEngine"}),
+}
 assert tuple(ENGINES) == CHOICES["mesh.engine"], "the config's engine choices and the registry disagree"
 
 
@@ -53,7 +57,7 @@ def engine_modules(compiled: bool) -> list[str]:
     """What a launcher's zygote imports before it forks workers, so that they share it instead of each
     importing its engine: every eager engine's module (a warm zygote serves launches of any engine), and
     the compiled engine's for a compiled run."""
-    return ENGINES.modules() + (COMPILED.modules() if compiled else [])
+    return ENGINES.modules() + ([m for scope in COMPILED.values() for m in scope.modules()] if compiled else [])
 
 
 def saved_engine_class(name: str) -> type[Engine]:
@@ -64,7 +68,7 @@ def saved_engine_class(name: str) -> type[Engine]:
 def engine_class(cfg: Config) -> type[Engine]:
     """The class that runs `cfg` (the compiled variant when compile.enabled asks for it)."""
     name = cfg.mesh.engine
-    return COMPILED.get(name, ENGINES[name]) if cfg.compile.enabled else ENGINES[name]
+    return COMPILED[cfg.compile.scope].get(name, ENGINES[name]) if cfg.compile.enabled else ENGINES[name]
 
 
 def check_engine_config(cfg: Config) -> None:

@@ -1,0 +1,56 @@
+"""compile.scope=blocks: the eager HSDP engine with each transformer block compiled in place.
+
+This is torch's regional compilation, the way FSDP2 compiled runs (and torchtitan) compile: every block's
+forward and backward are inductor graphs, while the gathers, releases, prefetch and reduce-scatters stay the
+eager engine's own (hsdp/engines/hsdp.py), around the compiled blocks. The blocks are alike, so dynamo
+traces one and the others reuse its graphs (their params are graph inputs, not constants): the compile
+costs one block's, at any depth.
+
+What it gives up against compile.scope=step (hsdp/engines/compiled.py): the collectives are not in a graph,
+so our passes do not place them (the eager engine's one-unit prefetch overlaps them instead) and the
+embedding, head and loss run eagerly. What it keeps: release. The compiled block's saved tensors pass
+through the eager engine's saved-tensor hooks at run time (AOTAutograd saves them with save_for_backward
+like any autograd.Function), so saved full params become markers, their storage is freed after the
+forward, and backward re-gathers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hsdp.compile.cache import cpu_options
+from hsdp.config.schema import CompileConfig, Config
+from hsdp.engines.base import Batch
+from hsdp.engines.clock import CompileClock
+from hsdp.engines.hsdp import HSDPEngine
+from hsdp.torch_compat import start_compile_pool_lazily
+
+
+class BlockCompiledHSDPEngine(HSDPEngine):
+    """HSDPEngine whose blocks (the units between the embedding and the head) run as compiled graphs."""
+
+    def __init__(self, *args: Any, compile_cfg: CompileConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.compile_cfg = compile_cfg or CompileConfig(enabled=True, scope="blocks")
+        options = cpu_options()  # warm compiles load from inductor's caches (hsdp.compile.cache)
+        start_compile_pool_lazily()
+        for unit in self.units[1:-1]:
+            # In place (nn.Module.compile): the unit's module stays the one the engine swaps params into.
+            unit.module.compile(fullgraph=True, options=options)
+        self.clock = CompileClock()
+
+    @classmethod
+    def config_kwargs(cls, cfg: Config) -> dict[str, Any]:
+        return {"compile_cfg": cfg.compile}
+
+    def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
+        """The eager engine's step; its first call compiles the blocks (timed as FSDP2 compiled's is)."""
+        with self.clock.call():
+            return super().forward_backward(batches)
+
+    def stats(self) -> dict[str, Any]:
+        """Compile time (the first step less the second) and recompiles during training steps."""
+        return {**super().stats(), **self.clock.stats()}
