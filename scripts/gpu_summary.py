@@ -44,7 +44,8 @@ COMPILED_VS_EAGER = 0.9  # hsdp compiled's steady rate at least this fraction of
 ENGINE_FP32 = 1e-6  # max relative loss difference, fp32 params, no quantization
 ENGINE_BF16 = 2.0**-6  # max relative loss difference, bf16 params, int8 DiLoCo
 
-C_RUNS = ("c-hsdp-compiled", "c-fsdp2-compiled", "c-hsdp-eager")  # gpu-124m, in the table's order
+# gpu-124m, in the table's order (c-hsdp-blocks: compile.scope=blocks, run last, skipped when time is short)
+C_RUNS = ("c-hsdp-compiled", "c-fsdp2-compiled", "c-hsdp-eager", "c-hsdp-blocks")
 D_PAIRS = {  # engine check: pair -> (triton run, torch run, bound, what)
     "fp32": ("d-fp32-triton", "d-fp32-torch", ENGINE_FP32, "fp32 params, DiLoCo unquantized"),
     "bf16-int8": ("d-bf16-int8-triton", "d-bf16-int8-torch", ENGINE_BF16, "bf16 params, int8 DiLoCo"),
@@ -232,7 +233,7 @@ def check_runs(c: Checks, runs: dict[str, dict[str, Any]]) -> None:
             value = None if rel is None else f"rel {rel:.1e}; steady {got:,.0f}, wall {wall:,.0f}"
             ok = rel is not None and rel <= STEADY_REL and 0 < wall <= got
             c.add(f"(c) {name} tokens_per_s = tokens/step ÷ median step", f"rel ≤ {STEADY_REL:g}, wall ≤ it", value, ok)
-        if "compiled" in name:
+        if "compiled" in name or "blocks" in name:
             ct, rc = s.get("compile_time_s"), s.get("recompiles")
             ok = bool(ct) and rc == 0
             c.add(f"(c) {name} compile clock", "compile_time_s > 0, 0 recompiles", f"{ct} s, {rc}", ok)

@@ -201,7 +201,7 @@ def _gpu_work(work: Path, *, fsdp2_rc: int = 0, bf16_loss_shift: float = 1e-3) -
     gs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gs)
     stages = ["parity", "d-fp32-triton", "d-fp32-torch", "d-bf16-int8-triton", "d-bf16-int8-torch", "bench"]
-    stages += ["c-hsdp-eager", "c-hsdp-compiled", "c-fsdp2-compiled"]
+    stages += ["c-hsdp-eager", "c-hsdp-compiled", "c-fsdp2-compiled", "c-hsdp-blocks"]
     (work / "runs").mkdir(parents=True)
     lines = [
         {"stage": s, "rc": fsdp2_rc if s == "c-fsdp2-compiled" else 0, "seconds": 10.0, "limit_s": 60} for s in stages
@@ -252,6 +252,7 @@ def _gpu_work(work: Path, *, fsdp2_rc: int = 0, bf16_loss_shift: float = 1e-3) -
     run("c-hsdp-compiled", [60.0] + [0.04] * 29, losses, compile_time_s=58.2, recompiles=0, compile_first_call_s=60.0)
     if not fsdp2_rc:
         run("c-fsdp2-compiled", [40.0] + [0.045] * 29, losses, compile_time_s=38.0, recompiles=0)
+    run("c-hsdp-blocks", [35.0] + [0.045] * 29, losses, compile_time_s=33.0, recompiles=0)
     engine = [5.5 - 0.05 * i for i in range(60)]
     run("d-fp32-triton", [0.01] * 60, engine)
     run("d-fp32-torch", [0.01] * 60, engine)
@@ -276,7 +277,7 @@ def test_gpu_summary_passes_a_good_gpu_run_and_writes_two_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["summary.json", "summary.md"]
     assert s["result"] == "PASS", proc.stdout
     statuses = {r["check"]: r["status"] for r in s["checks"]}
-    assert set(statuses.values()) == {"PASS"} and len(statuses) == 15, statuses
+    assert set(statuses.values()) == {"PASS"} and len(statuses) == 18, statuses
     lines = proc.stdout.splitlines()
     assert lines[-1] == "gpu_check: PASS" and all(ln.split()[0] in ("PASS", "FAIL", "SKIP") for ln in lines[:-1])
     hc = s["runs"]["c-hsdp-compiled"]["steady"]
