@@ -156,6 +156,12 @@ BAD_OVERRIDES = [
     pytest.param(["sync.warmup_steps=10", "mesh.engine=fsdp2"], "mesh.engine", id="periodic-sync-with-fsdp2"),
     pytest.param(["sync.warmup_steps=0", "mesh.engine=ddp"], "mesh.engine", id="periodic-sync-with-ddp"),
     pytest.param(["run.name=a/b"], "run.name", id="run-name-with-slash"),
+    pytest.param(
+        ["compile.enabled=true", "compile.scope=blocks", "compile.passes=none"], "compile.passes", id="blocks-passes"
+    ),
+    pytest.param(
+        ["compile.enabled=true", "compile.scope=blocks", "compile.bucket_mb=4"], "compile.bucket_mb", id="blocks-bucket"
+    ),
     pytest.param(["optim.lr"], "optim.lr", id="set-without-equals"),
 ]
 
@@ -164,6 +170,14 @@ BAD_OVERRIDES = [
 def test_bad_override_raises_one_line_error_naming_the_key(overrides, key):
     msg = one_line_error(load_checked_config, TINY, overrides)
     assert key in msg, f"message does not name {key!r}: {msg!r}"
+
+
+def test_blocks_scope_takes_the_default_step_graph_options_and_fsdp2_any():
+    """The refusal is for values that would do nothing: defaults pass, and fsdp2 (always per block) is not hsdp."""
+    load_checked_config(TINY, ["compile.enabled=true", "compile.scope=blocks"])
+    fsdp2 = ["mesh.engine=fsdp2", "sync.warmup_steps=null"]
+    load_checked_config(TINY, [*fsdp2, "compile.enabled=true", "compile.scope=blocks", "compile.passes=none"])
+    load_checked_config(TINY, ["compile.scope=blocks", "compile.passes=none"])  # compile off: nothing to refuse
 
 
 def test_wrong_type_message_says_what_was_expected():
