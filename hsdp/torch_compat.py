@@ -15,6 +15,10 @@ Patches (process-global state of torch that the project changes; `PATCHES`):
 
 Behaviour relied on without a name to resolve:
   GLOO_RENDEZVOUS_KEY      gloo's rendezvous key of a rank, deleted once connected (elastic_gloo_group)
+  saved-tensor hooks       a compiled module's saved tensors pass through the saved_tensors_hooks active
+                           when it runs (AOTAutograd saves with save_for_backward; the hooks are not traced):
+                           compile.scope=blocks releases full params through them (hsdp/engines/blocks.py;
+                           tests/engine_workers.py's release check fails if that stops)
 
 Differences between the checked versions, absorbed here:
   inductor_keeps_collective_order  torch 2.15's simple-overlap pass (on by default) off for compile.passes

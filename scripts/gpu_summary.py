@@ -233,10 +233,21 @@ def check_runs(c: Checks, runs: dict[str, dict[str, Any]]) -> None:
             value = None if rel is None else f"rel {rel:.1e}; steady {got:,.0f}, wall {wall:,.0f}"
             ok = rel is not None and rel <= STEADY_REL and 0 < wall <= got
             c.add(f"(c) {name} tokens_per_s = tokens/step ÷ median step", f"rel ≤ {STEADY_REL:g}, wall ≤ it", value, ok)
-        if "compiled" in name or "blocks" in name:
+        if "compiled" in name:
             ct, rc = s.get("compile_time_s"), s.get("recompiles")
             ok = bool(ct) and rc == 0
             c.add(f"(c) {name} compile clock", "compile_time_s > 0, 0 recompiles", f"{ct} s, {rc}", ok)
+        if "blocks" in name:  # compiled at all (dynamo off would pass the clock), once for every block and eval
+            ct, rc, g, g_all = (
+                s.get(k) for k in ("compile_time_s", "recompiles", "dynamo_graphs", "dynamo_graphs_all")
+            )
+            ok = bool(ct) and rc == 0 and g == 1 and g_all == 1
+            c.add(
+                f"(c) {name} compile clock",
+                "compile_time_s > 0, 0 recompiles, 1 dynamo graph in the run",
+                f"{ct} s, {rc}, {g} / {g_all}",
+                ok,
+            )
     hc, he = runs.get("c-hsdp-compiled"), runs.get("c-hsdp-eager")
     if hc and hc["summary"]:
         mfu = hc["steady"]["steady_mfu"]

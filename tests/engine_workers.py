@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -67,48 +68,80 @@ def check_odd_shapes(rank: int, world: int) -> dict:
     return {"max_rel_err": max(errs), "errs": errs, "held_shapes": held_rows}
 
 
-def check_release(rank: int, world: int) -> dict:
-    """After a unit's forward (and after backward) its full params hold no storage."""
+def check_release(rank: int, world: int, compiled_blocks: bool = False) -> dict:
+    """After a unit's forward (and after backward) its full params hold no storage, and nothing saved for
+    backward is a copy of a weight (a cast or a transpose saved in place of the param would escape release).
+
+    compiled_blocks: the engine of compile.scope=blocks (each block compiled in place)."""
     from hsdp.config.schema import ModelConfig
     from hsdp.engines.hsdp import HSDPEngine
     from hsdp.models.gpt import build_model
 
     mesh = _mesh(world)
+    # B·T = 24 rows: no activation has a weight's shape (d_model 16; weights 48x16, 16x16, 64x16, 16x64).
     model = build_model(ModelConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16), 0)
-    engine = HSDPEngine(model.units, mesh)
+    if compiled_blocks:
+        from hsdp.engines.blocks import BlockCompiledHSDPEngine
+
+        engine: HSDPEngine = BlockCompiledHSDPEngine(model.units, mesh)
+    else:
+        engine = HSDPEngine(model.units, mesh)
+    weights = {i: [v for v in u.gather_full_fp32().values() if v.dim() == 2] for i, u in enumerate(engine.units)}
+    saved: list[tuple[int, object]] = []  # (unit, what the engine's pack hook kept) for each saved tensor
+    pack = HSDPEngine._pack_saved
+
+    def spy(unit, t):
+        packed = pack(unit, t)
+        saved.append((unit.index, packed))
+        return packed
+
+    HSDPEngine._pack_saved = staticmethod(spy)
     seen_during_forward, full_views = [], []
-    # While unit i runs: its own full storage size, and the earlier units' (released) sizes.
-    for i, unit in enumerate(engine.units):
-        unit.module.register_forward_hook(
-            lambda mod, inp, out, i=i: seen_during_forward.append(
-                (
-                    i,
-                    engine.units[i].full_flat.untyped_storage().nbytes(),
-                    [engine.units[j].full_flat.untyped_storage().nbytes() for j in range(i)],
-                )
-            )
-        )
-        # Keep the very full-param tensors the module computed with.
-        unit.module.register_forward_hook(
-            lambda mod, inp, out, i=i: full_views.extend(s.owner._parameters[s.attr] for s in engine.units[i].specs)
-        )
-    logits = engine(torch.randint(0, 256, (2, 8)))
+    run_unit = engine._run_unit
+
+    def recording_run_unit(unit, x):
+        """Right after unit i ran (outside any compiled code): its own full storage size, the earlier units'
+        (released) sizes, and the very full-param tensors the module computed with."""
+        out = run_unit(unit, x)
+        i = unit.index
+        earlier = [engine.units[j].full_flat.untyped_storage().nbytes() for j in range(i)]
+        seen_during_forward.append((i, unit.full_flat.untyped_storage().nbytes(), earlier))
+        full_views.extend(s.owner._parameters[s.attr] for s in unit.specs)
+        return out
+
+    engine._run_unit = recording_run_unit
+    logits = engine(torch.randint(0, 256, (3, 8)))
     after_forward = [u.full_flat.untyped_storage().nbytes() for u in engine.units]
     # The full params the module computed with now have no storage behind them.
     view_bytes = [t.untyped_storage().nbytes() for t in full_views]
+    markers = [sum(isinstance(p, tuple) for i, p in saved if i == u) for u in range(len(engine.units))]
+    weight_copies = [
+        (i, tuple(p.shape))
+        for i, p in saved
+        if torch.is_tensor(p)
+        and p.dim() == 2
+        and any(p.shape == w.shape and torch.equal(p.float(), w) for w in weights[i] + [w.t() for w in weights[i]])
+    ]
     logits.float().logsumexp(-1).mean().backward()
     after_backward = [u.full_flat.untyped_storage().nbytes() for u in engine.units]
     grad_nonzero = all(bool(u.grad_flat.abs().sum() > 0) for u in engine.units)
+    HSDPEngine._pack_saved = staticmethod(pack)
     return {
         "during_forward": seen_during_forward,
         "after_forward": after_forward,
         "view_bytes": view_bytes,
         "after_backward": after_backward,
         "grad_nonzero": grad_nonzero,
+        "markers": markers,
+        "weight_copies": weight_copies,
     }
 
 
-CHECKS = {"odd_shapes": check_odd_shapes, "release": check_release}
+CHECKS = {
+    "odd_shapes": check_odd_shapes,
+    "release": check_release,
+    "release_compiled_blocks": partial(check_release, compiled_blocks=True),
+}
 
 
 def _worker(rank: int, name: str, world: int, port: int, out: str) -> None:

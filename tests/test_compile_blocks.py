@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import SMALL, RunResult, max_param_rel_err, run_train
+from tests.test_engine import _run_check, check_release
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -40,23 +41,30 @@ def test_blocks_compiled_equals_eager(pair) -> None:
 
 
 def test_blocks_compile_once_and_never_again(pair) -> None:
-    """SMALL's two blocks share one dynamo graph (their params are graph inputs), and no later step
-    recompiles; the compile is timed as FSDP2 compiled's is."""
+    """SMALL's two blocks share one dynamo graph (their params are graph inputs), no later step recompiles,
+    and the eval forward compiles nothing (it runs eagerly); the compile is timed as FSDP2 compiled's is."""
     _, compiled = pair
     s = compiled.summary
     assert s["dynamo_graphs"] == 1
+    assert s["final_val_loss"] is not None and s["dynamo_graphs_all"] == 1  # the final eval ran eagerly
     assert s["recompiles"] == 0
     assert s["compile_time_s"] > 0
 
 
 def test_blocks_release_and_regather_as_eager(pair) -> None:
-    """The same collectives and bytes as the eager engine: backward re-gathers every unit that needs its
-    weights, which it does only if the compiled blocks' saved full params were released after forward."""
+    """The same collectives and bytes as the eager engine, step by step: backward re-gathers every unit that
+    needs its weights (what stays alive is test_compiled_blocks_release_their_full_params's)."""
     eager, compiled = pair
     for e, c in zip(eager.metrics, compiled.metrics, strict=True):
         assert (c["shard_bytes"], c["sync_bytes"]) == (e["shard_bytes"], e["sync_bytes"])
     for key, counts in eager.summary["comm"].items():
         assert compiled.summary["comm"][key]["calls"] == counts["calls"], key
+
+
+def test_compiled_blocks_release_their_full_params(tmp_path: Path) -> None:
+    """tests/test_engine.py's release check on the blocks engine: full params freed after each unit's forward
+    and backward, the compiled blocks' saved full params turned into markers, no saved copy of a weight."""
+    check_release(_run_check("release_compiled_blocks", 2, tmp_path, timeout=300))
 
 
 def test_unknown_compile_scope_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -108,8 +108,8 @@ def test_odd_shapes_and_tiny_params(tmp_path: Path) -> None:
     assert sum(r["held_shapes"]["units.1.0.weight"][0] for r in results) == 257
 
 
-def test_release_frees_full_params(tmp_path: Path) -> None:
-    results = _run_check("release", 2, tmp_path)
+def check_release(results: list[dict]) -> None:
+    """What tests/engine_workers.py's release check measured, on every rank (also tests/test_compile_blocks.py)."""
     for r in results:
         assert r["after_forward"] == [0] * 4 and r["after_backward"] == [0] * 4
         assert r["view_bytes"] and all(b == 0 for b in r["view_bytes"])
@@ -117,6 +117,12 @@ def test_release_frees_full_params(tmp_path: Path) -> None:
             assert own > 0, f"unit {i} ran without its params"
             assert all(b == 0 for b in earlier), f"units before {i} were not released"
         assert r["grad_nonzero"]
+        assert all(m > 0 for m in r["markers"][1:]), r["markers"]  # the blocks and head saved full params
+        assert r["weight_copies"] == [], "a copy of a weight was saved for backward"
+
+
+def test_release_frees_full_params(tmp_path: Path) -> None:
+    check_release(_run_check("release", 2, tmp_path))
 
 
 def test_sharded_peak_memory_below_unsharded(tmp_path: Path) -> None:

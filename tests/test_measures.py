@@ -252,7 +252,8 @@ def _gpu_work(work: Path, *, fsdp2_rc: int = 0, bf16_loss_shift: float = 1e-3) -
     run("c-hsdp-compiled", [60.0] + [0.04] * 29, losses, compile_time_s=58.2, recompiles=0, compile_first_call_s=60.0)
     if not fsdp2_rc:
         run("c-fsdp2-compiled", [40.0] + [0.045] * 29, losses, compile_time_s=38.0, recompiles=0)
-    run("c-hsdp-blocks", [35.0] + [0.045] * 29, losses, compile_time_s=33.0, recompiles=0)
+    blocks = {"compile_time_s": 33.0, "recompiles": 0, "dynamo_graphs": 1, "dynamo_graphs_all": 1}
+    run("c-hsdp-blocks", [35.0] + [0.045] * 29, losses, **blocks)
     engine = [5.5 - 0.05 * i for i in range(60)]
     run("d-fp32-triton", [0.01] * 60, engine)
     run("d-fp32-torch", [0.01] * 60, engine)

@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hsdp.config.faults import FaultSpecError, parse_faults
-from hsdp.config.schema import CHOICES, CompileConfig, Config, ConfigError
+from hsdp.config.schema import CHOICES, Config, ConfigError
 
 # Range rules by key: integers >= 1, values >= 0 (null allowed where the field is optional), values > 0.
 AT_LEAST_ONE = [
@@ -110,7 +110,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
     elif cfg.data.source == "text" and cfg.model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
-    check_compile_scope(cfg)
     s = cfg.sync
     if s.fragments > 1 and s.every % s.fragments:
         raise ConfigError(f"sync.fragments: expected a divisor of sync.every={s.every}, got {s.fragments}")
@@ -314,18 +313,3 @@ def check_arch(cfg: Config) -> None:
             f"model.n_head: rotary positions rotate pairs, so d_model / n_head must be even, "
             f"got {m.d_model} / {m.n_head} = {m.d_model // m.n_head}"
         )
-
-
-def check_compile_scope(cfg: Config) -> None:
-    """compile.scope=blocks runs the collectives eagerly, so the step graph's options would do nothing there:
-    a value other than their default is refused rather than ignored."""
-    c = cfg.compile
-    if not (c.enabled and c.scope == "blocks" and cfg.mesh.engine == "hsdp"):
-        return
-    default = CompileConfig()
-    for key in ("passes", "prefetch", "bucket_mb", "regional"):
-        if getattr(c, key) != getattr(default, key):
-            raise ConfigError(
-                f"compile.{key}: shapes the step graph (compile.scope=step); compile.scope=blocks compiles the "
-                f"blocks alone with the collectives eager (mesh.prefetch prefetches there), got {getattr(c, key)!r}"
-            )

@@ -11,7 +11,10 @@ so our passes do not place them (the eager engine's one-unit prefetch overlaps t
 embedding, head and loss run eagerly. What it keeps: release. The compiled block's saved tensors pass
 through the eager engine's saved-tensor hooks at run time (AOTAutograd saves them with save_for_backward
 like any autograd.Function), so saved full params become markers, their storage is freed after the
-forward, and backward re-gathers them.
+forward, and backward re-gathers them (tests/engine_workers.py's release check, which also finds no saved
+copy of a weight). That rests on two behaviours of torch: the hooks are called at run time, not traced
+into the graph, and the compiled function saves through save_for_backward (hsdp/torch_compat.py lists
+both). Eval forwards run eagerly.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import torch
 from hsdp.compile.cache import cpu_options
 from hsdp.config.schema import CompileConfig, Config
 from hsdp.engines.base import Batch
-from hsdp.engines.clock import CompileClock
-from hsdp.engines.hsdp import HSDPEngine
+from hsdp.engines.clock import CompileClock, graphs_captured
+from hsdp.engines.hsdp import HSDPEngine, ShardedUnit
 from hsdp.torch_compat import start_compile_pool_lazily
 
 
@@ -46,11 +49,20 @@ class BlockCompiledHSDPEngine(HSDPEngine):
     def config_kwargs(cls, cfg: Config) -> dict[str, Any]:
         return {"compile_cfg": cfg.compile}
 
+    def _run_unit(self, unit: ShardedUnit, x: torch.Tensor) -> torch.Tensor:
+        """Training forwards run the compiled block; eval forwards (no grad) run it eagerly, as the step scope's
+        do: compiled, they would compile a second graph (dynamo guards on grad mode) outside the timed step."""
+        if torch.is_grad_enabled():
+            return super()._run_unit(unit, x)
+        with torch.compiler.set_stance("force_eager"):
+            return super()._run_unit(unit, x)
+
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
         """The eager engine's step; its first call compiles the blocks (timed as FSDP2 compiled's is)."""
         with self.clock.call():
             return super().forward_backward(batches)
 
     def stats(self) -> dict[str, Any]:
-        """Compile time (the first step less the second) and recompiles during training steps."""
-        return {**super().stats(), **self.clock.stats()}
+        """Compile time (the first step less the second), recompiles during training steps, and every graph
+        dynamo captured in the run (`dynamo_graphs_all`: the first step's alone while eval stays eager)."""
+        return {**super().stats(), **self.clock.stats(), "dynamo_graphs_all": graphs_captured()}

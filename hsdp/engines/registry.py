@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Iterator, Mapping
 
 from hsdp.comm.mesh import Mesh
-from hsdp.config.schema import CHOICES, Config, ConfigError
+from hsdp.config.schema import CHOICES, CompileConfig, Config, ConfigError
 from hsdp.engines.base import Engine
 
 
@@ -77,6 +77,7 @@ def check_engine_config(cfg: Config) -> None:
     if cfg.compile.enabled and not cls.supports_compile:
         able = " and ".join(n for n, c in ENGINES.items() if c.supports_compile)
         raise ConfigError(f"compile.enabled: the compiled path exists for mesh.engine {able}, got {cls.name}")
+    check_compile_scope(cfg)
     s = cfg.sync
     if cfg.mesh.replicate > 1 and not cls.supports_replicate:
         able = " or ".join(n for n, c in ENGINES.items() if c.supports_replicate)
@@ -93,6 +94,22 @@ def check_engine_config(cfg: Config) -> None:
         raise ConfigError(
             f"mesh.engine: periodic sync (sync.warmup_steps < run.steps) needs engine {able}, got {cls.name!r}"
         )
+
+
+def check_compile_scope(cfg: Config) -> None:
+    """compile.scope=blocks runs the collectives eagerly, so the step graph's options would do nothing there:
+    a value other than their default is refused rather than ignored (fsdp2 compiles per block whatever the
+    scope, and takes none of them)."""
+    c = cfg.compile
+    if not (c.enabled and c.scope == "blocks" and cfg.mesh.engine in COMPILED["blocks"]):
+        return
+    default = CompileConfig()
+    for key in ("passes", "prefetch", "bucket_mb", "regional"):
+        if getattr(c, key) != getattr(default, key):
+            raise ConfigError(
+                f"compile.{key}: shapes the step graph (compile.scope=step); compile.scope=blocks compiles the "
+                f"blocks alone with the collectives eager (mesh.prefetch prefetches there), got {getattr(c, key)!r}"
+            )
 
 
 def build_engine(cfg: Config, mesh: Mesh) -> Engine:
