@@ -56,7 +56,7 @@ assert tuple(ENGINES) == CHOICES["mesh.engine"], "the config's engine choices an
 def engine_modules(compiled: bool) -> list[str]:
     """What a launcher's zygote imports before it forks workers, so that they share it instead of each
     importing its engine: every eager engine's module (a warm zygote serves launches of any engine), and
-    the compiled engine's for a compiled run."""
+    both compiled engines' (every compile.scope) for a compiled run."""
     return ENGINES.modules() + ([m for scope in COMPILED.values() for m in scope.modules()] if compiled else [])
 
 
