@@ -462,3 +462,33 @@ def test_torchrun_two_nodes_resumes(out: Path, killed_in_save: dict, exact_ref: 
     step_14 = killed_in_save["resumed"].run_dir / "checkpoints" / "step_14"
     resumed = torchrun(out, "torchrun-resumed", EXACT + [f"run.resume={step_14}"])
     assert_same_run(resumed, exact_ref, from_step=15)
+
+
+def test_last_good_on_another_rank_waits_for_rank_0_to_publish_the_save_in_flight(tmp_path: Path) -> None:
+    """A rank other than 0 whose writer thread is done has written and hashed its own files only; rank 0's
+    writer still renames the folder and marks it complete. A divergence found meanwhile must name that
+    checkpoint, not the one before it (a clean-clone rehearsal under load named step_5 for step_7)."""
+    import threading
+
+    from hsdp.config.schema import Config
+    from hsdp.run.checkpoint.find import COMPLETE
+    from hsdp.run.checkpoint.store import Checkpoints
+
+    root = tmp_path / "checkpoints"
+    (root / "step_5").mkdir(parents=True)
+    (root / "step_5" / COMPLETE).touch()
+    ckpt = object.__new__(Checkpoints)  # the fields last_good reads, on rank 1 after its own part of step_7
+    ckpt.cfg, ckpt.home, ckpt.root, ckpt.first = Config(), tmp_path, root, False
+    ckpt._writer, ckpt._writer_step, ckpt._write_error = threading.Thread(target=lambda: None), 7, None
+    ckpt._writer.start()
+
+    def publish() -> None:  # rank 0, a moment later
+        time.sleep(0.5)
+        (root / ".tmp_step_7").mkdir()
+        (root / ".tmp_step_7").rename(root / "step_7")
+        (root / "step_7" / COMPLETE).touch()
+
+    rank0 = threading.Thread(target=publish)
+    rank0.start()
+    assert ckpt.last_good() == root / "step_7"
+    rank0.join()

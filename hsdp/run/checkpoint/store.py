@@ -158,6 +158,7 @@ class Checkpoints:
         self.write_s = 0.0  # the writes' own seconds (on the writer thread when asynchronous)
         self.background = cfg.run.checkpoint_async
         self._writer: Optional[threading.Thread] = None
+        self._writer_step: Optional[int] = None  # the step the writer thread saves
         self._write_error: Optional[BaseException] = None
         self._group: Any = None  # the writer's process group (created by the first asynchronous save)
 
@@ -271,6 +272,7 @@ class Checkpoints:
         self._writer = threading.Thread(
             target=self._write_in_background, args=(step, staged, meta), name=f"checkpoint-step_{step}", daemon=True
         )
+        self._writer_step = step
         self._writer.start()
         self.save_s += time.perf_counter() - t0
         return self.root / f"step_{step}"
@@ -354,7 +356,17 @@ class Checkpoints:
         (its error, if any, is still raised by finish)."""
         if self._writer is not None:
             self._writer.join()
+            if self._write_error is None and not self.first and self._writer_step is not None:
+                self._wait_for_publish(self._writer_step)
         return latest_checkpoint(self.home)
+
+    def _wait_for_publish(self, step: int, poll_s: float = 0.05) -> None:
+        """Wait (up to mesh.timeout_s) for rank 0 to publish step_{step}: another rank's writer is done once its
+        own files are written and hashed, while rank 0's goes on to rename the folder and mark it complete."""
+        marker = self.root / f"step_{step}" / COMPLETE
+        deadline = time.monotonic() + self.cfg.mesh.timeout_s
+        while not marker.is_file() and time.monotonic() < deadline:
+            time.sleep(poll_s)
 
 
 def stage(state: dict[str, Any]) -> Optional[dict[str, Any]]:
