@@ -279,9 +279,7 @@ class Checkpoints:
 
     def finish(self) -> None:
         """Wait for the save in flight (if any); its failure is raised here, on the training thread."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        self._join_writer()
         error, self._write_error = self._write_error, None
         if error is not None:
             raise error
@@ -354,11 +352,18 @@ class Checkpoints:
         """The newest complete checkpoint (every checkpoint is finite), for the divergence message, once the save
         in flight (if any) has ended: it was staged from a finite step, so it is the last good one when written
         (its error, if any, is still raised by finish)."""
-        if self._writer is not None:
-            self._writer.join()
-            if self._write_error is None and not self.first and self._writer_step is not None:
-                self._wait_for_publish(self._writer_step)
+        self._join_writer()
         return latest_checkpoint(self.home)
+
+    def _join_writer(self) -> None:
+        """Wait for the save in flight (if any) to be published: on rank 0 its writer thread; on another rank
+        that thread, then rank 0's rename and marker (the divergence check that follows names the newest)."""
+        if self._writer is None:
+            return
+        self._writer.join()
+        self._writer = None
+        if self._write_error is None and not self.first and self._writer_step is not None:
+            self._wait_for_publish(self._writer_step)
 
     def _wait_for_publish(self, step: int, poll_s: float = 0.05) -> None:
         """Wait (up to mesh.timeout_s) for rank 0 to publish step_{step}: another rank's writer is done once its
