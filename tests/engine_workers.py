@@ -78,8 +78,10 @@ def check_release(rank: int, world: int, compiled_blocks: bool = False) -> dict:
     from hsdp.models.gpt import build_model
 
     mesh = _mesh(world)
-    # B·T = 24 rows: no activation has a weight's shape (d_model 16; weights 48x16, 16x16, 64x16, 16x64).
-    model = build_model(ModelConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16), 0)
+    # tests/helpers.py's SMALL model and batch, so the compiled variant loads the blocks' graphs that
+    # tests/test_compile_blocks.py's run compiled (the suite's inductor cache). B·T = 34 rows: no activation
+    # has a weight's shape (d_model 36; weights 108x36, 36x36, 144x36, 36x144).
+    model = build_model(ModelConfig(vocab_size=257, seq_len=17, n_layer=2, n_head=4, d_model=36, bias=False), 0)
     if compiled_blocks:
         from hsdp.engines.blocks import BlockCompiledHSDPEngine
 
@@ -110,7 +112,7 @@ def check_release(rank: int, world: int, compiled_blocks: bool = False) -> dict:
         return out
 
     engine._run_unit = recording_run_unit
-    logits = engine(torch.randint(0, 256, (3, 8)))
+    logits = engine(torch.randint(0, 257, (2, 17)))
     after_forward = [u.full_flat.untyped_storage().nbytes() for u in engine.units]
     # The full params the module computed with now have no storage behind them.
     view_bytes = [t.untyped_storage().nbytes() for t in full_views]
