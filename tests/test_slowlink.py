@@ -100,7 +100,7 @@ def test_exit_2_without_ip_or_tc(tmp_path, monkeypatch, capsys):
 @needs_netns
 @pytest.mark.parametrize("replicas", [2, 3])  # 3: one veth per replica into a bridge in its own namespace
 def test_namespaces_shaping_probe_and_teardown(tmp_path, removes_leftovers, replicas):
-    """Build the network, see the qdisc, time an all_reduce through it (within 30% of bytes/rate), remove it all."""
+    """Build the network, see the qdisc, time an all_reduce through it (bytes/rate), remove it all."""
     link = netns.SlowLink(replicas, 40_000_000)
     removes_leftovers.append(link.prefix)
     try:
@@ -112,7 +112,10 @@ def test_namespaces_shaping_probe_and_teardown(tmp_path, removes_leftovers, repl
             link, shard=1, seconds=0.4, reps=2, port=29391, log_dir=tmp_path, label="40mbit", timeout_s=90
         )
         assert result.expected_s == pytest.approx(result.ring_bytes * 8 / 40e6)
-        assert 0.7 <= result.measured_over_expected <= 1.3, result
+        # The fastest rep is the link's own time: a busy box only adds to it (the suite's 3 workers on 2 cores
+        # once made a rep 1.6x, the mean 1.4x). Not faster than 0.7x bytes/rate: the shaping holds; under 3x:
+        # the rate is not off by a unit (an unshaped veth is ~100x faster, a kbit/Mbit slip 1000x slower).
+        assert 0.7 <= min(result.sync_s) / result.expected_s <= 3.0, result
     finally:
         left = link.down()
     assert left == []
