@@ -22,15 +22,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hsdp.comm.groups import Comm, ring_bytes
 from hsdp.comm.mesh import Mesh
-from hsdp.compile.cache import cpu_options
 from hsdp.config.schema import Config
 from hsdp.core.layout import DTYPES
 from hsdp.engines.base import Batch, Engine, EngineState, SavedCheckpoint
-from hsdp.engines.clock import CompileClock
+from hsdp.engines.clock import CompileClock, compile_blocks_in_place
 from hsdp.models.gpt import GPT
 from hsdp.models.init_from import initial_model
 from hsdp.sync.policy import NoSync
-from hsdp.torch_compat import FSDPAllGather, FSDPReduceScatter, start_compile_pool_lazily
+from hsdp.torch_compat import FSDPAllGather, FSDPReduceScatter
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -136,10 +135,7 @@ class FSDP2Engine(_TorchCheckpoint, Engine):
         if cfg.compile.enabled:
             # As torchtitan does: each transformer block compiled (in place, so parameter names stay),
             # FSDP2's hooks run around the compiled blocks, eagerly.
-            options = cpu_options()  # warm compiles load from inductor's caches (hsdp.compile.cache)
-            start_compile_pool_lazily()
-            for block in model.units[1:-1]:
-                block.compile(fullgraph=True, options=options)
+            compile_blocks_in_place(list(model.units))
         engine = cls(model, mesh, cfg.precision.param_dtype, cfg.precision.reduce_dtype)
         engine.clock = CompileClock() if cfg.compile.enabled else None
         return engine

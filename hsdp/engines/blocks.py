@@ -24,30 +24,18 @@ from typing import Any
 
 import torch
 
-from hsdp.compile.cache import cpu_options
-from hsdp.config.schema import CompileConfig, Config
 from hsdp.engines.base import Batch
-from hsdp.engines.clock import CompileClock, graphs_captured
+from hsdp.engines.clock import CompileClock, compile_blocks_in_place, graphs_captured
 from hsdp.engines.hsdp import HSDPEngine, ShardedUnit
-from hsdp.torch_compat import start_compile_pool_lazily
 
 
 class BlockCompiledHSDPEngine(HSDPEngine):
     """HSDPEngine whose blocks (the units between the embedding and the head) run as compiled graphs."""
 
-    def __init__(self, *args: Any, compile_cfg: CompileConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.compile_cfg = compile_cfg or CompileConfig(enabled=True, scope="blocks")
-        options = cpu_options()  # warm compiles load from inductor's caches (hsdp.compile.cache)
-        start_compile_pool_lazily()
-        for unit in self.units[1:-1]:
-            # In place (nn.Module.compile): the unit's module stays the one the engine swaps params into.
-            unit.module.compile(fullgraph=True, options=options)
+        compile_blocks_in_place([u.module for u in self.units])  # the modules the engine swaps params into
         self.clock = CompileClock()
-
-    @classmethod
-    def config_kwargs(cls, cfg: Config) -> dict[str, Any]:
-        return {"compile_cfg": cfg.compile}
 
     def _run_unit(self, unit: ShardedUnit, x: torch.Tensor) -> torch.Tensor:
         """Training forwards run the compiled block; eval forwards (no grad) run it eagerly, as the step scope's

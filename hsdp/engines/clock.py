@@ -1,19 +1,31 @@
-"""Compile time and recompiles of a compiled training step (hsdp compiled and fsdp2 compiled alike)."""
+"""Compile time and recompiles of a compiled training step, and the per-block compile (hsdp compiled and fsdp2
+compiled alike)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
+import torch.nn as nn
 
-from hsdp.torch_compat import compiled_graph_count
+from hsdp.compile.cache import cpu_options
+from hsdp.torch_compat import compiled_graph_count, start_compile_pool_lazily
 
 
 def graphs_captured() -> int:
     """Graphs dynamo has captured so far in this process (one more after the first = a recompile)."""
     return compiled_graph_count()
+
+
+def compile_blocks_in_place(units: Sequence[nn.Module]) -> None:
+    """Each block (the units between the embedding and the head) compiled in place, as torchtitan does:
+    the module object stays (parameter names, an engine's param swaps), its calls run the compiled graphs."""
+    options = cpu_options()  # warm compiles load from inductor's caches (hsdp.compile.cache)
+    start_compile_pool_lazily()
+    for block in units[1:-1]:
+        block.compile(fullgraph=True, options=options)
 
 
 def device_synchronize() -> None:
