@@ -219,13 +219,9 @@ SLOW_RUN = [
     *SMALL,
     "elastic.enabled=true",
     # Not 2 s: in the first round replica 0's contributor all-gather waits out replica 1's whole first period
-    # (no pace known yet). A full-suite run once ended with sync_rounds 7 on replica 0 and 6 on replica 1, as a
-    # round that timed out on replica 0's side and was held again would (not reproduced alone or beside four
-    # busy loops). A rehearsal of the whole suite then ended with 8 rounds on replica 0 and 6 on replica 1: under
-    # load the slow replica's first period (10 x 8 of its steps) can pass 30 s, which drops the round it was
-    # waited for and holds it again (the likely cause, not confirmed: the assertion now prints both replicas'
-    # rounds and the run's stderr). Nothing fails here, so detection speed is not tested; the bound under test is
-    # round_timeout_s, and this one only has to outlast a loaded box's slowest period.
+    # (no pace known yet), which under a busy suite's load can pass 30 s; this only has to outlast a loaded
+    # box's slowest period (nothing fails here, so detection speed is not tested: the bound under test is
+    # round_timeout_s).
     "elastic.timeout_s=90",
     "elastic.round_timeout_s=0.3",
     "mesh.sync=2",
@@ -261,9 +257,12 @@ def test_a_ten_times_slower_replica_is_counted_out_then_cuts_its_periods(tmp_pat
     assert first_round["replicas"] == 1  # replica 0's first param round committed without the late replica
     assert slow["own_late_rounds"] >= 1 and fast["late_rounds"] >= 1
     assert slow["cut_steps"] > 0  # it skipped steps to arrive within the bound (its periods never fit)
-    rounds = {m: s["elastic_round_quorums"] for m, s in (("fast", fast), ("slow", slow))}
-    # the join and every param round, together
-    assert fast["sync_rounds"] == slow["sync_rounds"], (rounds, proc.stderr[-3000:])
+    # every param round after the join, together (at the same torchft steps). The join's meetings are apart:
+    # the replica whose process started first meets alone until the other starts (three times in one busy
+    # suite), so their count differs between replicas by design.
+    after_join = {m: s["elastic_round_quorums"][s["join_meetings"] :] for m, s in (("fast", fast), ("slow", slow))}
+    assert fast["sync_rounds"] == slow["sync_rounds"] == STEPS // EVERY, (after_join, proc.stderr[-3000:])
+    assert [q[0] for q in after_join["fast"]] == [q[0] for q in after_join["slow"]], after_join
     assert [r["step"] for r in records] == list(range(STEPS))
     params = [torch.load(run_dir / f"model.replica{m}.pt") for m in (0, 1)]
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])

@@ -376,7 +376,10 @@ class ElasticReplica(PhaseLog):
             "heal_skipped_steps": self.skipped,
             "heal_contributes_from": self.contributes_from,
             "heal_retries": self.retries,
-            "sync_rounds": t.rounds,
+            # the rounds held after this life's join; the join's meetings (a fresh replica meets alone until its
+            # peers start, a restarted one heals in the peers' round) vary with start-up times and are apart
+            "sync_rounds": t.rounds - (t.joined_at or 0),
+            "join_meetings": t.joined_at or 0,
             "dropped_syncs": self.policy.dropped,
             "elastic_touched_rounds": t.touched_rounds(),
             "elastic_round_quorums": t.quorums,  # per round: [torchft step, quorum size, contributors]
