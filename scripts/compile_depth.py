@@ -1,10 +1,13 @@
 """Cold and warm compile time against depth: hsdp compiled (regional and not) and FSDP2 compiled.
 
-    python scripts/compile_depth.py [--layers 2,4,8,16] [--steps 20] [--mesh 2x2] [--out runs/compile-depth]
+    python scripts/compile_depth.py [--layers 2,4,8,16] [--steps 20] [--mesh 2x2] [--job exact|diloco]
+                                    [--engines ...] [--out runs/compile-depth]
 
 Each (engine, depth) is the tiny job (configs/tiny.yaml, exact HSDP) run twice on its own empty inductor
 cache folder: the first run compiles every graph (cold), the second loads them (warm). A fresh folder per
 run keeps one depth's compiled kernels (the blocks are the same at every depth) from warming the next.
+--job diloco runs tiny.yaml's own schedule instead (a grad-sync warmup, then DiLoCo), shortened: the step
+scope compiles one graph pair per reduce variant, so twice there (FSDP2 cannot run it: hsdp engines only).
 Prints compile_time_s (each engine's first compiled call less its second: hsdp.engines.clock), the
 median step and the whole run's wall time, and each hsdp run's cold compile ÷ FSDP2's at that depth.
 """
@@ -22,11 +25,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = {
-    "hsdp regional": ["mesh.engine=hsdp", "compile.regional=true"],
-    "hsdp inlined": ["mesh.engine=hsdp", "compile.regional=false"],
+    "hsdp regional": ["mesh.engine=hsdp", "compile.scope=step", "compile.regional=true"],  # the step one graph
+    "hsdp inlined": ["mesh.engine=hsdp", "compile.scope=step", "compile.regional=false"],
     "fsdp2": ["mesh.engine=fsdp2"],
-    "hsdp none": ["mesh.engine=hsdp", "compile.regional=true", "compile.passes=none"],  # the traced order
-    "hsdp blocks": ["mesh.engine=hsdp", "compile.scope=blocks"],  # each block compiled, collectives eager
+    "hsdp none": ["mesh.engine=hsdp", "compile.scope=step", "compile.passes=none"],  # the traced order
+    "hsdp blocks": ["mesh.engine=hsdp", "compile.scope=blocks"],  # the default: each block, collectives eager
 }
 DEFAULT_ENGINES = ["hsdp blocks", "hsdp regional", "fsdp2"]
 JOB = [
@@ -40,6 +43,8 @@ JOB = [
     "compile.passes=ours",
     "compile.prefetch=1",
 ]  # an engine's overrides come after these
+# tiny.yaml's schedule, shortened: 8 warmup steps syncing grads, then a DiLoCo round every 4 steps
+DILOCO_JOB = ["sync.warmup_steps=8", "sync.every=4", *JOB[3:]]
 
 
 def train(out: Path, name: str, overrides: list[str], cache: Path) -> dict:
@@ -61,15 +66,19 @@ def main() -> int:
     p.add_argument("--layers", default="2,4,8,16", help="comma-separated model.n_layer values")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--mesh", default="2x2", help="SYNCxSHARD (1x1: one process)")
+    p.add_argument("--job", choices=("exact", "diloco"), default="exact", help="exact HSDP, or warmup + DiLoCo")
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     p.add_argument("--out", type=Path, default=Path("runs/compile-depth"))
     args = p.parse_args()
     sync, shard = args.mesh.split("x")
-    base = [*JOB, f"run.steps={args.steps}", f"mesh.sync={sync}", f"mesh.shard={shard}"]
+    job = JOB if args.job == "exact" else DILOCO_JOB
+    base = [*job, f"run.steps={args.steps}", f"mesh.sync={sync}", f"mesh.shard={shard}"]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise SystemExit(f"--engines: unknown {unknown}; choose from {list(ENGINES)}")
+    if args.job == "diloco" and "fsdp2" in engines:
+        raise SystemExit("--job diloco: fsdp2 cannot run periodic syncs; leave it out of --engines")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for n_layer in [int(x) for x in args.layers.split(",")]:

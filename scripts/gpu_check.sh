@@ -7,8 +7,8 @@
 #       kernels.backend=triton vs torch, losses step by step: fp32 params without quantization (bound 1e-6,
 #       bitwise expected) and bf16 params with int8 quantization (bound 2^-6; see the note at the stage).
 #   (b) python -m kernels.bench --size 7b: each kernel's bandwidth against the device's measured copy.
-#   (c) configs/gpu-124m.yaml on one GPU, 30 steps of synthetic tokens: hsdp eager, hsdp compiled, FSDP2
-#       compiled, then hsdp compile.scope=blocks if time is left; steady and whole-run MFU, compile_time_s
+#   (c) configs/gpu-124m.yaml on one GPU, 30 steps of synthetic tokens: hsdp eager, hsdp compiled (the default
+#       compile.scope=blocks), FSDP2 compiled, then hsdp compile.scope=step if time is left; steady and whole-run MFU, compile_time_s
 #       and peak memory from each summary.json.
 #
 # Usage on the device:   bash scripts/gpu_check.sh          (torch + triton; no wandb needed: wandb.mode=disabled)
@@ -198,8 +198,9 @@ stage c-hsdp-compiled 180 - env TORCHINDUCTOR_CACHE_DIR="$ind/hsdp" "$PY" train.
     --set run.name=c-hsdp-compiled
 stage c-fsdp2-compiled 150 - env TORCHINDUCTOR_CACHE_DIR="$ind/fsdp2" "$PY" train.py "${ccommon[@]}" \
     --set run.name=c-fsdp2-compiled --set mesh.engine=fsdp2
-stage c-hsdp-blocks 120 - env TORCHINDUCTOR_CACHE_DIR="$ind/blocks" "$PY" train.py "${ccommon[@]}" \
-    --set run.name=c-hsdp-blocks --set compile.enabled=true --set compile.scope=blocks
+stage c-hsdp-step 180 - env TORCHINDUCTOR_CACHE_DIR="$ind/step" "$PY" train.py "${ccommon[@]}" \
+    --set run.name=c-hsdp-step --set compile.enabled=true --set compile.scope=step --set compile.passes=ours \
+    --set compile.prefetch=1
 
 echo "== summary (after $(($(date +%s) - START)) s)"
 summarize

@@ -40,6 +40,9 @@ def _pair(tmp: Path, name: str, overrides: list[str], compiled: list[str]) -> tu
 BASE = SMALL + SGD + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=2"]
 BF16 = ["precision.param_dtype=bf16", "precision.reduce_dtype=bf16"]
 ACCUM = "optim.grad_accum=2"
+# the step scope (the whole step one graph, collectives inside): what this module tests; bf16 at prefetch 1
+STEP = ["compile.enabled=true", "compile.scope=step"]
+COMPILED_BF16 = [*STEP, "compile.passes=ours", "compile.prefetch=1"]
 
 
 @pytest.fixture(scope="module")
@@ -55,19 +58,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult,
             tmp,
             "1x4-accum",
             SMALL + SGD + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=4", ACCUM],
-            compiled=["compile.enabled=true", "compile.passes=ours", "compile.prefetch=2"],
+            compiled=[*STEP, "compile.passes=ours", "compile.prefetch=2"],
         ),
         # The whole step traced inline (compile.regional=false), scheduled by inductor's passes.
         "2x2-diloco": _pair(
             tmp,
             "diloco",
             SMALL + SGD + DILOCO,
-            compiled=["compile.enabled=true", "compile.passes=inductor", "compile.regional=false"],
+            compiled=[*STEP, "compile.passes=inductor", "compile.regional=false"],
         ),
         # bf16 runs with our passes (prefetch 1): the passes do not change numerics (checked below in fp32).
-        "1x2-bf16": _pair(
-            tmp, "bf16", BASE + BF16, compiled=["compile.enabled=true", "compile.passes=ours", "compile.prefetch=1"]
-        ),
+        "1x2-bf16": _pair(tmp, "bf16", BASE + BF16, compiled=COMPILED_BF16),
     }
 
 
@@ -77,7 +78,7 @@ def triton_kernels(runs, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     the Triton kernels (the interpreter here: tests/conftest.py sets TRITON_INTERPRET=1). The kernel backend
     is not part of the graph, so this is also a warm compile of that job, loaded from inductor's caches
     (tests/conftest.py gives the suite its own cache folder, so the bf16 run compiled cold)."""
-    overrides = BASE + BF16 + ["compile.enabled=true", "compile.passes=ours", "compile.prefetch=1"]
+    overrides = BASE + BF16 + COMPILED_BF16
     return run_train(tmp_path_factory.mktemp("triton"), "bf16-triton", overrides + ["kernels.backend=triton"])
 
 

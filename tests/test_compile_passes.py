@@ -27,7 +27,7 @@ def scheduled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
         "fsdp2": ["mesh.engine=fsdp2"],
     }
     runs = {
-        name: run_train(tmp, name, BASE + ["compile.enabled=true"] + extra, timeout=900)
+        name: run_train(tmp, name, BASE + ["compile.enabled=true", "compile.scope=step"] + extra, timeout=900)
         for name, extra in variants.items()
     }
     return runs | {"eager": run_train(tmp, "eager", BASE)}

@@ -180,6 +180,15 @@ def test_blocks_scope_takes_the_default_step_graph_options_and_fsdp2_any():
     load_checked_config(TINY, ["compile.scope=blocks", "compile.passes=none"])  # compile off: nothing to refuse
 
 
+def test_the_default_scope_is_blocks_and_a_step_graph_option_names_the_step_scope():
+    """compile.enabled alone compiles the blocks (FSDP2's compile cost); an option of the step graph without
+    compile.scope=step says, in its one line, which scope takes it."""
+    assert load_checked_config(TINY, ["compile.enabled=true"]).compile.scope == "blocks"
+    msg = one_line_error(load_checked_config, TINY, ["compile.enabled=true", "compile.passes=inductor"])
+    assert "compile.passes" in msg and "compile.scope=step" in msg, msg
+    load_checked_config(TINY, ["compile.enabled=true", "compile.scope=step", "compile.passes=inductor"])
+
+
 def test_wrong_type_message_says_what_was_expected():
     assert "int" in one_line_error(load_checked_config, TINY, ["run.steps=ten"])
     assert "float" in one_line_error(load_checked_config, TINY, ["optim.lr=fast"])

@@ -335,7 +335,7 @@ def test_elastic_compiled_engine_computes_the_eager_one(tmp_path: Path) -> None:
     base = SMALL + ["mesh.sync=2", "mesh.shard=1", "run.steps=12", "sync.warmup_steps=4", "sync.every=4"]
     base += ["sync.method=diloco", "elastic.enabled=true", "optim.name=sgd", "optim.momentum=0.9"]
     eager = run_train(tmp_path, "eager", base, timeout=300)
-    compiled = run_train(tmp_path, "compiled", base + ["compile.enabled=true"], timeout=600)
+    compiled = run_train(tmp_path, "compiled", base + ["compile.enabled=true", "compile.scope=step"], timeout=600)
     for m in (0, 1):
         want = [r["loss"] for r in _records(eager.run_dir, m)]
         got = [r["loss"] for r in _records(compiled.run_dir, m)]

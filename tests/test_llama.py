@@ -105,7 +105,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     out = {name: run_train(tmp, name, LLAMA + m + ckpt.get(name, [])) for name, m in mesh.items()}
     for engine in ("fsdp2", "ddp"):
         out[engine] = run_train(tmp, engine, LLAMA + mesh["2x2"] + [f"mesh.engine={engine}"])
-    compiled = ["compile.enabled=true", "compile.passes=none"]  # the traced order; passes keep numerics (test_compile)
+    # the step scope in the traced order (passes=none); the passes keep numerics (test_compile)
+    compiled = ["compile.enabled=true", "compile.scope=step", "compile.passes=none"]
     out["compiled"] = run_train(tmp, "compiled", LLAMA + mesh["1x2"] + compiled, timeout=600)
     return out
 

@@ -107,8 +107,9 @@ def check_compile_scope(cfg: Config) -> None:
     for key in ("passes", "prefetch", "bucket_mb", "regional"):
         if getattr(c, key) != getattr(default, key):
             raise ConfigError(
-                f"compile.{key}: shapes the step graph (compile.scope=step); compile.scope=blocks compiles the "
-                f"blocks alone with the collectives eager (mesh.prefetch prefetches there), got {getattr(c, key)!r}"
+                f"compile.{key}: shapes the step graph: set compile.scope=step to use it (compile.scope=blocks, the "
+                f"default, compiles the blocks alone with the collectives eager; mesh.prefetch prefetches there), "
+                f"got {getattr(c, key)!r}"
             )
 
 
