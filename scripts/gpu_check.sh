@@ -194,7 +194,7 @@ fi
 ind="$WORK/inductor"
 stage c-hsdp-eager 90 - env TORCHINDUCTOR_CACHE_DIR="$ind/eager" "$PY" train.py "${ccommon[@]}" \
     --set run.name=c-hsdp-eager --set compile.enabled=false
-stage c-hsdp-compiled 180 - env TORCHINDUCTOR_CACHE_DIR="$ind/hsdp" "$PY" train.py "${ccommon[@]}" \
+stage c-hsdp-compiled 150 - env TORCHINDUCTOR_CACHE_DIR="$ind/hsdp" "$PY" train.py "${ccommon[@]}" \
     --set run.name=c-hsdp-compiled
 stage c-fsdp2-compiled 150 - env TORCHINDUCTOR_CACHE_DIR="$ind/fsdp2" "$PY" train.py "${ccommon[@]}" \
     --set run.name=c-fsdp2-compiled --set mesh.engine=fsdp2
