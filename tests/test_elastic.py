@@ -323,9 +323,10 @@ def test_a_replica_dying_inside_a_round_drops_the_round_whole(tmp_path: Path) ->
 
 
 def test_elastic_compiled_engine_computes_the_eager_one(tmp_path: Path) -> None:
-    """compile.enabled with elastic: the compiled graphs run the replica's shard collectives (the local
-    variant on grad-sync steps, whose replica mean is then the torchft round) and the losses and final
-    params of both replicas equal the eager elastic run's within 1e-5.
+    """compile.enabled with elastic, both scopes: the step scope's graphs run the replica's shard collectives
+    (the local variant on grad-sync steps, whose replica mean is then the torchft round), the blocks scope
+    (the default) compiles the blocks around the eager engine's collectives; the losses and final params of
+    both replicas equal the eager elastic run's within 1e-5.
 
     Both runs use SGD with momentum, not AdamW: AdamW normalizes each element's update to about lr, so a
     tiny, cancellation-dominated grad (a rarely hit embedding row) turns fp32 reordering noise between the
@@ -335,15 +336,18 @@ def test_elastic_compiled_engine_computes_the_eager_one(tmp_path: Path) -> None:
     base = SMALL + ["mesh.sync=2", "mesh.shard=1", "run.steps=12", "sync.warmup_steps=4", "sync.every=4"]
     base += ["sync.method=diloco", "elastic.enabled=true", "optim.name=sgd", "optim.momentum=0.9"]
     eager = run_train(tmp_path, "eager", base, timeout=300)
-    compiled = run_train(tmp_path, "compiled", base + ["compile.enabled=true", "compile.scope=step"], timeout=600)
-    for m in (0, 1):
-        want = [r["loss"] for r in _records(eager.run_dir, m)]
-        got = [r["loss"] for r in _records(compiled.run_dir, m)]
-        assert len(got) == len(want) == 12
-        assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, m
-        g, w = compiled.params(m), eager.params(m)
-        assert max(float((g[k] - w[k]).abs().max() / w[k].abs().max()) for k in w) < 1e-5, m
-    assert compiled.summary["compile_graphs"] >= 2 and compiled.summary["sync_rounds"] >= 4 + 2
+    step = run_train(tmp_path, "step", base + ["compile.enabled=true", "compile.scope=step"], timeout=600)
+    blocks = run_train(tmp_path, "blocks", base + ["compile.enabled=true"], timeout=600)
+    for compiled in (step, blocks):
+        for m in (0, 1):
+            want = [r["loss"] for r in _records(eager.run_dir, m)]
+            got = [r["loss"] for r in _records(compiled.run_dir, m)]
+            assert len(got) == len(want) == 12
+            assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, (compiled.run_dir.name, m)
+            g, w = compiled.params(m), eager.params(m)
+            assert max(float((g[k] - w[k]).abs().max() / w[k].abs().max()) for k in w) < 1e-5, m
+    assert step.summary["compile_graphs"] >= 2 and step.summary["sync_rounds"] >= 4 + 2
+    assert blocks.summary["dynamo_graphs"] == 1 and blocks.summary["recompiles"] == 0, blocks.summary
 
 
 def test_elastic_checkpoints_resume_auto_from_the_newest_step_every_replica_saved(tmp_path: Path) -> None:
