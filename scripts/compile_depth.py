@@ -44,7 +44,7 @@ JOB = [
     "compile.prefetch=1",
 ]  # an engine's overrides come after these
 # tiny.yaml's schedule, shortened: 8 warmup steps syncing grads, then a DiLoCo round every 4 steps
-DILOCO_JOB = ["sync.warmup_steps=8", "sync.every=4", *JOB[3:]]
+DILOCO_JOB = ["sync.warmup_steps=8", "sync.method=diloco", "sync.every=4", *JOB[3:]]
 
 
 def train(out: Path, name: str, overrides: list[str], cache: Path) -> dict:
@@ -67,12 +67,18 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--mesh", default="2x2", help="SYNCxSHARD (1x1: one process)")
     p.add_argument("--job", choices=("exact", "diloco"), default="exact", help="exact HSDP, or warmup + DiLoCo")
-    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
+    p.add_argument(
+        "--engines",
+        help=f"comma-separated, of {', '.join(ENGINES)} (default: {', '.join(DEFAULT_ENGINES)}; no fsdp2 "
+        "with --job diloco)",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/compile-depth"))
     args = p.parse_args()
     sync, shard = args.mesh.split("x")
     job = JOB if args.job == "exact" else DILOCO_JOB
     base = [*job, f"run.steps={args.steps}", f"mesh.sync={sync}", f"mesh.shard={shard}"]
+    if args.engines is None:  # FSDP2 runs no periodic sync
+        args.engines = ",".join(e for e in DEFAULT_ENGINES if args.job == "exact" or e != "fsdp2")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:

@@ -1,4 +1,4 @@
-"""The compiled HSDP path (compile.enabled=true) against the eager engine (CPU, gloo, inductor).
+"""The compiled HSDP path's step scope (compile.scope=step) against the eager engine (CPU, gloo, inductor).
 
 Each compiled run is one train.py process (one cold compile); the checks share
 those runs through module-scoped fixtures to keep the suite's budget.

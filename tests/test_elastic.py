@@ -339,13 +339,14 @@ def test_elastic_compiled_engine_computes_the_eager_one(tmp_path: Path) -> None:
     step = run_train(tmp_path, "step", base + ["compile.enabled=true", "compile.scope=step"], timeout=600)
     blocks = run_train(tmp_path, "blocks", base + ["compile.enabled=true"], timeout=600)
     for compiled in (step, blocks):
+        scope = compiled.run_dir.name
         for m in (0, 1):
             want = [r["loss"] for r in _records(eager.run_dir, m)]
             got = [r["loss"] for r in _records(compiled.run_dir, m)]
             assert len(got) == len(want) == 12
-            assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, (compiled.run_dir.name, m)
+            assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, (scope, m)
             g, w = compiled.params(m), eager.params(m)
-            assert max(float((g[k] - w[k]).abs().max() / w[k].abs().max()) for k in w) < 1e-5, m
+            assert max(float((g[k] - w[k]).abs().max() / w[k].abs().max()) for k in w) < 1e-5, (scope, m)
     assert step.summary["compile_graphs"] >= 2 and step.summary["sync_rounds"] >= 4 + 2
     assert blocks.summary["dynamo_graphs"] == 1 and blocks.summary["recompiles"] == 0, blocks.summary
 

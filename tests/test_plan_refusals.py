@@ -155,3 +155,16 @@ def test_calibration_without_per_step_times_is_refused(tmp_path: Path, capsys, m
     run = run_folder(tmp_path, 40, {0: 3.0, 10: 1.5, 20: 1.7}, median=None)  # an old summary, records only
     line = one_line_error(capsys, [TINY, "--inter", "1gbit", "--calibrate", str(run)], monkeypatch)
     assert "--calibrate" in line and "run.log_every=1" in line
+
+
+def test_calibration_shape_ignores_compile_options_when_neither_run_compiles():
+    """A run folder whose config.yaml names another compile.scope (an older default) still calibrates an
+    eager plan; a compiled run against an eager plan is refused in one line."""
+    from hsdp.config.loader import load_config
+    from hsdp.config.schema import ConfigError
+    from hsdp.plan.calibrate import check_same_shape
+
+    eager = load_config(TINY, [])
+    check_same_shape(load_config(TINY, ["compile.scope=step"]), eager, "old-run")
+    with pytest.raises(ConfigError, match="another compile than the config to plan"):
+        check_same_shape(load_config(TINY, ["compile.enabled=true"]), eager, "compiled-run")

@@ -130,7 +130,7 @@ class CompileConfig:
     bucket_mb: float = 0.0  # scope=step: neighbouring units share an all-gather/reduce-scatter up to this size (0: off)
     regional: bool = True  # scope=step: identical blocks compile once (a nested compile region), not once per layer
     # hsdp: blocks (each block compiled, collectives eager: FSDP2's compile cost) | step (one graph per step with
-    # the collectives inside, scheduled by compile.passes: 1.7-2.8x the compile, twice with a warmup)
+    # the collectives inside, scheduled by compile.passes: 1.7-2.8x the compile, a second graph with a warmup)
     scope: str = "blocks"
 
 
