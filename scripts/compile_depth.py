@@ -32,19 +32,19 @@ ENGINES = {
     "hsdp blocks": ["mesh.engine=hsdp", "compile.scope=blocks"],  # the default: each block, collectives eager
 }
 DEFAULT_ENGINES = ["hsdp blocks", "hsdp regional", "fsdp2"]
-JOB = [
-    "sync.warmup_steps=null",
-    "sync.method=average",
-    "sync.every=1",
+RUN = [
     "run.checkpoint_every=0",
     "run.eval_every=0",
     "wandb.mode=disabled",
     "compile.enabled=true",
     "compile.passes=ours",
     "compile.prefetch=1",
-]  # an engine's overrides come after these
-# tiny.yaml's schedule, shortened: 8 warmup steps syncing grads, then a DiLoCo round every 4 steps
-DILOCO_JOB = ["sync.warmup_steps=8", "sync.method=diloco", "sync.every=4", *JOB[3:]]
+]  # every job's; an engine's overrides come after these
+JOBS = {
+    "exact": ["sync.warmup_steps=null", "sync.method=average", "sync.every=1", *RUN],  # grads averaged every step
+    # tiny.yaml's schedule, shortened: 8 warmup steps syncing grads, then a DiLoCo round every 4 steps
+    "diloco": ["sync.warmup_steps=8", "sync.method=diloco", "sync.every=4", *RUN],
+}
 
 
 def train(out: Path, name: str, overrides: list[str], cache: Path) -> dict:
@@ -66,7 +66,7 @@ def main() -> int:
     p.add_argument("--layers", default="2,4,8,16", help="comma-separated model.n_layer values")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--mesh", default="2x2", help="SYNCxSHARD (1x1: one process)")
-    p.add_argument("--job", choices=("exact", "diloco"), default="exact", help="exact HSDP, or warmup + DiLoCo")
+    p.add_argument("--job", choices=tuple(JOBS), default="exact", help="exact HSDP, or warmup + DiLoCo")
     p.add_argument(
         "--engines",
         help=f"comma-separated, of {', '.join(ENGINES)} (default: {', '.join(DEFAULT_ENGINES)}; no fsdp2 "
@@ -75,8 +75,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("runs/compile-depth"))
     args = p.parse_args()
     sync, shard = args.mesh.split("x")
-    job = JOB if args.job == "exact" else DILOCO_JOB
-    base = [*job, f"run.steps={args.steps}", f"mesh.sync={sync}", f"mesh.shard={shard}"]
+    base = [*JOBS[args.job], f"run.steps={args.steps}", f"mesh.sync={sync}", f"mesh.shard={shard}"]
     if args.engines is None:  # FSDP2 runs no periodic sync
         args.engines = ",".join(e for e in DEFAULT_ENGINES if args.job == "exact" or e != "fsdp2")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]

@@ -8,8 +8,8 @@
 #       bitwise expected) and bf16 params with int8 quantization (bound 2^-6; see the note at the stage).
 #   (b) python -m kernels.bench --size 7b: each kernel's bandwidth against the device's measured copy.
 #   (c) configs/gpu-124m.yaml on one GPU, 30 steps of synthetic tokens: hsdp eager, hsdp compiled (the default
-#       compile.scope=blocks), FSDP2 compiled, then hsdp compile.scope=step if time is left; steady and whole-run MFU, compile_time_s
-#       and peak memory from each summary.json.
+#       compile.scope=blocks), FSDP2 compiled, then hsdp compile.scope=step if time is left; steady and
+#       whole-run MFU, compile_time_s and peak memory from each summary.json.
 #
 # Usage on the device:   bash scripts/gpu_check.sh          (torch + triton; no wandb needed: wandb.mode=disabled)
 # $OUT (default /tmp/gpu_check) gets summary.md (every table), summary.json and gpu_check.log, nothing else;
@@ -199,8 +199,7 @@ stage c-hsdp-compiled 150 - env TORCHINDUCTOR_CACHE_DIR="$ind/hsdp" "$PY" train.
 stage c-fsdp2-compiled 150 - env TORCHINDUCTOR_CACHE_DIR="$ind/fsdp2" "$PY" train.py "${ccommon[@]}" \
     --set run.name=c-fsdp2-compiled --set mesh.engine=fsdp2
 stage c-hsdp-step 180 - env TORCHINDUCTOR_CACHE_DIR="$ind/step" "$PY" train.py "${ccommon[@]}" \
-    --set run.name=c-hsdp-step --set compile.enabled=true --set compile.scope=step --set compile.passes=ours \
-    --set compile.prefetch=1
+    --set run.name=c-hsdp-step --set compile.scope=step
 
 echo "== summary (after $(($(date +%s) - START)) s)"
 summarize
