@@ -30,7 +30,9 @@ if sys.dont_write_bytecode:
     compileall.compile_file(_REPO / "train.py", quiet=1)
 
 
-# The suite's longest modules, longest first (their tests' summed durations in a loaded CI-like run). xdist's
+# The suite's longest modules, longest first: by the wall time each takes alone on the 2-core box, with the
+# modules that wait more than they compute moved up (test_paced sleeps through most of its 90 s; the README's
+# commands run one after another and stretch most when the box is loaded). xdist's
 # --dist loadfile hands out whole modules in collection order (pyproject's --no-loadscope-reorder:
 # xdist would otherwise start the modules with the most tests first, and a 5-minute module with
 # 14 tests last); starting the long ones first keeps one of them from being the run's tail.
@@ -38,27 +40,38 @@ LONGEST_FIRST = (
     "test_compile.py",
     "test_elastic.py",
     "test_readme_commands.py",
+    "test_paced.py",
     "test_compile_passes.py",
-    "test_engine.py",
-    "test_never_lose.py",
-    "test_kernels.py",
-    "test_robustness.py",
-    "test_elastic_faults.py",
-    "test_checkpoint.py",
     "test_slowlink.py",
-    "test_compress.py",
-    "test_measures.py",
-    "test_elastic_resume.py",
-    "test_sync.py",
+    "test_never_lose.py",
+    "test_three_level.py",
+    "test_checkpoint.py",
     "test_llama.py",
-    "test_sample.py",
-    "test_elastic_heal.py",
-    "test_signals.py",
-    "test_config.py",
+    "test_elastic_faults.py",
+    "test_engine.py",
+    "test_kernels.py",
+    "test_compile_blocks.py",
+    "test_sync.py",
+    "test_elastic_resume.py",
+    "test_torchft_parity.py",
+    "test_compress.py",
     "test_sparseloco.py",
-    "test_data.py",
-    "test_plan.py",
+    "test_robustness.py",
+    "test_elastic_heal.py",
+    "test_sample.py",
+    "test_measures.py",
+    "test_hf.py",
+    "test_config.py",
     "test_elastic_straggler.py",
+    "test_signals.py",
+    "test_corrupt_checkpoints.py",
+    "test_finished_runs.py",
+    "test_full_disk.py",
+    "test_outer_options.py",
+    "test_torch_compat.py",
+    "test_steady_rate.py",
+    "test_plan_uneven.py",
+    "test_plan.py",
 )
 
 

@@ -25,9 +25,9 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.checkpoint import complete_checkpoints, step_of
 from hsdp.sync.elastic.transport import Done, FTTransport
-from tests.helpers import QUIET_ENV, REPO, SMALL, run_train
+from tests.helpers import QUIET_ENV, REPO, SMALL, SMALLER, run_train
 
-# The tiny CPU job, as the must-show asks (2x2, DiLoCo every 8, no warmup); 0.2 s a step here.
+# The tiny CPU job's elastic settings (2x2, DiLoCo every 8, no warmup); `_start` runs them on SMALLER.
 ELASTIC = [
     "elastic.enabled=true",
     "elastic.timeout_s=2",
@@ -65,7 +65,7 @@ def kill_faults(replicas: int, kill_round: int, also: tuple[str, ...] = ()) -> l
 def _start(run_dir: Path, overrides: list[str], script: Optional[list[str]] = None) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "train.py")] if script is None else [sys.executable, *script]
     cmd += ["--config", str(REPO / "configs/tiny.yaml")]
-    for o in [*overrides, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]:
+    for o in [*SMALLER, *overrides, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]:
         cmd += ["--set", o]
     return subprocess.Popen(
         cmd, cwd=REPO, env={**os.environ, **QUIET_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -153,7 +153,7 @@ def test_a_killed_replica_heals_and_the_run_finishes(
     # (rank, step) with no iterator state, which _assert_data_is_indexed_by_step checks for these ranks.
     lr0 = {r["step"]: r["lr"] for r in _records(run_dir, 0)}
     assert all(r["lr"] == lr0[r["step"]] for r in _records(run_dir, 1))
-    _assert_data_is_indexed_by_step(ELASTIC + mesh + extra, replica=1)
+    _assert_data_is_indexed_by_step(SMALLER + ELASTIC + mesh + extra, replica=1)
     reference = _params(run_dir, 0)
     for m in range(1, n):
         got = _params(run_dir, m)
