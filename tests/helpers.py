@@ -19,6 +19,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The compiled hsdp engine's step scope (the whole step one graph, collectives inside, scheduled by
+# compile.passes); compile.enabled alone compiles the blocks (the default scope).
+STEP_SCOPE = ["compile.enabled=true", "compile.scope=step"]
+
 # configs/tiny.yaml's job on a smaller model (a quarter of its per-step CPU), for runs that check rounds, heals,
 # drops and faults rather than the model's compute: tests/test_elastic.py's `_start` puts it before its overrides.
 SMALLER = ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "data.batch_size=4"]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import SMALL, RunResult, assert_prefetch, max_param_rel_err, run_train, schedules
+from tests.helpers import SMALL, STEP_SCOPE, RunResult, assert_prefetch, max_param_rel_err, run_train, schedules
 
 # The module's fixtures run 7 train.py processes (4 compiled) once for all its checks; on a loaded 2-core box
 # that setup alone can pass pytest's default 600 s, so this module gets more.
@@ -40,9 +40,8 @@ def _pair(tmp: Path, name: str, overrides: list[str], compiled: list[str]) -> tu
 BASE = SMALL + SGD + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=2"]
 BF16 = ["precision.param_dtype=bf16", "precision.reduce_dtype=bf16"]
 ACCUM = "optim.grad_accum=2"
-# the step scope (the whole step one graph, collectives inside): what this module tests; bf16 at prefetch 1
-STEP = ["compile.enabled=true", "compile.scope=step"]
-COMPILED_BF16 = [*STEP, "compile.passes=ours", "compile.prefetch=1"]
+# the step scope is what this module tests; bf16 at prefetch 1
+COMPILED_BF16 = [*STEP_SCOPE, "compile.passes=ours", "compile.prefetch=1"]
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +57,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[RunResult,
             tmp,
             "1x4-accum",
             SMALL + SGD + [f"run.steps={STEPS}", "mesh.sync=1", "mesh.shard=4", ACCUM],
-            compiled=[*STEP, "compile.passes=ours", "compile.prefetch=2"],
+            compiled=[*STEP_SCOPE, "compile.passes=ours", "compile.prefetch=2"],
         ),
         # The whole step traced inline (compile.regional=false), scheduled by inductor's passes.
         "2x2-diloco": _pair(
             tmp,
             "diloco",
             SMALL + SGD + DILOCO,
-            compiled=[*STEP, "compile.passes=inductor", "compile.regional=false"],
+            compiled=[*STEP_SCOPE, "compile.passes=inductor", "compile.regional=false"],
         ),
         # bf16 runs with our passes (prefetch 1): the passes do not change numerics (checked below in fp32).
         "1x2-bf16": _pair(tmp, "bf16", BASE + BF16, compiled=COMPILED_BF16),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import RunResult, assert_prefetch, max_param_rel_err, run_train
+from tests.helpers import STEP_SCOPE, RunResult, assert_prefetch, max_param_rel_err, run_train
 from tests.test_compile import BASE, _rel
 
 # Three train.py processes, two of them cold compiles: on a loaded 2-core box they may take minutes.
@@ -26,10 +26,7 @@ def scheduled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
         "ours0": ["compile.passes=ours", "compile.prefetch=0", "compile.bucket_mb=0.1"],
         "fsdp2": ["mesh.engine=fsdp2"],
     }
-    runs = {
-        name: run_train(tmp, name, BASE + ["compile.enabled=true", "compile.scope=step"] + extra, timeout=900)
-        for name, extra in variants.items()
-    }
+    runs = {name: run_train(tmp, name, BASE + STEP_SCOPE + extra, timeout=900) for name, extra in variants.items()}
     return runs | {"eager": run_train(tmp, "eager", BASE)}
 
 

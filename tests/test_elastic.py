@@ -25,7 +25,7 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.checkpoint import complete_checkpoints, step_of
 from hsdp.sync.elastic.transport import Done, FTTransport
-from tests.helpers import QUIET_ENV, REPO, SMALL, SMALLER, run_train
+from tests.helpers import QUIET_ENV, REPO, SMALL, SMALLER, STEP_SCOPE, run_train
 
 # The tiny CPU job's elastic settings (2x2, DiLoCo every 8, no warmup); `_start` runs them on SMALLER.
 ELASTIC = [
@@ -336,7 +336,7 @@ def test_elastic_compiled_engine_computes_the_eager_one(tmp_path: Path) -> None:
     base = SMALL + ["mesh.sync=2", "mesh.shard=1", "run.steps=12", "sync.warmup_steps=4", "sync.every=4"]
     base += ["sync.method=diloco", "elastic.enabled=true", "optim.name=sgd", "optim.momentum=0.9"]
     eager = run_train(tmp_path, "eager", base, timeout=300)
-    step = run_train(tmp_path, "step", base + ["compile.enabled=true", "compile.scope=step"], timeout=600)
+    step = run_train(tmp_path, "step", base + STEP_SCOPE, timeout=600)
     blocks = run_train(tmp_path, "blocks", base + ["compile.enabled=true"], timeout=600)
     for compiled in (step, blocks):
         scope = compiled.run_dir.name

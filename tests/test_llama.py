@@ -13,7 +13,7 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError, ModelConfig
 from hsdp.export import export
 from hsdp.models.gpt import GPT, Block, build_model, ffn_hidden
-from tests.helpers import SMALL, RunResult, max_param_rel_err, run_train
+from tests.helpers import SMALL, STEP_SCOPE, RunResult, max_param_rel_err, run_train
 from tests.reference import reference_run
 
 STEPS = 12
@@ -106,7 +106,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     for engine in ("fsdp2", "ddp"):
         out[engine] = run_train(tmp, engine, LLAMA + mesh["2x2"] + [f"mesh.engine={engine}"])
     # the step scope in the traced order (passes=none); the passes keep numerics (test_compile)
-    compiled = ["compile.enabled=true", "compile.scope=step", "compile.passes=none"]
+    compiled = [*STEP_SCOPE, "compile.passes=none"]
     out["compiled"] = run_train(tmp, "compiled", LLAMA + mesh["1x2"] + compiled, timeout=600)
     return out
 

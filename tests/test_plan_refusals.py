@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 import hsdp.plan.__main__ as plan_cli
+from hsdp.config.loader import load_config
+from hsdp.config.schema import ConfigError
 from hsdp.plan.__main__ import main
-from hsdp.plan.calibrate import read_fake_run
+from hsdp.plan.calibrate import check_same_shape, read_fake_run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -160,10 +162,6 @@ def test_calibration_without_per_step_times_is_refused(tmp_path: Path, capsys, m
 def test_calibration_shape_ignores_compile_options_when_neither_run_compiles():
     """A run folder whose config.yaml names another compile.scope (an older default) still calibrates an
     eager plan; a compiled run against an eager plan is refused in one line."""
-    from hsdp.config.loader import load_config
-    from hsdp.config.schema import ConfigError
-    from hsdp.plan.calibrate import check_same_shape
-
     eager = load_config(TINY, [])
     check_same_shape(load_config(TINY, ["compile.scope=step"]), eager, "old-run")
     with pytest.raises(ConfigError, match="another compile than the config to plan"):

@@ -19,7 +19,7 @@ from hsdp.config.schema import ConfigError
 from hsdp.plan.model import Compute, Link, Timeline
 from hsdp.plan.workload import build_workload
 from hsdp.run.preflight import check_world_size, load_checked_config
-from tests.helpers import REPO, SMALL, max_param_rel_err, run_train
+from tests.helpers import REPO, SMALL, STEP_SCOPE, max_param_rel_err, run_train
 from tests.reference import reference_run
 from tests.sync_reference import sync_reference_run
 
@@ -116,7 +116,7 @@ def test_one_site_of_two_replicas_is_exact_hsdp(runs: Runs):
 
 def test_compiled_sites_match_the_reference(runs: Runs):
     """The compiled engine's graph splits the warmup grads around the slow link as the eager engine does."""
-    run = runs.run("sites-compiled", [*CASES["diloco"], *SITES, "compile.enabled=true", "compile.scope=step"])
+    run = runs.run("sites-compiled", [*CASES["diloco"], *SITES, *STEP_SCOPE])
     ref = runs.ref("diloco")
     assert max_loss_rel_err(run.losses, ref.losses) <= TOL
     for m in range(2):
