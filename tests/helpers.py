@@ -13,11 +13,27 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def hold_rendezvous() -> dist.TCPStore:
+    """A gloo rendezvous store listening on a free port, made before any worker starts: the workers join it
+    (`join_rendezvous(store.port, ...)`). Picking a free port and letting rank 0 bind it later raced with
+    every other process on the box (gloo's own connections take ephemeral ports too: EADDRINUSE)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def join_rendezvous(port: int, rank: int, world_size: int, timeout: timedelta = timedelta(seconds=60)) -> None:
+    """Init this worker's gloo process group through the store `hold_rendezvous` made."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
 
 # The compiled hsdp engine's step scope (the whole step one graph, collectives inside, scheduled by
 # compile.passes); compile.enabled alone compiles the blocks (the default scope).

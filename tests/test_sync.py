@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +47,7 @@ import torch
 from hsdp.config.loader import load_config
 from hsdp.config.schema import SyncConfig
 from hsdp.models.gpt import build_model
-from tests.helpers import REPO, SMALL, max_param_rel_err, rel_err, run_train
+from tests.helpers import REPO, SMALL, hold_rendezvous, join_rendezvous, max_param_rel_err, rel_err, run_train
 from tests.sync_reference import SyncReferenceResult, dequantize_int8, fragment_due, quantize_int8, sync_reference_run
 
 M, S = 2, 2
@@ -494,7 +493,6 @@ def check_resume_from_state_dict(rank: int, comm) -> dict[str, bool]:
 
 
 def _policy_worker(rank: int, port: int, out: str) -> None:
-    import datetime
     import json
 
     import torch.distributed as dist
@@ -503,9 +501,7 @@ def _policy_worker(rank: int, port: int, out: str) -> None:
     from hsdp.run.launch import shutdown_process_group
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
-    )
+    join_rendezvous(port, rank, world_size=2)
     try:
         comm = Comm({"sync": dist.group.WORLD})
         results = {
@@ -540,10 +536,8 @@ def main(argv: list[str]) -> int:
     """`policy OUT`: the 2-rank policy checks, each rank writing OUT/rank{r}.json."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_policy_worker, args=(port, argv[1]), nprocs=2, start_method="spawn")
+    store = hold_rendezvous()  # listening until both ranks are done
+    mp.start_processes(_policy_worker, args=(store.port, argv[1]), nprocs=2, start_method="spawn")
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -34,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tests.helpers import hold_rendezvous, join_rendezvous
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script (the workers): the project importable
@@ -139,7 +140,7 @@ def worker(replica: int, port: int, lighthouse: str, out: str) -> None:
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=60)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=replica, world_size=2, timeout=timeout)
+    join_rendezvous(port, replica, world_size=2, timeout=timeout)
     results: dict[str, dict[str, torch.Tensor]] = {}
     try:
         transport = GroupTransport(Comm({"sync": dist.group.WORLD}))
@@ -197,9 +198,8 @@ def run_parity(out: Path, timeout: float = 240) -> dict[str, list[float]]:
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100, quorum_tick_ms=10)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = hold_rendezvous()  # listening until both workers are done
+    port = store.port
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "RUST_LOG": "warn"}
     args = [sys.executable, str(REPO / "tests" / "test_torchft_parity.py"), "worker"]
     procs = [
