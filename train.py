@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -125,7 +126,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
                 optimizer.step()
             policy.note_trained(step, update)  # the round ledger: its weight in the next round, goodput
             engine.zero_grad()
-            slow_down(spell.factor_at(step), time.perf_counter() - t0)  # fault injection (benchmarks, tests)
+            spell.after_step(step, time.perf_counter() - t0)  # run.slowdown: fault injection (benchmarks, tests)
             compute_s = time.perf_counter() - t0  # the step without its sync: what a paced window estimates
         members.before_sync(step)  # what a peer healing at this step's sync gets
         synced = engine.end_step(step)  # the sync policy's param sync, if due after this step
@@ -235,6 +236,9 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         save_replicas(cfg, engine, mesh)
 
 
+SLOW_STEPS = 5  # run.slowdown scales the median of a rank's last this-many trained steps
+
+
 class SlowSpell:
     """run.slowdown on this rank (fault injection): on run.slow_replica's ranks (-1: every rank), from step
     run.slow_from (a fraction of run.steps when < 1) for run.slow_for_s seconds (0: to the end)."""
@@ -243,6 +247,7 @@ class SlowSpell:
         self.factor = run.slowdown if run.slow_replica in (-1, replica) else 1.0
         self.start = int(run.slow_from * run.steps) if run.slow_from < 1 else int(run.slow_from)
         self.for_s, self.began = run.slow_for_s, None
+        self.recent: list[float] = []  # this rank's last trained steps' own times (s), before any sleep
 
     def factor_at(self, step: int) -> float:
         if self.factor == 1.0 or step < self.start:
@@ -251,9 +256,16 @@ class SlowSpell:
         self.began = now if self.began is None else self.began
         return self.factor if not self.for_s or now - self.began < self.for_s else 1.0
 
+    def after_step(self, step: int, step_s: float) -> None:
+        """Make `step` last factor× this rank's recent median step (`step_s`: its own time): a device that
+        much slower. The median, not the step's own time: a host hiccup is not the device's pace, and 150× a
+        0.4 s hiccup on a loaded box is a minute's sleep that stalls every peer at the next round."""
+        self.recent = [*self.recent[1 - SLOW_STEPS :], step_s]
+        slow_down(self.factor_at(step), statistics.median(self.recent))
+
 
 def slow_down(factor: float, step_s: float) -> None:
-    """run.slowdown: make this rank's step `factor`× as long as it took (`step_s`), by sleeping the rest."""
+    """run.slowdown: make a step of `step_s` last `factor`× as long, by sleeping the rest."""
     if factor > 1:
         time.sleep((factor - 1) * step_s)
 

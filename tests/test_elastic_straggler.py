@@ -149,6 +149,23 @@ def test_slowdown_sleeps_the_rest_of_the_factor(monkeypatch) -> None:
     assert slept == [0.5]
 
 
+def test_a_slowed_rank_scales_its_median_step_not_a_hiccup(monkeypatch) -> None:
+    """run.slowdown multiplies the median of the rank's last SLOW_STEPS steps: one 0.4 s hiccup among 20 ms
+    steps is slept as a 20 ms step, so a 150x spell does not sleep a minute (and stall the round's peers)."""
+    slept = []
+    monkeypatch.setattr(train.time, "sleep", slept.append)
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), ["run.steps=10", "run.slowdown=150"])
+    spell = train.SlowSpell(cfg.run, 0)
+    for step, step_s in enumerate([0.02, 0.02, 0.4, 0.02, 0.03, 0.02, 0.02]):
+        spell.after_step(step, step_s)
+    assert slept == pytest.approx([149 * 0.02] * 7)
+    assert len(spell.recent) == train.SLOW_STEPS
+    spell.after_step(7, 1.0)  # a lasting slowdown of the host moves the median within SLOW_STEPS steps
+    spell.after_step(8, 1.0)
+    spell.after_step(9, 1.0)
+    assert slept[-1] == pytest.approx(149 * 1.0)
+
+
 def test_a_slow_spell_is_one_replicas_from_its_step_for_its_seconds(monkeypatch) -> None:
     """run.slow_replica / slow_from / slow_for_s (the slow-link benchmark's `slow: 1:2@0.3:60`)."""
     now = [100.0]
