@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
 import sys
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -149,9 +148,9 @@ CHECKS = {
 def _worker(rank: int, name: str, world: int, port: int, out: str) -> None:
     from hsdp.run.launch import shutdown_process_group
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         result = CHECKS[name](rank, world)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -166,12 +165,12 @@ def main() -> None:
     import hsdp.models.gpt  # noqa: F401
     import hsdp.run.launch  # noqa: F401
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The rendezvous store listens before any rank starts (tests.helpers.hold_rendezvous's reason: a port
+    # picked free and bound later by rank 0 can be taken meanwhile); the ranks join it as clients.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     # fork: the ranks start from this interpreter, torch and hsdp already imported, and have done no
     # torch work yet (no thread pool to inherit); spawn would import them again in every rank.
-    mp.start_processes(_worker, args=(name, world, port, out), nprocs=world, start_method="fork")
+    mp.start_processes(_worker, args=(name, world, store.port, out), nprocs=world, start_method="fork")
 
 
 if __name__ == "__main__":

@@ -3,28 +3,20 @@ issue the eager engine's c10d calls, with the same results and the work waited b
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import hold_rendezvous, join_rendezvous
+
 pytestmark = pytest.mark.timeout(120)
 C = torch.ops._c10d_functional
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_rendezvous(port, rank, 2)
     name = dist.group.WORLD.group_name
     x = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 10 * rank
     g = torch.arange(8, dtype=torch.float32).reshape(4, 2) * (rank + 1)
@@ -55,4 +47,5 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_routed_functional_collectives_equal_torchs_kernels() -> None:
-    mp.start_processes(_worker, args=(_free_port(),), nprocs=2, join=True, start_method="spawn")
+    store = hold_rendezvous()  # listening before the ranks start: no port to lose to another process
+    mp.start_processes(_worker, args=(store.port,), nprocs=2, join=True, start_method="spawn")
