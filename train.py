@@ -236,7 +236,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         save_replicas(cfg, engine, mesh)
 
 
-SLOW_STEPS = 5  # run.slowdown scales the median of a rank's last this-many trained steps
+SLOW_STEPS = 5  # run.slowdown's median: of a rank's last this-many trained steps
 
 
 class SlowSpell:
@@ -257,11 +257,12 @@ class SlowSpell:
         return self.factor if not self.for_s or now - self.began < self.for_s else 1.0
 
     def after_step(self, step: int, step_s: float) -> None:
-        """Make `step` last factor× this rank's recent median step (`step_s`: its own time): a device that
-        much slower. The median, not the step's own time: a host hiccup is not the device's pace, and 150× a
-        0.4 s hiccup on a loaded box is a minute's sleep that stalls every peer at the next round."""
+        """Sleep (factor − 1)× the smaller of this step's time (`step_s`) and this rank's recent median step: a
+        device that much slower. Not the step's own time alone: a host hiccup is not the device's pace, and 150×
+        a 0.4 s hiccup on a loaded box is a minute's sleep that stalls every peer at the next round. Not the
+        median alone: right after a long first step (a compile) the median of two steps is half of it."""
         self.recent = [*self.recent[1 - SLOW_STEPS :], step_s]
-        slow_down(self.factor_at(step), statistics.median(self.recent))
+        slow_down(self.factor_at(step), min(step_s, statistics.median(self.recent)))
 
 
 def slow_down(factor: float, step_s: float) -> None:

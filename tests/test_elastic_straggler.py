@@ -150,8 +150,9 @@ def test_slowdown_sleeps_the_rest_of_the_factor(monkeypatch) -> None:
 
 
 def test_a_slowed_rank_scales_its_median_step_not_a_hiccup(monkeypatch) -> None:
-    """run.slowdown multiplies the median of the rank's last SLOW_STEPS steps: one 0.4 s hiccup among 20 ms
-    steps is slept as a 20 ms step, so a 150x spell does not sleep a minute (and stall the round's peers)."""
+    """run.slowdown multiplies the smaller of the step's time and the median of the rank's last SLOW_STEPS steps:
+    one 0.4 s hiccup among 20 ms steps is slept as a 20 ms step, so a 150x spell does not sleep a minute (and stall
+    the round's peers)."""
     slept = []
     monkeypatch.setattr(train.time, "sleep", slept.append)
     cfg = load_config(str(REPO / "configs/tiny.yaml"), ["run.steps=10", "run.slowdown=150"])
@@ -164,6 +165,10 @@ def test_a_slowed_rank_scales_its_median_step_not_a_hiccup(monkeypatch) -> None:
     spell.after_step(8, 1.0)
     spell.after_step(9, 1.0)
     assert slept[-1] == pytest.approx(149 * 1.0)
+    compiled = train.SlowSpell(cfg.run, 0)  # a first step that compiled: slept as it was, the next ones not half of it
+    for step, step_s in enumerate([30.0, 0.05, 0.05]):
+        compiled.after_step(step, step_s)
+    assert slept[-3:] == pytest.approx([149 * 30.0, 149 * 0.05, 149 * 0.05])
 
 
 def test_a_slow_spell_is_one_replicas_from_its_step_for_its_seconds(monkeypatch) -> None:

@@ -4,9 +4,9 @@ Partition   `--partition REPLICA@AT:SECONDS` (or a run's `partition:`): replica 
             once its metrics log step AT (a fraction of run.steps when < 1) and comes back SECONDS later;
             every process lives (hsdp.bench.elastic.ElasticJob cuts it, hsdp.bench.netns.SlowLink.cut)
 Slow        `--slow REPLICA:FACTOR[@AT[:SECONDS]]` (or a run's `slow:`): that replica's node trains FACTOR×
-            slower (`--set run.slowdown=FACTOR` on its command line only: each step sleeps (FACTOR − 1)× the
-            rank's recent median step); with @AT from step AT (a fraction of run.steps when < 1), for SECONDS
-            (a spell) or to the end
+            slower (`--set run.slowdown=FACTOR` on its command line only: each step sleeps (FACTOR − 1)× its
+            time or the rank's recent median step, the smaller); with @AT from step AT (a fraction of run.steps
+            when < 1), for SECONDS (a spell) or to the end
 """
 
 from __future__ import annotations

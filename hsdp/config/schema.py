@@ -33,7 +33,7 @@ class RunConfig:
     resume: str = "auto"  # auto (latest checkpoint in the run folder, if any) | never | a checkpoint path
     keep_checkpoints: int = 2  # complete checkpoints kept (older ones deleted after a new one is complete)
     checkpoint_async: bool = True  # write checkpoints on a background thread while training goes on
-    slowdown: float = 1.0  # fault injection: after each trained step, sleep (slowdown - 1) x the median step (>= 1)
+    slowdown: float = 1.0  # fault injection: each trained step sleeps (slowdown - 1) x min(it, recent median) (>= 1)
     slow_replica: int = -1  # run.slowdown on this replica's ranks only (-1: every rank)
     slow_from: float = 0.0  # run.slowdown from this step on (a fraction of run.steps when < 1)
     slow_for_s: float = 0.0  # ... for this many seconds, then full speed again (0: to the end)
