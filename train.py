@@ -261,6 +261,8 @@ class SlowSpell:
         device that much slower. Not the step's own time alone: a host hiccup is not the device's pace, and 150×
         a 0.4 s hiccup on a loaded box is a minute's sleep that stalls every peer at the next round. Not the
         median alone: right after a long first step (a compile) the median of two steps is half of it."""
+        if self.factor == 1.0:  # not slowed (every run but a fault-injection one): no bookkeeping in the step
+            return
         self.recent = [*self.recent[1 - SLOW_STEPS :], step_s]
         slow_down(self.factor_at(step), min(step_s, statistics.median(self.recent)))
 

@@ -12,12 +12,10 @@ from __future__ import annotations
 import copy
 import json
 import sys
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
@@ -147,10 +145,10 @@ CHECKS = {
 
 def _worker(rank: int, name: str, world: int, port: int, out: str) -> None:
     from hsdp.run.launch import shutdown_process_group
+    from tests.helpers import join_rendezvous
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    join_rendezvous(port, rank, world)
     try:
         result = CHECKS[name](rank, world)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -164,10 +162,9 @@ def main() -> None:
     import hsdp.engines.hsdp  # noqa: F401  (once, before the fork, and not in each rank)
     import hsdp.models.gpt  # noqa: F401
     import hsdp.run.launch  # noqa: F401
+    from tests.helpers import hold_rendezvous
 
-    # The rendezvous store listens before any rank starts (tests.helpers.hold_rendezvous's reason: a port
-    # picked free and bound later by rank 0 can be taken meanwhile); the ranks join it as clients.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = hold_rendezvous()  # listening before the ranks start: no port to lose to another process
     # fork: the ranks start from this interpreter, torch and hsdp already imported, and have done no
     # torch work yet (no thread pool to inherit); spawn would import them again in every rank.
     mp.start_processes(_worker, args=(name, world, store.port, out), nprocs=world, start_method="fork")
