@@ -12,6 +12,8 @@ Patches (process-global state of torch that the project changes; `PATCHES`):
   compile_backward_with_forward  a functorch config flag, set once
   register_cpu_collectives the CPU kernels of four `_c10d_functional` ops (gloo), registered once
   start_compile_pool_lazily TORCH_WARM_POOL=0 in the environment, unless the user set it
+  keep_region_inputs_undonated  SubgraphLowering.__init__ wrapped: a nested compile region's backward never
+                           writes over its own inputs (torch 2.13 lets it: wrong grads, see the function)
 
 Behaviour relied on without a name to resolve:
   GLOO_RENDEZVOUS_KEY      gloo's rendezvous key of a rank, deleted once connected (elastic_gloo_group)
@@ -61,6 +63,8 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch._functorch.config:autograd_cache_allow_custom_autograd_functions", "AOT cache hits (patch)"),
     Api("torch._functorch.config:force_non_lazy_backward_lowering", "AOT cache entries at forward time (patch)"),
     Api("torch._inductor.graph:GraphLowering.save_output_code", "the generated code of each graph (patch)"),
+    Api("torch._inductor.graph:SubgraphLowering.__init__", "a nested region's lowering, undonated (patch)"),
+    Api("torch._inductor.graph:GraphLowering", "inputs a backward may overwrite", instance_attr="bw_donated_idxs"),
     Api("torch._inductor.custom_graph_pass:CustomGraphPass", "our cacheable graph passes"),
     Api("torch._inductor.custom_graph_pass:get_hash_for_files", "the passes' cache uuid"),
     Api("torch._inductor.cpu_vec_isa:supported_vec_isa_list", "the CPU vector-ISA probe, kept"),
@@ -109,6 +113,7 @@ PATCHES: dict[str, str] = {
     "compile_backward_with_forward": "torch._functorch.config:force_non_lazy_backward_lowering",
     "register_cpu_collectives": "torch:ops._c10d_functional.all_gather_into_tensor.default",
     "start_compile_pool_lazily": "torch._inductor.async_compile:AsyncCompile",
+    "keep_region_inputs_undonated": "torch._inductor.graph:SubgraphLowering.__init__",
 }
 
 
@@ -231,6 +236,32 @@ def reusable_compile_region(
     if region is None or "reuse_hash_fn" not in inspect.signature(region).parameters:
         return None
     return region(fn, max_reuse_entries=max_reuse_entries, reuse_hash_fn=reuse_key)
+
+
+def keep_region_inputs_undonated() -> None:
+    """Patch: the lowering of a nested compile region (invoke_subgraph) donates none of its inputs.
+
+    Why: AOTAutograd lists the backward inputs that the backward may overwrite in place (`bw_donated_idxs`,
+    indices into the *outer* backward's placeholders), and torch 2.13's SubgraphLowering inherits that list
+    and applies it to the region's own, unrelated placeholders. In compile.scope=step with compile.regional the
+    block region's incoming grad was so marked: the region wrote its input grad's buffer in place and returned
+    it, the outer graph took that buffer for free after the call and zeroed it for the embedding's grad,
+    which then read zeros: wte's grad was 0 at every shape where the two buffers had one size (tokens per rank
+    x d_model = vocab x d_model). Torch's own fix (pytorch PR 193960, after 2.13) clears the list for
+    subgraphs; this does the same on a torch without it (a no-op where it is already cleared).
+    """
+    from torch._inductor.graph import SubgraphLowering
+
+    init = SubgraphLowering.__init__
+    if getattr(init, "_hsdp_undonated", False):
+        return
+
+    def undonated_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.bw_donated_idxs = None  # the outer graph's indices mean nothing for the region's placeholders
+
+    undonated_init._hsdp_undonated = True  # type: ignore[attr-defined]
+    SubgraphLowering.__init__ = undonated_init  # type: ignore[method-assign]
 
 
 def allow_autograd_functions_in_aot_cache() -> None:

@@ -75,8 +75,12 @@ COLLECTIVES = {
 }
 
 
-# What a pass does is its source: a change to this file or census.py changes every uuid (a cache miss).
-SOURCE_HASH = get_hash_for_files((__file__, str(Path(__file__).with_name("census.py")))).hex()[:16]
+# What a pass does is its source: a change to this file, census.py or the torch patches that change what inductor
+# generates (hsdp/torch_compat.py) changes every uuid (a cache miss): a graph cached before a patch was added is
+# not loaded after it (the patch that keeps region inputs undonated fixed graphs that a cache held wrong).
+SOURCE_HASH = get_hash_for_files(
+    (__file__, str(Path(__file__).with_name("census.py")), str(Path(__file__).parents[1] / "torch_compat.py"))
+).hex()[:16]
 
 
 class CacheablePass(CustomGraphPass):

@@ -40,6 +40,7 @@ from hsdp.torch_compat import (
     capture_output_code,
     compile_backward_with_forward,
     inductor_keeps_collective_order,
+    keep_region_inputs_undonated,
     name_process_group,
     start_compile_pool_lazily,
 )
@@ -126,6 +127,7 @@ class CompiledHSDPEngine(HSDPEngine):
         allow_autograd_functions_in_aot_cache()  # _GatherShards (hsdp.compile.cache, point 2)
         compile_backward_with_forward()  # the entry is written before the ranks that wait load it (point 5)
         start_compile_pool_lazily()
+        keep_region_inputs_undonated()  # compile.regional: torch 2.13 donates a region's input grad (wrong grads)
         options: dict[str, Any] = {"joint_custom_pre_pass": CacheablePass(recompute_gathers), **cpu_options()}
         if self.compile_cfg.passes == "ours":
             options["post_grad_custom_post_pass"] = OurPasses(self.census, self.compile_cfg.prefetch)
