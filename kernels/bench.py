@@ -24,31 +24,19 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
-from kernels import backend
+from kernels import backend, registry
 from kernels.bitpack import index_bits, pack_bits, unpack_bits
+from kernels.outer import compute_delta, outer_step
+from kernels.pack import pack_shards, unpack_full
+from kernels.quant import dequantize_mean, quantize_int8
 from kernels.quant2 import dequantize_int2_mean, quantize_int2
+from kernels.quant4 import dequantize_int4_mean, quantize_int4
+from kernels.reduce import accumulate_grad_shards, pack_grads
 from kernels.sparse_decode import decode_topk_int2_add
+from kernels.topk import topk_error_feedback, topk_index_dtype, topk_numel
 
 UNITS = {"small": (1024, 2816), "7b": (4096, 11008)}  # (d_model, d_ffn) of one transformer block
-KERNELS = (
-    "pack",
-    "unpack",
-    "pack_grads",
-    "accumulate",
-    "delta",
-    "outer",
-    "quantize",
-    "dequantize",
-    "quantize_int4",
-    "dequantize_int4",
-    "topk_ef",
-    "quantize_int2",
-    "dequantize_int2",
-    "pack_idx",
-    "unpack_idx",
-    "decode_topk_int2",
-)
+KERNELS = registry.bench_names()  # the kernels this times, in the table's order (kernels/registry.py)
 S = 8  # shard-group size (one node)
 M = 4  # sync-group size for the dequantize rows
 QBLOCK = 256  # int8 and int4 quantization block
@@ -109,7 +97,8 @@ def sparse_length(values: str) -> int:
 def cases(
     size: str, device: torch.device, values: str | None = None
 ) -> dict[str, tuple[str, int, Callable[[], object]]]:
-    """kernel name -> (size label, bytes moved, call); the payload kernels at `values` (default: `size`)."""
+    """kernel name (each of KERNELS) -> (size label, bytes moved, call); the payload kernels at `values`
+    (default: `size`)."""
     shapes = block_shapes(*UNITS[size])
     sizes = [-(-s[0] // S) * (s[1] if len(s) > 1 else 1) for s in shapes]
     N = sum(sizes)
@@ -132,8 +121,8 @@ def cases(
     scales = torch.rand(M, nb, device=device, generator=g)
     packed4 = torch.randint(0, 256, (M, (N + 1) // 2), dtype=torch.uint8, device=device, generator=g)
     err = randn(N) * 1e-3
-    n_sel = kernels.topk_numel(N, TOPK_CHUNK, TOPK_K)
-    c2 = kernels.topk_numel(Ns, SPARSE_CHUNK, SPARSE_K)  # SparseLoCo's selected values of one unit
+    n_sel = topk_numel(N, TOPK_CHUNK, TOPK_K)
+    c2 = topk_numel(Ns, SPARSE_CHUNK, SPARSE_K)  # SparseLoCo's selected values of one unit
     bits = index_bits(SPARSE_CHUNK)
     sel_vals = randn(c2)
     sel_idx = torch.randint(0, SPARSE_CHUNK, (c2,), dtype=torch.int16, device=device, generator=g)
@@ -149,42 +138,42 @@ def cases(
     payload = (pack_bits(sel_pos.to(torch.int16), bits), packed2[0], table2[0])
     acc, senders = torch.zeros(Ns, device=device), torch.zeros(Ns, device=device)
     sparse = f"{c2 / 1e6:.2f}M values" + ("" if Ns == N else f" (of N={Ns / 1e6:.1f}M)")
-    idx_bytes = kernels.topk_index_dtype(TOPK_CHUNK).itemsize
+    idx_bytes = topk_index_dtype(TOPK_CHUNK).itemsize
     return {
-        "pack": (f"{label} fp32→bf16", N * (4 + 2), lambda: kernels.pack_shards(held, shard_bf16)),
-        "unpack": (f"S={S}, {label} bf16", 2 * S * N * 2, lambda: kernels.unpack_full(gathered, sizes, unpacked)),
+        "pack": (f"{label} fp32→bf16", N * (4 + 2), lambda: pack_shards(held, shard_bf16)),
+        "unpack": (f"S={S}, {label} bf16", 2 * S * N * 2, lambda: unpack_full(gathered, sizes, unpacked)),
         "pack_grads": (
             f"{len(shapes)} grads bf16→fp32, S={S}",
             numel * 2 + S * N * 4,
-            lambda: kernels.pack_grads(grads, sizes, rs_in, 1.0 / S),
+            lambda: pack_grads(grads, sizes, rs_in, 1.0 / S),
         ),
-        "accumulate": (f"{label} fp32", 3 * N * 4, lambda: kernels.accumulate_grad_shards(held, full, 1.0 / S)),
-        "delta": (f"{label}", 3 * N * 4, lambda: kernels.compute_delta(full, held, out)),
+        "accumulate": (f"{label} fp32", 3 * N * 4, lambda: accumulate_grad_shards(held, full, 1.0 / S)),
+        "delta": (f"{label}", 3 * N * 4, lambda: compute_delta(full, held, out)),
         "outer": (
             f"{label} nesterov",
             6 * N * 4,
-            lambda: kernels.outer_step(held, full, mom, delta, 0.7, 0.9, True, False),
+            lambda: outer_step(held, full, mom, delta, 0.7, 0.9, True, False),
         ),
-        "quantize": (f"{label}, block {QBLOCK}", N * 4 + N + nb * 4, lambda: kernels.quantize_int8(held, QBLOCK)),
+        "quantize": (f"{label}, block {QBLOCK}", N * 4 + N + nb * 4, lambda: quantize_int8(held, QBLOCK)),
         "dequantize": (
             f"M={M}, {label}",
             M * (N + nb * 4) + N * 4,
-            lambda: kernels.dequantize_mean(q, scales, QBLOCK, out),
+            lambda: dequantize_mean(q, scales, QBLOCK, out),
         ),
         "quantize_int4": (
             f"{label}, block {QBLOCK}",
             N * 4 + (N + 1) // 2 + nb * 4,
-            lambda: kernels.quantize_int4(held, QBLOCK),
+            lambda: quantize_int4(held, QBLOCK),
         ),
         "dequantize_int4": (
             f"M={M}, {label}",
             M * ((N + 1) // 2 + nb * 4) + N * 4,
-            lambda: kernels.dequantize_int4_mean(packed4, scales, QBLOCK, out),
+            lambda: dequantize_int4_mean(packed4, scales, QBLOCK, out),
         ),
         "topk_ef": (  # reads delta and err, writes err, idx and vals
             f"{label}, {TOPK_K} of {TOPK_CHUNK}",
             3 * N * 4 + n_sel * (idx_bytes + 4),
-            lambda: kernels.topk_error_feedback(delta, err, TOPK_CHUNK, TOPK_K),
+            lambda: topk_error_feedback(delta, err, TOPK_CHUNK, TOPK_K),
         ),
         "quantize_int2": (
             f"{sparse}, block {SPARSE_K}",

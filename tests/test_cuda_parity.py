@@ -40,6 +40,8 @@ from typing import Any
 import pytest
 import torch
 
+from kernels import registry
+
 REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -90,6 +92,7 @@ SPARSE = (4096, 64, 64, 12)  # SparseLoCo: chunk, k, int2 block, index bits
 
 
 def _cases() -> dict[str, Case]:
+    """kernel name -> its case, for every kernel of kernels/registry.py in its order (CASE_NAMES)."""
     import kernels
     from kernels.bitpack import pack_bits, unpack_bits
     from kernels.pack import cast_shard
@@ -385,29 +388,7 @@ def measured() -> dict[str, Any]:
     return result
 
 
-CASE_NAMES = [
-    "pack",
-    "unpack",
-    "pack_grads",
-    "accumulate",
-    "delta",
-    "outer",
-    "quantize",
-    "dequantize",
-    "quantize_int4",
-    "dequantize_int4",
-    "topk_ef",
-    "topk_select",
-    "scatter_add",
-    "quantize_int2",
-    "dequantize_int2",
-    "pack_idx",
-    "unpack_idx",
-    "decode_topk_int2",
-    "cast_shard",
-    "scale_grad",
-    "scaled_grad_shard",
-]
+CASE_NAMES = list(registry.names())  # every kernel, a case of _cases() each (tests/test_kernel_registry.py)
 
 
 @needs_cuda
@@ -426,13 +407,6 @@ def test_kernel_is_within_its_bound_of_the_gpu_reference(measured: dict[str, Any
 
 
 # ------------------------------------------------------------------- on any machine: the cases and the bounds
-
-
-def test_every_kernel_of_the_bench_and_the_graph_ops_have_a_case() -> None:
-    from kernels.bench import KERNELS
-
-    assert set(KERNELS) <= set(CASE_NAMES)
-    assert list(_cases()) == CASE_NAMES
 
 
 def test_torch_cuda_scalar_division_is_within_the_rel_bound() -> None:
