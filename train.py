@@ -44,19 +44,10 @@ from hsdp.run.checkpoint import (
 )
 from hsdp.run.guard import SaveFailed, check_finite
 from hsdp.run.launch import Interrupted, WorkerError, launch, torchrun_seat, under_torchrun
+from hsdp.run.ledger import StepLedger, peak_memory
 from hsdp.run.lock import hold_run_lock
-from hsdp.run.metrics import (
-    MetricsLogger,
-    RunningMedian,
-    StepMemoryProbe,
-    carried_counters,
-    ledger_entry,
-    ledger_totals,
-    peak_memory_mb,
-    run_rates,
-    steady_rate,
-)
-from hsdp.run.preflight import config_notes, load_checked_config, resume_schedule_note
+from hsdp.run.metrics import MetricsLogger, StepMemoryProbe
+from hsdp.run.preflight import config_notes, load_checked_config, resume_line, resume_schedule_note
 from hsdp.run.rundir import clear_finished, finished_line, owns_run_dir, prepare_run_dir, write_finished
 from hsdp.sync.membership import build_membership
 from hsdp.sync.pace import build_pacer
@@ -82,7 +73,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     if run.ledger:
         policy.load_ledger(run.ledger)  # this replica's tokens trained and merged so far
     pacer = build_pacer(cfg, mesh, run.pace)  # sync.every_s: rounds paced by wall time (None: by steps)
-    spell = SlowSpell(cfg.run, seat.replica if seat is not None else mesh.sync_rank)  # run.slowdown's
+    replica = seat.replica if seat is not None else mesh.sync_rank
+    spell = SlowSpell(cfg.run, replica)  # run.slowdown's
     logger = MetricsLogger(
         cfg,
         cfg.run_dir,
@@ -90,17 +82,9 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         continue_after=run.start_step - 1,  # a resumed (or healed) run's earlier records are kept
         suffix=members.metrics_suffix,
     )
-    tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
-    # A replica restarted within the run (healed, not resumed) continues its previous life's counters, so
-    # none goes backwards in its metrics; a resumed run's come from its checkpoint.
-    carried = carried_counters(logger.previous if run.resumed_from is None and run.start_step > 0 else None)
-    if run.resumed_from is not None and run.tokens is None:  # a checkpoint from before tokens were saved
-        run_share, own_share = members.step_tokens(tokens_per_step)
-        run.tokens, run.trained_tokens = len(run.step_times) * run_share, len(run.step_times) * own_share
-    run.tokens = run.tokens or int(carried["tokens"])  # the run's tokens trained, as this rank counts them
-    run.trained_tokens = run.trained_tokens or int(carried["trained_tokens"])  # this file's ranks' own
-    train_s = carried["train_time_s"] + sum(run.step_times)  # the steps counted in run.tokens
-    median_step = RunningMedian(run.step_times)  # the steady rate's step time so far (hsdp.run.metrics.run_rates)
+    # The run's counts and rates, one definition each (hsdp/run/ledger.py); a replica restarted within the run
+    # (healed, not resumed) continues its previous life's counters, so none goes backwards in its metrics.
+    ledger = StepLedger(cfg, mesh, members, policy, pacer, run, logger.previous, replica, t_start)
     memory = StepMemoryProbe(mesh.device, at=min(run.start_step + 2, cfg.run.steps - 1))  # past compile and warm-up
 
     last_trained_s: Optional[float] = None
@@ -138,83 +122,41 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             pacer.met(step)  # a round began after this step: the next period's window starts now
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
-        run.step_times.append(time.perf_counter() - t0)
-        median_step.add(run.step_times[-1])
-        last_trained_s = None if cut else run.step_times[-1]
-        train_s += run.step_times[-1]
-        step_tokens, own_tokens = members.step_tokens(tokens_per_step)  # a given-up replica's are not counted
-        rate = steady_rate(step_tokens, median_step.value)  # the run's tokens per step over its median step
-        if cut:  # this replica trained no tokens (its peers count their own)
-            step_tokens, own_tokens = 0, 0
-        run.tokens += step_tokens
-        run.trained_tokens += own_tokens
+        step_s = time.perf_counter() - t0
+        ledger.after_step(step, step_s, trained=not cut)
+        last_trained_s = None if cut else step_s
 
         eval_now = last or (cfg.run.eval_every > 0 and (step + 1) % cfg.run.eval_every == 0)
         if eval_now or step % cfg.run.log_every == 0:
-            record = {
-                "step": step,
-                "loss": world_mean(mesh, step_loss, own_replica=pacer is not None),
-                "lr": lr,
-                "tokens": run.tokens,
-                "trained_tokens": run.trained_tokens,
-                "step_time_s": run.step_times[-1],
-                "train_time_s": train_s,
-                "tokens_per_s": rate,
-                "shard_bytes": carried["shard_bytes"] + mesh.comm.group_bytes("shard"),
-                "replicate_bytes": carried["replicate_bytes"] + mesh.comm.group_bytes("replicate"),  # in-site replicas
-                "sync_bytes": carried["sync_bytes"] + mesh.comm.group_bytes("sync"),
-                "peak_mem_mb": peak_memory_mb(mesh.device),
-                "synced": synced,
-                # wall-clock, for time-to-loss
-                "elapsed_s": carried["elapsed_s"] + run.prior_wall_s + time.perf_counter() - t_start,
-                **members.step_record(),  # e.g. the replicas counted in the last sync
-            }
+            loss = world_mean(mesh, step_loss, own_replica=pacer is not None)
+            record = ledger.record(step, loss, lr, synced)
             if eval_now:
                 record["val_loss"] = run.val_loss = world_mean(
                     mesh, evaluate(engine, data, cfg.run.eval_batches, mesh.device), own_replica=pacer is not None
                 )
             run.loss = record["loss"]
             logger.log(record)
-            logger.progress(step, run.loss, rate)
+            logger.progress(step, run.loss, record["tokens_per_s"])
         if checkpoints.due(step):  # every run.checkpoint_every steps, after the update, sync and log
             run.ledger, run.pace = policy.ledger(), pacer.state_dict() if pacer is not None else None
             checkpoints.save(step, run)
 
     checkpoints.finish()  # the last save in flight written (its failure raised here)
-    peak = torch.tensor([peak_memory_mb(mesh.device), memory.peak_mb or 0.0], device=mesh.device)  # nccl: GPU
-    mesh.comm.all_reduce(peak, "world", op=dist.ReduceOp.MAX)
-    wall_s = carried["elapsed_s"] + run.prior_wall_s + time.perf_counter() - t_start
-    site_tokens = tokens_per_step // cfg.mesh.sync if seat is None else tokens_per_step  # one replica's per step
-    waited = members.sync_wait_s()  # an elastic run's quorums; the policy adds its weight exchange's
+    peak_mb, step_peak_mb = peak_memory(mesh, memory.peak_mb)
     member_stats = members.stats(run.step_times)
-    own = {**ledger_entry(policy.ledger(), site_tokens, wall_s, waited), **(pacer.stats() if pacer else {})}
     # the nominal steps it skipped: a paced period's rest, or a straggler bound's cut (elastic.round_timeout_s)
-    own["skipped_steps"] = pacer.cut_steps if pacer is not None else int(member_stats.get("cut_steps", 0))
-    ledgers: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(ledgers, (str(seat.replica if seat is not None else mesh.sync_rank), own))
-    totals = ledger_totals(dict(ledgers))  # per replica: tokens trained and merged, waits; goodput (§2.12)
-    if pacer is not None and seat is None:  # rank 0 counted its own replica's steps for all: the ledger's
-        run.tokens = run.trained_tokens = sum(e["trained_tokens"] for e in totals["replica_ledger"].values())
-    # The steady rate (tokens per step over the median step: past compile and warm-up) and beside it the whole
-    # run's (the tokens trained over the time of the steps that trained them; a resumed run's include the
-    # earlier ones, a restarted replica's its earlier lives'). docs/design.md §9.
-    rates = run_rates(run.step_times, members.step_tokens(tokens_per_step)[0], run.tokens, train_s)
+    skipped = pacer.cut_steps if pacer is not None else int(member_stats.get("cut_steps", 0))
+    totals = ledger.replica_totals(skipped)  # per replica: tokens trained and merged, waits; goodput (§2.12)
+    counts = ledger.summary()  # the same counts as the last record: tokens, rates, times, bytes (docs/design.md §9)
     logger.summary(
         {
             "final_loss": run.loss,
             "final_val_loss": run.val_loss,
             "steps": cfg.run.steps,
-            "tokens": run.tokens,
-            "trained_tokens": run.trained_tokens,  # of the ranks whose files these are (an elastic replica's)
-            **rates,  # tokens_per_s (steady), tokens_per_step, median_step_time_s, wall_tokens_per_s
-            **throughput(cfg, rates["tokens_per_s"], mesh.device, rates["wall_tokens_per_s"]),  # FLOPs/token, MFU
-            "train_time_s": train_s,
-            "wall_time_s": carried["elapsed_s"] + run.prior_wall_s + time.perf_counter() - t_start,
-            "peak_mem_mb": float(peak[0]),
-            "step_alloc_peak_mb": round(float(peak[1]), 2) if memory.peak_mb is not None else None,
-            "shard_bytes": carried["shard_bytes"] + mesh.comm.group_bytes("shard"),
-            "replicate_bytes": carried["replicate_bytes"] + mesh.comm.group_bytes("replicate"),  # in-site replicas
-            "sync_bytes": carried["sync_bytes"] + mesh.comm.group_bytes("sync"),
+            **counts,
+            **throughput(cfg, counts["tokens_per_s"], mesh.device, counts["wall_tokens_per_s"]),  # FLOPs/token, MFU
+            "peak_mem_mb": peak_mb,
+            "step_alloc_peak_mb": step_peak_mb,
             "comm": mesh.comm.report(),  # this process's calls (a restarted replica's: since its restart)
             "engine": cfg.mesh.engine,
             "init_from": cfg.model.init_from or None,  # the weights the run started from (null: the seeded init)
@@ -380,15 +322,13 @@ def finish_run(cfg: Config, replica: Optional[int]) -> Optional[str]:
     except OSError as e:  # the run trained, but is not recorded as finished: a re-run would train its tail again
         line = save_failure("the completion record", e, cfg.run_dir, free_bytes(cfg.run_dir))
         raise WorkerError(line or f"writing the completion record failed: {e}") from None
-    ranks = cfg.world_size if replica is None else cfg.mesh.shard  # the ranks whose tokens the summary counts
-    tokens_per_step = ranks * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
-    return closing_line(cfg.run.steps - 1, summary, tokens_per_step)
+    return closing_line(cfg.run.steps - 1, summary)
 
 
-def closing_line(last_step: int, summary: Path, tokens_per_step: int) -> Optional[str]:
+def closing_line(last_step: int, summary: Path) -> Optional[str]:
     """'done: step 49, loss 2.596, val 2.54, 4,135 tok/s (median step), runs/fin/summary.json': the final train and
-    val loss, the steady rate (tokens per step over the median step; the mean where the summary has no median) and
-    the summary."""
+    val loss, summary.json's steady rate (its tokens_per_s: the tokens trained over their steps at the median
+    step's pace, hsdp/run/ledger.py) and the summary."""
     try:
         s: dict[str, Any] = json.loads(summary.read_text())
     except (OSError, ValueError):
@@ -397,10 +337,9 @@ def closing_line(last_step: int, summary: Path, tokens_per_step: int) -> Optiona
     def num(x: Any) -> str:
         return f"{x:.4g}" if isinstance(x, (int, float)) else "n/a"
 
-    median, mean = s.get("median_step_time_s"), s.get("wall_tokens_per_s", s.get("tokens_per_s"))
-    per_step = s.get("tokens_per_step") or tokens_per_step  # the summary's own where it records it
-    if median:
-        rate = f"{per_step / median:,.0f} tok/s (median step)"
+    steady, mean = s.get("tokens_per_s"), s.get("wall_tokens_per_s")
+    if s.get("median_step_time_s") and steady:
+        rate = f"{steady:,.0f} tok/s (median step)"
     else:  # a summary without step times (written before they were kept): its whole-run rate
         rate = f"{mean:,.0f} tok/s (mean)" if mean else "tok/s n/a"
     loss, val = num(s.get("final_loss")), num(s.get("final_val_loss"))
@@ -443,7 +382,7 @@ def main(argv: Optional[list[str]] = None, worker: Optional[Callable[..., None]]
             if owner:  # under torchrun, rank 0 only: another rank's copy would look like an old run
                 save_config(cfg, cfg.run_dir / "config.yaml")
             warn_unsynced_end(cfg)
-            for line in [set_aside, *config_notes(cfg), resume_schedule_note(cfg, plan.path)]:
+            for line in [set_aside, resume_line(plan), *config_notes(cfg), resume_schedule_note(cfg, plan.path)]:
                 if line:
                     print(line, file=sys.stderr)
             if cfg.mesh.backend == "fake":

@@ -31,10 +31,21 @@ from typing import Optional
 import torch
 
 from hsdp.config.schema import Config, ConfigError
+from hsdp.core.atomic import temp_name
 from hsdp.data.tokens import tokenizer_path
 from hsdp.models.hf import write_hf_folder
-from hsdp.run.checkpoint import CHECKPOINTS, COMPLETE, complete_checkpoints, read_saved_config, step_of
+from hsdp.run.checkpoint import (
+    CHECKPOINTS,
+    COMPLETE,
+    complete_checkpoints,
+    free_bytes,
+    read_saved_config,
+    save_failure,
+    state_bytes,
+    step_of,
+)
 from hsdp.run.checkpoint.export import read_model
+from hsdp.run.rundir import FORBIDDEN_ROOTS
 
 
 class CheckpointGone(ConfigError):
@@ -122,26 +133,47 @@ def check_out_path(out: Path, fmt: str = "pt") -> None:
     elif out.is_dir():
         raise ConfigError(f"out: {out} is a folder; give a file name such as {out / 'model.pt'}")
     # Missing folders on the way are created (`out/tiny-hf` on a fresh clone); the nearest one that exists must
-    # be a writable folder.
+    # be a writable folder, and not on a kernel file system (writable to root, but no place for a model).
     parent = out.parent if str(out.parent) else Path(".")
     existing = next(p for p in (parent, *parent.parents) if p.exists() or p == Path(p.anchor or "."))
     if not existing.is_dir():
         raise ConfigError(f"out: {existing} is not a folder")
+    absolute = Path(os.path.abspath(out))
+    for root in FORBIDDEN_ROOTS:
+        if root in absolute.parents:
+            raise ConfigError(f"out: {out} is under {root}, a kernel file system; choose a folder on disk")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"out: the folder {existing} is not writable")
 
 
 def write_export(state: dict, cfg: Config, out: Path, fmt: str) -> None:
-    """`state` to `out` in format `fmt` (hf: with the run's tokenizer, if its data has one)."""
+    """`state` to `out` in format `fmt` (hf: with the run's tokenizer, if its data has one). Every format appears
+    only complete (a temp name, then renamed): a failed write leaves no partial file."""
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
         write_hf_folder(out, state, cfg.model, tokenizer_path(cfg))
-    elif fmt == "safetensors":
-        from safetensors.torch import save_file
+        return
+    tmp = temp_name(out)
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
 
-        save_file({n: t.contiguous() for n, t in state.items()}, str(out), metadata={"format": "pt"})
-    else:
-        torch.save(state, out)
+            save_file({n: t.contiguous() for n, t in state.items()}, str(tmp), metadata={"format": "pt"})
+        else:
+            torch.save(state, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_failure(out: Path, error: Exception, needed: int) -> Optional[str]:
+    """The one line for a failed write of `out` (a full disk says so, with the bytes free: checkpoints' wording),
+    or None when `error` is no write failure (a bug: its traceback is the report)."""
+    folder = next((p for p in (out.parent, *out.parent.parents) if p.is_dir()), Path("."))
+    line = save_failure(str(out), error, folder, free_bytes(folder), needed)
+    if line is None and isinstance(error, RuntimeError) and str(error).startswith("[enforce fail at inline_container"):
+        line = f"saving {out} failed: {str(error).splitlines()[0]}"  # torch.save's writer: no errno to go by
+    return line
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -163,13 +195,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         check_out_path(args.out, args.format)
         state, what = export(args.checkpoint, args.replica, args.use_global)
-        write_export(state, read_saved_config(args.checkpoint, key="checkpoint"), args.out, args.format)
+        cfg = read_saved_config(args.checkpoint, key="checkpoint")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # e.g. the disk filled up while writing
-        print(f"error: out: cannot write {args.out} ({e.strerror})", file=sys.stderr)
-        return 2
+    try:
+        write_export(state, cfg, args.out, args.format)
+    except Exception as e:  # e.g. the disk filled up while writing: a failure, not bad input (exit 1, as train.py's)
+        line = write_failure(args.out, e, state_bytes(state))
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 1
     print(
         f"wrote {what} from {args.checkpoint} to {args.out} ({sum(t.numel() for t in state.values()):,} params)",
         file=sys.stderr,

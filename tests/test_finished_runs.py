@@ -211,13 +211,12 @@ def test_closing_line_falls_back_to_the_mean_rate(tmp_path: Path) -> None:
     import train
 
     summary = tmp_path / "summary.json"
-    summary.write_text(json.dumps({"final_loss": 2.91234, "final_val_loss": None, "tokens_per_s": 41200.4}))
+    summary.write_text(json.dumps({"final_loss": 2.91234, "final_val_loss": None, "wall_tokens_per_s": 41200.4}))
+    assert train.closing_line(49, summary) == f"done: step 49, loss 2.912, val n/a, 41,200 tok/s (mean), {summary}"
+    # the steady rate is the summary's own tokens_per_s (trained tokens), never nominal tokens per step / median
+    s = {"final_loss": 2.9, "final_val_loss": 2.95, "median_step_time_s": 0.1, "tokens_per_s": 11329.0}
+    summary.write_text(json.dumps({**s, "tokens_per_step": 4096}))
     assert (
-        train.closing_line(49, summary, 4096) == f"done: step 49, loss 2.912, val n/a, 41,200 tok/s (mean), {summary}"
+        train.closing_line(49, summary) == f"done: step 49, loss 2.9, val 2.95, 11,329 tok/s (median step), {summary}"
     )
-    summary.write_text(json.dumps({"final_loss": 2.9, "final_val_loss": 2.95, "median_step_time_s": 0.1}))
-    assert (
-        train.closing_line(49, summary, 4096)
-        == f"done: step 49, loss 2.9, val 2.95, 40,960 tok/s (median step), {summary}"
-    )
-    assert train.closing_line(49, tmp_path / "none.json", 4096) is None
+    assert train.closing_line(49, tmp_path / "none.json") is None

@@ -3,7 +3,8 @@ checkpoint stays valid and the run resumes from it once there is room.
 
 The layers: an OSError(ENOSPC) in a rank's DCP write, torch.save's errno-less "[enforce fail at
 inline_container.cc:672] . unexpected pos 704 vs 598", rank 0's own meta.json, its `.complete` marker
-(after the folder was renamed into place), and the final model.replica<m>.pt. Each is injected into a real
+(after the folder was renamed into place), the final model.replica<m>.pt, and the run's metrics.jsonl and
+summary.json (any write to them fails, from the open file's `write`). Each is injected into a real
 run by wrapping its worker (this file doubles as the script that does it, below); one test fills a real
 3 MiB tmpfs instead, where mounting one works (root). Every subprocess has a timeout.
 
@@ -12,8 +13,12 @@ run by wrapping its worker (this file doubles as the script that does it, below)
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import errno
 import functools
+import io
+import json
 import os
 import re
 import shutil
@@ -28,6 +33,8 @@ import pytest  # noqa: E402
 from hsdp.config.loader import load_config  # noqa: E402
 from hsdp.config.schema import Config  # noqa: E402
 from hsdp.run.checkpoint import check_resume, complete_checkpoints, save_failure, step_of  # noqa: E402
+from hsdp.run.guard import SaveFailed  # noqa: E402
+from hsdp.run.metrics import MetricsLogger  # noqa: E402
 from tests.helpers import SMALL, run_train  # noqa: E402
 
 ONE = SMALL + ["mesh.sync=1", "mesh.shard=2", "run.save_model=false"]
@@ -91,6 +98,9 @@ def fault_worker(mode: str, step: int, cfg: Config) -> None:
 
         torch.save = torch_save
         train.free_bytes = lambda path: 4096
+    elif mode in ("metrics", "summary"):  # the run's own files: metrics.jsonl from step `step`'s record, summary.json
+        name = f"{mode}.json" if mode == "summary" else "metrics.jsonl"
+        builtins.open = io.open = full_open(builtins.open, name, step)  # pathlib's io.open too: whichever is called
     elif mode == "fill":  # a real disk: rank 0 fills it just before the save of `step`
         real_save = store.Checkpoints.save
 
@@ -106,6 +116,47 @@ def fault_worker(mode: str, step: int, cfg: Config) -> None:
     else:
         raise ValueError(f"unknown mode {mode!r}")
     train.train_worker(cfg)
+
+
+class FullFile:
+    """An open file whose `write` fails as on a full disk once `fails(text)` says so (everything else passes)."""
+
+    def __init__(self, file, fails) -> None:
+        self._file, self._fails = file, fails
+
+    def write(self, text: str) -> int:
+        if self._fails(text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._file.name)
+        return self._file.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
+
+    def __enter__(self) -> FullFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+
+
+def full_open(real_open, name: str, step: int):
+    """`open` whose files opened for writing with `name` in their name (a temp name too) fail to write: a
+    metrics.jsonl from the record of `step` on, anything else at once."""
+
+    def fails(text: str) -> bool:
+        if name != "metrics.jsonl":
+            return True
+        with contextlib.suppress(ValueError):
+            return json.loads(text)["step"] >= step
+        return False
+
+    def open_(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if isinstance(file, (str, os.PathLike)) and name in Path(file).name and any(c in mode for c in "wa"):
+            return FullFile(f, fails)
+        return f
+
+    return open_
 
 
 def fill(path: Path) -> None:
@@ -161,6 +212,68 @@ def test_a_full_disk_saving_the_final_model_says_so(tmp_path: Path) -> None:
     line = last_line(res.stderr)
     assert re.match(r"^error: rank 0: saving model\.replica0\.pt: the disk is full \(4096 bytes free on /", line), line
     assert not (tmp_path / "model" / "model.replica0.pt").exists()  # no partial file left
+
+
+REAL_OPEN = io.open
+
+
+# the one line of a failed write of the run's own files (hsdp/run/metrics.py): the file and the bytes free
+def run_file_full(path: Path) -> re.Pattern:
+    return re.compile(rf"^saving {re.escape(str(path))}: the disk is full \(\d+ bytes free on /\S*\)$")
+
+
+@pytest.mark.parametrize("mode", ["metrics", "summary"])
+def test_a_full_disk_writing_metrics_or_the_summary_says_so(tmp_path: Path, mode: str) -> None:
+    """One line, not a traceback; the records written before stay whole; with room again the same command resumes
+    from the last checkpoint and says so."""
+    run = RUN + ["run.checkpoint_async=false"]  # step_1 complete before step 2 (an async save dies with its run)
+    res = run_train(tmp_path, mode, run, check=False, script=[SCRIPT, mode, "2"])
+    assert res.returncode == 1, res.stderr[-3000:]
+    run_dir = tmp_path / mode
+    name = "metrics.jsonl" if mode == "metrics" else "summary.json"
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: "), res.stderr[-3000:]
+    assert run_file_full(run_dir / name).match(lines[0].removeprefix("error: rank 0: ")), lines[0]
+    assert [r["step"] for r in res.metrics] == ([0, 1] if mode == "metrics" else [0, 1, 2, 3])
+    assert sorted(p.name for p in run_dir.iterdir() if "summary" in p.name) == []  # no summary, not half of one
+    if mode == "metrics":  # step_1 saved before step 2's record failed: the same command goes on from it
+        again = run_train(tmp_path, mode, run)
+        assert f"resuming from step 1 ({run_dir / 'checkpoints' / 'step_1'})" in again.stderr.splitlines()
+        assert [r["step"] for r in again.metrics] == list(range(4))
+
+
+def test_a_full_disk_in_a_one_worker_run_is_one_line_too(tmp_path: Path) -> None:
+    """One worker runs in the launcher's own process (no zygote): its failure is worded as a spawned rank's."""
+    one = SMALL + ["mesh.sync=1", "mesh.shard=1", "run.save_model=false", "run.steps=4", "run.checkpoint_every=0"]
+    res = run_train(tmp_path, "one", one, check=False, script=[SCRIPT, "metrics", "2"])
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    line = last_line(res.stderr)
+    assert run_file_full(tmp_path / "one" / "metrics.jsonl").match(line.removeprefix("error: rank 0: ")), line
+
+
+def test_a_metrics_logger_write_on_a_full_disk_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process: each write of the logger (a record, the summary) that fails is SaveFailed's line naming the file;
+    a failed summary write leaves the previous summary.json as it was, and no temp file."""
+    cfg = load_config(None, ["wandb.mode=disabled", f"run.out_dir={tmp_path}", "run.name=m"])
+    cfg.run_dir.mkdir()
+    log = MetricsLogger(cfg, cfg.run_dir, enabled=True)
+    log.log({"step": 0, "loss": 1.0})
+    log.summary({"final_loss": 1.0})
+    log.close()
+    for module in (builtins, io):  # builtins.open and io.open (pathlib's): whichever a writer calls
+        monkeypatch.setattr(module, "open", full_open(REAL_OPEN, "metrics.jsonl", 1))
+    log = MetricsLogger(cfg, cfg.run_dir, enabled=True, continue_after=0)
+    with pytest.raises(SaveFailed) as failed:
+        log.log({"step": 1, "loss": 1.0})
+    assert run_file_full(cfg.run_dir / "metrics.jsonl").match(str(failed.value)), failed.value
+    for module in (builtins, io):
+        monkeypatch.setattr(module, "open", full_open(REAL_OPEN, "summary.json", 0))
+    with pytest.raises(SaveFailed) as failed:
+        log.summary({"final_loss": 2.0})
+    assert run_file_full(cfg.run_dir / "summary.json").match(str(failed.value)), failed.value
+    assert json.loads((cfg.run_dir / "summary.json").read_text()) == {"final_loss": 1.0}
+    assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["metrics.jsonl", "summary.json"]
 
 
 def test_save_failure_names_what_it_can() -> None:

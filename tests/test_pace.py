@@ -47,9 +47,28 @@ def test_a_period_trains_the_steps_that_end_within_its_window() -> None:
 def test_every_period_trains_its_first_step_and_fragments_share_the_window() -> None:
     clock, last = Clock(), [None]
     p = _pacer(clock)
-    assert _period(p, clock, 0, 2.0, last) == [0]  # longer than the window: still one step a period
+    # The run's first step (a compile) is not the pace: the first period times its second step too.
+    assert _period(p, clock, 0, 2.0, last) == [0, 1]
+    assert _period(p, clock, 8, 2.0, last) == [8]  # longer than the window: still one step a period
     q = _pacer(Clock(), fragments=2)
     assert q.window_s == 0.5  # each fragment's slot: H/P nominal steps, every_s/P seconds
+
+
+def test_a_slow_first_step_does_not_starve_the_first_window() -> None:
+    """A 30 s first step (a cold compile) among 0.1 s steps: the first 1 s window still trains its steps."""
+    clock, last = Clock(), [None]
+    p = _pacer(clock)
+    trained = []
+    for step in range(8):
+        if not p.cut(step, last[0]):
+            trained.append(step)
+            clock.t += 30.0 if step == 0 else 0.1
+            last[0] = 30.0 if step == 0 else 0.1
+        else:
+            last[0] = None
+        p.met(step)
+    assert len(trained) > 1, trained
+    assert p.state_dict()["first_trained"] is False
 
 
 def test_the_warmup_is_never_cut_and_a_restore_keeps_the_position() -> None:

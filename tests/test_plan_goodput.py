@@ -1,5 +1,5 @@
 """The planner's goodput model (hsdp/plan/goodput.py): each fault's cost by hand, the shape of goodput over
-replicas, and the validation against a slow-link report's chaos runs."""
+replicas, the validation against a slow-link report's chaos runs, and bad input (one line, exit 2)."""
 
 from __future__ import annotations
 
@@ -79,3 +79,44 @@ def test_a_run_is_predicted_from_the_faults_it_had_and_checked_against_its_repor
     assert row["measured"] == 0.75 and row["predicted"] == pytest.approx(1 - cost / 600, abs=1e-3)
     assert main(["--validate", str(path), "--detect-s", "5"]) == 0
     assert "| chaos | 20mbit | 3 | 2 |" in capsys.readouterr().out
+
+
+def exit_code(argv: list[str]) -> object:
+    """main's exit code, whether it returns it or argparse raises it."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize(
+    "report,args,needle",
+    [
+        (None, ["--validate", "{report}"], "does not exist"),  # a missing file
+        ("not json", ["--validate", "{report}"], "is not JSON"),
+        ('{"target_run": "calm"}', ["--validate", "{report}"], "no `runs` list"),
+        ('{"runs": [{"rate": "20mbit"}]}', ["--validate", "{report}"], "not a slow-link report"),  # another shape
+        ('{"runs": []}', ["--validate", "{report}"], "no chaos run"),
+        (None, ["--validate", "{dir}"], "cannot read"),  # a folder
+        (None, ["--replicas", "x"], "--replicas: expected comma-separated numbers"),
+        (None, ["--replicas", "2.5"], "--replicas: expected whole numbers"),
+        (None, ["--mtbf-h", "0"], "--mtbf-h: expected positive numbers"),
+        (None, ["--step-s", "-1"], "--step-s: expected a positive number"),
+        (None, ["--round-s", "-5"], "--round-s: expected seconds >= 0"),
+        (None, ["--save-s", "nan"], "--save-s: expected seconds >= 0"),
+        (None, ["--checkpoint-every-s", "0"], "--checkpoint-every-s"),
+        (None, ["--plot", "{dir}/missing/out.png"], "is not a folder"),
+        (None, ["--plot", "/proc/out.png"], "cannot write into /proc"),
+        (None, ["--every", "x"], "invalid int value"),
+        (None, ["--nosuchflag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, report: str | None, args, needle: str) -> None:
+    path = tmp_path / "slowlink.json"
+    if report is not None:
+        path.write_text(report)
+    assert exit_code([a.format(report=path, dir=tmp_path) for a in args]) == 2
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("plan.goodput: ") and needle in err[0], err
+    assert captured.out == ""

@@ -33,11 +33,12 @@ COMPILED_RUN = [41.7, 0.212, 0.93, 0.101, 0.099, 0.1, 0.102, 0.098, 0.1, 0.1, 0.
 
 def test_the_steady_rate_is_tokens_per_step_over_the_median_step():
     tokens_per_step = 16 * 1024
-    rates = run_rates(COMPILED_RUN, tokens_per_step, tokens_per_step * len(COMPILED_RUN), sum(COMPILED_RUN))
+    tokens = tokens_per_step * len(COMPILED_RUN)
+    rates = run_rates(COMPILED_RUN, tokens_per_step, tokens, sum(COMPILED_RUN), tokens)
     median = statistics.median(COMPILED_RUN)
     assert rates["median_step_time_s"] == median == pytest.approx(0.1005)
     assert rates["tokens_per_s"] == pytest.approx(tokens_per_step / median, rel=1e-12)
-    assert rates["tokens_per_step"] == tokens_per_step and rates["rate_basis"] == RATE_BASIS
+    assert rates["tokens_per_step"] == tokens_per_step and rates["rate_basis"]["tokens_per_s"] == RATE_BASIS
     # the whole-run rate counts the compile: ~14x lower here, as the GPU run of the issue (28,895 vs 443,000)
     assert rates["wall_tokens_per_s"] == pytest.approx(tokens_per_step * len(COMPILED_RUN) / sum(COMPILED_RUN))
     assert rates["tokens_per_s"] > 10 * rates["wall_tokens_per_s"]
@@ -45,17 +46,27 @@ def test_the_steady_rate_is_tokens_per_step_over_the_median_step():
 
 def test_without_slow_steps_the_two_rates_agree_and_without_steps_there_is_none():
     even = [0.25] * 8
-    rates = run_rates(even, 100, 800, sum(even))
+    rates = run_rates(even, 100, 800, sum(even), 800)
     assert rates["tokens_per_s"] == pytest.approx(rates["wall_tokens_per_s"]) == pytest.approx(400.0)
-    empty = run_rates([], 100, 0, 0.0)
+    empty = run_rates([], 100, 0, 0.0, 0)
     assert empty["tokens_per_s"] is None and empty["wall_tokens_per_s"] is None and empty["median_step_time_s"] is None
-    assert steady_rate(100, None) is None and steady_rate(100, 0.0) is None and steady_rate(100, 0.5) == 200.0
+    assert steady_rate(100, 1, None) is None and steady_rate(100, 1, 0.0) is None and steady_rate(100, 1, 0.5) == 200.0
+    assert steady_rate(300, 3, 0.5) == 200.0 and steady_rate(0, 0, 0.5) is None
+
+
+def test_skipped_steps_train_no_tokens_and_are_not_in_the_median():
+    """A paced replica's skipped steps (near-zero time, no tokens) would make the median step 0.2 ms and the
+    steady rate millions of tokens a second: only trained steps and their tokens count."""
+    trained = [0.2] * 6  # 6 steps trained of 48 nominal, 100 tokens each
+    rates = run_rates(trained, 400, 600, 48 * 0.025, 600)
+    assert rates["median_step_time_s"] == 0.2 and rates["tokens_per_s"] == pytest.approx(500.0)
+    assert rates["wall_tokens_per_s"] == pytest.approx(600 / 1.2)
 
 
 def test_a_resumed_run_counts_its_earlier_steps_in_both_rates():
     """A resumed run's step times include its checkpoint's; its tokens and train time likewise."""
     before, after = [9.0, 0.2, 0.2, 0.2], [5.0, 0.2, 0.2, 0.2, 0.2]  # two lives, each starts with a compile
-    rates = run_rates(before + after, 10, 10 * 9, sum(before + after))
+    rates = run_rates(before + after, 10, 10 * 9, sum(before + after), 10 * 9)
     assert rates["median_step_time_s"] == 0.2 and rates["tokens_per_s"] == pytest.approx(50.0)
     assert rates["wall_tokens_per_s"] == pytest.approx(90 / 15.4)
 
@@ -126,7 +137,7 @@ def test_a_runs_summary_rate_is_tokens_per_step_over_its_median_step(tmp_path):
     assert s["tokens_per_step"] == tokens_per_step and s["tokens"] == steps * tokens_per_step
     assert s["median_step_time_s"] == statistics.median(times)
     assert s["tokens_per_s"] == pytest.approx(tokens_per_step / statistics.median(times), rel=1e-9)
-    assert s["rate_basis"] == RATE_BASIS
+    assert s["rate_basis"] == {"tokens_per_s": RATE_BASIS, "wall_tokens_per_s": "tokens / train_time_s"}
     assert s["wall_tokens_per_s"] == pytest.approx(s["tokens"] / sum(times), rel=1e-9)
     # the slow first step is in the whole-run rate, not in the steady one
     assert times[0] > statistics.median(times) and s["wall_tokens_per_s"] < s["tokens_per_s"]

@@ -31,13 +31,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
-from tests.helpers import hold_rendezvous, join_rendezvous
-
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script (the workers): the project importable
+sys.path.insert(0, str(REPO))  # run as a script (`table OUT`, the workers): the project and tests/ importable
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from tests.helpers import hold_rendezvous, join_rendezvous  # noqa: E402
+
+USAGE = "usage: python tests/test_torchft_parity.py table OUT  (or: worker REPLICA PORT LIGHTHOUSE OUT)"
 STEPS = 12
 CASES: dict[str, dict[str, Any]] = {
     "plain": dict(every=2, fragments=1, delay=0, alpha=0.0, schedule="hsdp"),
@@ -235,10 +237,17 @@ def test_final_params_match_torchft_diloco(tmp_path: Path):
 
 
 def main(argv: list[str]) -> int:
-    """`worker REPLICA PORT LIGHTHOUSE OUT`: one replica's runs; `table OUT`: run both and print the table."""
-    if argv[0] == "worker":
+    """`worker REPLICA PORT LIGHTHOUSE OUT`: one replica's runs; `table OUT`: run both and print the table (each
+    case's max relative difference per replica); `--help`: the usage. Other arguments: the usage, exit 2."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    if len(argv) == 5 and argv[0] == "worker":
         worker(int(argv[1]), int(argv[2]), argv[3], argv[4])
         return 0
+    if len(argv) != 2 or argv[0] != "table":
+        print(USAGE, file=sys.stderr)
+        return 2
     out = Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
     for name, diffs in run_parity(out).items():

@@ -29,6 +29,7 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import Config, ConfigError
 from hsdp.plan.calibrate import SKIP, measure_fake_run, read_fake_run
 from hsdp.plan.collectives import measure_shard_collectives
+from hsdp.plan.goodput import OneLineParser, check_plot_path
 from hsdp.plan.model import FRAMING, Compute, Link, MeasuredIntra, Prediction, predict
 from hsdp.plan.project import failure_cost, gpu_peak_flops, projected_compute
 from hsdp.plan.report import plot_utilization, rate_label, table
@@ -77,30 +78,26 @@ def parse_rates(text: str, flag: str) -> list[float]:
     return rates
 
 
-class OneLineParser(argparse.ArgumentParser):
+class PlanParser(OneLineParser):
     """argparse's usage errors as one line, exit 2, like every other bad input of the command; it also keeps
     the flags that take a value (`value_flags`), which attach_negative_values needs."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, name="plan", **kwargs)
         self.value_flags: set[str] = set()
 
-    def add_argument(self, *args, **kwargs):  # type: ignore[override]
+    def add_argument(self, *args, **kwargs):
         action = super().add_argument(*args, **kwargs)
         if action.nargs != 0:
             self.value_flags.update(action.option_strings)
         return action
-
-    def error(self, message: str):  # type: ignore[override]
-        print(f"plan: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 # a value that starts like a negative number: `--inter -10gbit`, `--latency -inf` (argparse takes it for a flag)
 NEGATIVE = re.compile(r"-(\d|\.\d|inf|nan)", re.IGNORECASE)
 
 
-def attach_negative_values(parser: OneLineParser, argv: list[str]) -> list[str]:
+def attach_negative_values(parser: PlanParser, argv: list[str]) -> list[str]:
     """`--flag -10gbit` → `--flag=-10gbit` for every flag that takes a value, so that a negative value reaches
     the checks (and is refused there, naming the flag) instead of argparse's "expected one argument"."""
     takes_value = parser.value_flags
@@ -116,8 +113,8 @@ def attach_negative_values(parser: OneLineParser, argv: list[str]) -> list[str]:
     return out
 
 
-def build_parser() -> OneLineParser:
-    p = OneLineParser(prog="python -m hsdp.plan", description=__doc__.splitlines()[0])
+def build_parser() -> PlanParser:
+    p = PlanParser(prog="python -m hsdp.plan", description=__doc__.splitlines()[0])
     p.add_argument("config", help="the run's config (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--inter", required=True, help="each replica's link, comma-separated rates: 20mbit,10gbit")
@@ -323,12 +320,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         plan = Plan(args)
         if args.plot:
-            import matplotlib  # noqa: F401  (fail now, not after the calibration)
+            check_plot_path(args.plot)  # its folder and matplotlib: fail now, not after the calibration
     except ConfigError as e:
         print(f"plan: {e}", file=sys.stderr)
-        return 2
-    except ImportError:
-        print("plan: --plot needs matplotlib (pip install -e '.[plot]')", file=sys.stderr)
         return 2
     w = plan.workload()
     try:

@@ -31,6 +31,7 @@ its next quorum, and those whose round falls in the outage wait for it.
 `--validate` reads a slow-link report (slowlink.json with chaos runs and their calm target run) and
 predicts each chaos run's goodput from the faults it actually had (kinds, spells, the heal times it
 measured) and the calm run's period: the model's per-fault costs against the measured wall-time goodput.
+Bad input (a flag's value, a report that is missing, not JSON or not a slow-link report) exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
+
+from hsdp.config.schema import ConfigError
 
 KINDS = ("kill", "stop", "partition", "slow", "lighthouse")
 MEAN_SPELL_S = {"kill": 0.0, "stop": 7.0, "partition": 12.5, "slow": 20.0, "lighthouse": 4.0}  # chaos.py's ranges
@@ -121,7 +125,37 @@ def validate(report_path: Path, detect_s: float) -> list[dict[str, Any]]:
     """Each chaos run of a slowlink.json against the model: its measured wall-time goodput (the calm target
     run's wall time ÷ its own) and the model's, from its own faults, the calm run's period and the heal
     times its kills measured (from the kill to the replacement's first logged step)."""
-    report = json.loads(report_path.read_text())
+    report = read_report(report_path)
+    try:
+        return _compare(report, detect_s)
+    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:  # a report of another shape
+        raise ConfigError(f"--validate: {report_path}: not a slow-link report ({type(e).__name__}: {e})") from None
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """A slow-link report (slowlink.json); ConfigError (one line) for a missing or unreadable file, text that is
+    not JSON, or JSON without a `runs` list."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"--validate: {path} does not exist (a slowlink.json of python -m hsdp.slowlink)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"--validate: cannot read {path} ({why})") from None
+    try:
+        report = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--validate: {path} is not JSON ({e})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("runs"), list):
+        raise ConfigError(
+            f"--validate: {path} is not a slow-link report (no `runs` list; expected the slowlink.json "
+            "that python -m hsdp.slowlink writes)"
+        )
+    return report
+
+
+def _compare(report: dict[str, Any], detect_s: float) -> list[dict[str, Any]]:
+    """`validate`'s rows from a report that has a `runs` list."""
     runs = report["runs"]
     calm = {r["rate"]: r for r in runs if r["run"] == report["target_run"] and r.get("wall_time_s")}
     out = []
@@ -203,17 +237,77 @@ def plot(c: Cluster, replicas: list[int], mtbfs_h: list[float], path: str) -> No
 
 
 def parse_list(text: str, flag: str, kind: type) -> list:
+    """'1,6,24' → [1.0, 6.0, 24.0]: positive, finite numbers, or ConfigError naming `flag`."""
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"plan.goodput: {flag}: expected comma-separated numbers, got {text!r}") from None
+        raise ConfigError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
     if not values or any(not (v > 0 and math.isfinite(v)) for v in values):
-        raise SystemExit(f"plan.goodput: {flag}: expected positive numbers, got {text!r}")
+        raise ConfigError(f"{flag}: expected positive numbers, got {text!r}")
     return values
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's usage errors as one line ("`name`: the error (see --help)") and exit 2, like every other bad
+    input of the planner's commands (hsdp.plan, hsdp.plan.goodput, hsdp.plan.validate)."""
+
+    def __init__(self, *args: Any, name: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.name = name
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.name}: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_args(a: argparse.Namespace) -> tuple[Cluster, list[int], list[float]]:
+    """The cluster, replica counts and MTBFs the flags give; ConfigError naming the first bad flag."""
+    replicas = parse_list(a.replicas, "--replicas", float)
+    if any(n != int(n) for n in replicas):
+        raise ConfigError(f"--replicas: expected whole numbers, got {a.replicas!r}")
+    mtbfs = parse_list(a.mtbf_h, "--mtbf-h", float)
+    for flag, v in [("--step-s", a.step_s), ("--every", a.every), ("--heal-s", a.heal_s), ("--detect-s", a.detect_s)]:
+        if not (v > 0 and math.isfinite(v)):
+            raise ConfigError(f"{flag}: expected a positive number, got {v:g}")
+    for flag, v in [("--round-s", a.round_s), ("--save-s", a.save_s)]:
+        if not (v >= 0 and math.isfinite(v)):
+            raise ConfigError(f"{flag}: expected seconds >= 0, got {v:g}")
+    if not a.checkpoint_every_s > 0:  # inf: no checkpoints
+        raise ConfigError(f"--checkpoint-every-s: expected seconds > 0 (inf: none), got {a.checkpoint_every_s:g}")
+    if a.plot:
+        check_plot_path(a.plot)
+    c = Cluster(2, a.step_s * a.every + a.round_s, a.heal_s, a.detect_s, a.checkpoint_every_s, a.save_s)
+    return c, [int(n) for n in replicas], mtbfs
+
+
+KERNEL_FS = (Path("/proc"), Path("/sys"))  # writable to root, but no place for a PNG
+
+
+def check_plot_path(path: str) -> None:
+    """--plot's file must go into an existing, writable folder, and matplotlib must be there: checked before any
+    work (hsdp.plan's --plot too), so a bad path is one line, not a traceback after the work."""
+    folder = Path(path).expanduser().absolute().parent
+    if not folder.is_dir():
+        raise ConfigError(f"--plot: {folder} is not a folder")
+    kernel = any(folder == k or k in folder.parents for k in KERNEL_FS)
+    if kernel or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--plot: cannot write into {folder}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--plot: needs matplotlib (pip install -e '.[plot]')") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hsdp.plan.goodput", description=__doc__.splitlines()[0])
+    try:
+        return _main(argv)
+    except ConfigError as e:
+        print(f"plan.goodput: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: Optional[list[str]]) -> int:
+    p = OneLineParser(prog="python -m hsdp.plan.goodput", description=__doc__.splitlines()[0], name="plan.goodput")
     p.add_argument("--replicas", default="2,4,8,16,32,64,128,256,512,1024")
     p.add_argument("--mtbf-h", default="1,6,24", help="each replica's mean time between faults (hours)")
     p.add_argument("--step-s", type=float, default=0.5, help="one training step (s)")
@@ -227,14 +321,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--plot", metavar="OUT.png")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    replicas = [int(v) for v in parse_list(a.replicas, "--replicas", float)]
-    mtbfs = parse_list(a.mtbf_h, "--mtbf-h", float)
-    for flag, v in [("--step-s", a.step_s), ("--every", a.every), ("--heal-s", a.heal_s), ("--detect-s", a.detect_s)]:
-        if not (v > 0 and math.isfinite(v)):
-            raise SystemExit(f"plan.goodput: {flag}: expected a positive number, got {v}")
-    c = Cluster(2, a.step_s * a.every + a.round_s, a.heal_s, a.detect_s, a.checkpoint_every_s, a.save_s)
+    c, replicas, mtbfs = check_args(a)
     if a.validate:
-        rows = validate(Path(a.validate), a.detect_s)
+        rows = validate(Path(a.validate).expanduser(), a.detect_s)
+        if not rows:
+            raise ConfigError(
+                f"--validate: {a.validate} has no chaos run with a calm target run at its rate (nothing to compare)"
+            )
         if a.json:
             print(json.dumps(rows, indent=1))
         else:

@@ -35,6 +35,7 @@ from hsdp.config.schema import ConfigError
 from hsdp.plan.__main__ import parse_rates
 from hsdp.plan.calibrate import REPO, SKIP, measure_fake_run, read_fake_run
 from hsdp.plan.collectives import from_json, measure_shard_collectives
+from hsdp.plan.goodput import OneLineParser
 from hsdp.plan.model import Compute, Link, MeasuredIntra, predict
 from hsdp.plan.report import rate_label
 from hsdp.plan.workload import build_workload
@@ -65,8 +66,8 @@ def measured_mean(run_dir: Path, periodic: bool) -> Optional[float]:
     return statistics.mean(times) if times else None
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hsdp.plan.validate", description=__doc__.splitlines()[0])
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = OneLineParser(prog="python -m hsdp.plan.validate", description=__doc__.splitlines()[0], name="validate")
     p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--rates", default="10mbit,30mbit,100mbit")
@@ -77,20 +78,53 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--report-only", action="store_true", help="run nothing: the table from <out>'s runs")
     a = p.parse_args(argv)
     a.shared = [*SHARED, *a.overrides]  # every run's, the calibration's and the prediction's (e.g. the mesh)
-    why = None if a.report_only else missing_requirements()
+    return a
+
+
+def check_args(a: argparse.Namespace) -> list[float]:
+    """The rates, after every run's config (with its steps) loads and checks; ConfigError naming the first problem.
+    Needs no root: what a measurement needs is `missing_requirements`'."""
+    rates = parse_rates(a.rates, "--rates")
+    for flag, n in (("--hsdp-steps", a.hsdp_steps), ("--diloco-steps", a.diloco_steps)):
+        if n < 1:
+            raise ConfigError(f"{flag}: expected at least 1 step, got {n}")
+    if a.calibrate_steps <= SKIP:
+        raise ConfigError(f"--calibrate-steps: expected more than {SKIP} (the steps skipped), got {a.calibrate_steps}")
+    for run, extra in RUNS.items():
+        load_config(a.config, [*a.shared, *extra, f"run.steps={steps_of(a)[run]}"])
+    return rates
+
+
+def steps_of(a: argparse.Namespace) -> dict[str, int]:
+    return {"hsdp": a.hsdp_steps, "diloco-h8-int8": a.diloco_steps}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = parse_args(argv)
     try:
-        rates = parse_rates(a.rates, "--rates")
+        rates = check_args(a)
+        why = None if a.report_only else missing_requirements()
         if why:
             raise ConfigError(why)
-        for extra in RUNS.values():
-            load_config(a.config, [*a.shared, *extra])
+        return report(a, rates)
     except ConfigError as e:
         print(f"validate: {e}", file=sys.stderr)
         return 2
+
+
+def report(a: argparse.Namespace, rates: list[float]) -> int:
+    """Measure (unless --report-only), then the table; ConfigError for an --out without the runs it needs."""
     out = Path(a.out).expanduser().resolve()
-    steps = {"hsdp": a.hsdp_steps, "diloco-h8-int8": a.diloco_steps}
+    steps = steps_of(a)
     previous = out / "validate.json"
-    report = json.loads(previous.read_text()) if a.report_only and previous.is_file() else {}
+    if a.report_only and not (out / "calibration").is_dir():
+        raise ConfigError(f"--report-only: {out} holds no measured runs (no calibration/); run without it first")
+    report: dict = {}
+    if a.report_only and previous.is_file():
+        try:
+            report = json.loads(previous.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--out: {previous} is not readable JSON ({e})") from None
     if not a.report_only:
         report = measure(a, out, steps)
     compute = read_fake_run(str(out / "calibration"))

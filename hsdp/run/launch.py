@@ -39,6 +39,7 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.engines.registry import engine_modules
 from hsdp.run.checkpoint import elastic_resume_note
 from hsdp.run.guard import ONE_LINE_ERRORS
+from hsdp.run.metrics import write_failure
 from hsdp.run.replicas import (
     ElasticLaunch,
     check_lighthouse_reachable,
@@ -294,7 +295,10 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
                 stop.disarm()
                 stop_workers(workers)
                 run.end()  # replicas.json: no live pids left
-            write_summary(cfg, run)
+            try:
+                write_summary(cfg, run)
+            except OSError as e:  # a full disk: one line naming the file and the bytes free
+                raise WorkerError(write_failure(cfg.run_dir / "summary.json", e)) from None
             failed = run.outcome()
             if failed:
                 raise WorkerError(failed)
@@ -480,8 +484,8 @@ def launch(cfg: Config, worker: Worker, seat: Optional[ReplicaSeat] = None) -> N
                 _init_and_run(cfg, worker, 0, 1, 0, 1, store=store)  # in this process: no env flag left behind
             except KeyboardInterrupt:  # SIGINT with our handler not installed (not the main thread)
                 raise Interrupted(signal.SIGINT) from None
-            except Exception as e:  # same report as a spawned rank's failure
-                raise WorkerError(f"rank 0 failed:\n{traceback.format_exc()}") from e
+            except Exception as e:  # same report as a spawned rank's failure (one line for a one-line error)
+                raise WorkerError(_failure(Exit(0, 1, traceback.format_exc()))) from e
             return
         with start_zygote(worker, cfg.compile.enabled).workers() as workers:
             workers.start([(_local_worker, (rank, cfg, worker, port, world)) for rank in range(world)])

@@ -4,7 +4,13 @@ Only rank 0 writes. wandb is imported only when `wandb.mode != disabled`, so a
 machine without wandb runs with `--set wandb.mode=disabled`. wandb never ends a
 run: `wandb.init` is bounded by `HSDP_WANDB_TIMEOUT_S` seconds (default 60;
 online mode without network otherwise retries for a long time), and any wandb
-failure prints one warning line and the run goes on with metrics.jsonl alone.
+failure prints one warning line and the run goes on with metrics.jsonl alone. wandb itself prints
+nothing (`silent`: its banner and offline epilogue would bury the run's closing line); the run says
+once, on stderr, where wandb's files are (`wandb_line`).
+
+A write of metrics.jsonl or summary.json that fails (a full disk, most often) ends the run with one
+line naming the file and the bytes free (`SaveFailed`, as a failed checkpoint save), not a
+traceback; what was written before stays (summary.json is replaced atomically).
 
 One run folder is one wandb run: its id is kept in `wandb.id` in the run folder, so a resumed run
 and a restarted elastic replica 0 continue the same wandb run (`resume="allow"`) instead of opening
@@ -30,8 +36,10 @@ import torch
 from tqdm import tqdm
 
 from hsdp.config.schema import Config, to_dict
-from hsdp.core.atomic import write_text
+from hsdp.core.atomic import temp_name, write_text
 from hsdp.run.checkpoint.integrity import finite_or_none
+from hsdp.run.checkpoint.store import free_bytes, save_failure
+from hsdp.run.guard import SaveFailed
 
 WANDB_TIMEOUT_ENV = "HSDP_WANDB_TIMEOUT_S"
 WANDB_TIMEOUT_S = 60.0  # default bound on wandb.init (login + run creation)
@@ -121,18 +129,20 @@ def peak_allocated(prof: Any, device: torch.device) -> int:
 
 
 # ---------------------------------------------------------------- rates: steady and whole-run
-# The steady rate is what the run sustains once compiled and warm: tokens per step over the median step time.
-# The median of every step leaves out the compile step(s), the warm-up and the memory-probed step as long as
-# they are fewer than half of the steps (a run of 30 steps with 1-3 such steps is far from that), needs no
-# choice of how many steps to skip, and is summary.json's median_step_time_s, which hsdp.plan calibrates from.
-# It also leaves out rare slow steps (a periodic param sync of a DiLoCo run every H > 2 steps): the whole-run
-# rate, which counts every step, is kept beside it as wall_tokens_per_s.
-RATE_BASIS = "tokens_per_step / median_step_time_s"
+# The steady rate is what the run sustains once compiled and warm: the tokens trained over the time their steps
+# take at the median trained step's pace. The median leaves out the compile step(s), the warm-up and the
+# memory-probed step as long as they are fewer than half of the steps, needs no choice of how many steps to
+# skip, and is summary.json's median_step_time_s, which hsdp.plan calibrates from. It also leaves out rare slow
+# steps (a periodic param sync of a DiLoCo run every H > 2 steps): the whole-run rate, which counts every
+# step's time, is kept beside it as wall_tokens_per_s. Steps a replica skipped (a paced period's rest, a
+# straggler's cut) trained nothing: they count neither tokens nor a trained step.
+RATE_BASIS = "tokens / (trained steps x median_step_time_s)"
+WALL_RATE_BASIS = "tokens / train_time_s"
 
 
-def steady_rate(tokens_per_step: float, median_step_s: Optional[float]) -> Optional[float]:
-    """Tokens per second at the median step time (None before any step, or for a zero step time)."""
-    return tokens_per_step / median_step_s if median_step_s else None
+def steady_rate(tokens: float, trained_steps: int, median_step_s: Optional[float]) -> Optional[float]:
+    """Tokens per second at the median trained step's time (None before any step, or for a zero step time)."""
+    return tokens / (trained_steps * median_step_s) if median_step_s and trained_steps else None
 
 
 def ledger_entry(ledger: dict[str, Any], tokens_per_step: int, wall_s: float, quorum_s: float = 0.0) -> dict[str, Any]:
@@ -161,23 +171,26 @@ def ledger_totals(per_replica: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run_rates(step_times: Sequence[float], tokens_per_step: float, tokens: float, train_s: float) -> dict[str, Any]:
-    """summary.json's rates, from the run's step times (a resumed run's earlier ones included):
+def run_rates(
+    trained_times: Sequence[float], tokens_per_step: float, tokens: float, train_s: float, rate_tokens: float
+) -> dict[str, Any]:
+    """summary.json's rates (hsdp/run/ledger.py has each count's definition):
 
-    tokens_per_s        the steady rate: tokens_per_step / median_step_time_s (RATE_BASIS); mfu comes from it
-    tokens_per_step     the run's tokens per step (every rank's, as this rank counts them)
-    median_step_time_s  the median of every step's time
-    wall_tokens_per_s   the whole-run rate: tokens / train_time_s, every step counted (compile, warm-up, the
-                        memory-probed step, syncs); eval, checkpoints and start-up are outside the steps
-    rate_basis          how tokens_per_s is computed (RATE_BASIS)
+    tokens_per_s        the steady rate: `rate_tokens` (those trained in the `trained_times` steps) over
+                        len(trained_times) x median_step_time_s (RATE_BASIS); mfu comes from it
+    tokens_per_step     the run's nominal tokens per step (every rank's), what a step trains when none skips
+    median_step_time_s  the median of the trained steps' times
+    wall_tokens_per_s   tokens / train_time_s (WALL_RATE_BASIS): every step's time counted (compile,
+                        warm-up, syncs, waits); eval, checkpoints and start-up are outside the steps
+    rate_basis          how each rate is computed
     """
-    median = statistics.median(step_times) if step_times else None
+    median = statistics.median(trained_times) if trained_times else None
     return {
-        "tokens_per_s": steady_rate(tokens_per_step, median),
+        "tokens_per_s": steady_rate(rate_tokens, len(trained_times), median),
         "tokens_per_step": tokens_per_step,
         "median_step_time_s": median,
         "wall_tokens_per_s": tokens / train_s if train_s > 0 else None,
-        "rate_basis": RATE_BASIS,
+        "rate_basis": {"tokens_per_s": RATE_BASIS, "wall_tokens_per_s": WALL_RATE_BASIS},
     }
 
 
@@ -277,6 +290,22 @@ def last_record(path: Path) -> Optional[dict[str, Any]]:
     return None
 
 
+def write_failure(path: Path, error: OSError) -> str:
+    """The one line for a failed write of run-folder file `path`: checkpoints' wording (`save_failure`), so a full
+    disk reads "saving runs/x/metrics.jsonl: the disk is full (N bytes free on /mnt)"."""
+    line = save_failure(str(path), error, path.parent, free_bytes(path.parent))
+    return line or f"saving {path} failed: {type(error).__name__}: {error}"
+
+
+def wandb_line(run: Any) -> Optional[str]:
+    """The one line that says where a wandb run went (its folder offline, its page online), or None if unknown."""
+    if getattr(run, "offline", False):
+        folder = getattr(run, "sync_dir", None)
+        return f"wandb: offline run in {folder} (upload it with: wandb sync {folder})" if folder else None
+    url = getattr(run, "url", None)
+    return f"wandb: {url}" if isinstance(url, str) and url else None
+
+
 def wandb_run_id(run_dir: Path) -> str:
     """The run folder's wandb run id: the one kept in `wandb.id`, or a new one (then kept there)."""
     path = run_dir / WANDB_ID_FILE
@@ -305,8 +334,9 @@ class MetricsLogger:
         self.previous: Optional[dict[str, Any]] = None  # the last record kept from before this process
         if not enabled:
             return
-        path = run_dir / f"metrics{suffix}.jsonl"
-        self._file = open_metrics(path, continue_after)
+        self._path = path = run_dir / f"metrics{suffix}.jsonl"
+        with self._writing(path):
+            self._file = open_metrics(path, continue_after)
         if continue_after is not None:
             self.previous = last_record(path)
         if cfg.wandb.mode != "disabled" and suffix in ("", ".replica0"):
@@ -333,7 +363,9 @@ class MetricsLogger:
         try:
             import wandb  # lazy: a GPU box without wandb can still run with mode=disabled
 
-            settings = wandb.Settings(init_timeout=timeout, login_timeout=timeout)
+            # silent: no banner, no per-run history/summary epilogue (~36 lines after the run's closing line);
+            # `wandb_line` says where the run went instead, in one line
+            settings = wandb.Settings(init_timeout=timeout, login_timeout=timeout, silent=True)
             run = wandb.init(
                 project=cfg.wandb.project,
                 entity=cfg.wandb.entity,
@@ -371,12 +403,27 @@ class MetricsLogger:
                 flush=True,
             )
 
+    @contextlib.contextmanager
+    def _writing(self, path: Path) -> Iterator[None]:
+        """Around a write of `path`: an OSError (a full disk) ends the run as SaveFailed's one line."""
+        try:
+            yield
+        except OSError as e:
+            if self._bar is not None:
+                self._bar.close()  # the error line starts on a line of its own
+            file = getattr(self, "_file", None)
+            if file is not None:
+                with contextlib.suppress(OSError):  # its buffer cannot be flushed either: drop it, no second error
+                    file.close()
+            raise SaveFailed(write_failure(path, e)) from None
+
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = finite_or_none(record)  # JSON has no NaN: a diverged step logs null
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        with self._writing(self._path):
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
         run, step = self._wandb, record["step"]
         if step > self._wandb_after:  # a step the wandb run holds from an earlier life is not resent
             self._to_wandb("log", lambda: run.log({k: v for k, v in record.items() if k != "step"}, step=step))
@@ -393,15 +440,25 @@ class MetricsLogger:
         if not self.enabled:
             return
         summary = finite_or_none(summary)
-        (self.run_dir / f"summary{self.suffix}.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        path = self.run_dir / f"summary{self.suffix}.json"
+        try:
+            with self._writing(path):
+                # atomically: a failed write leaves the previous summary (a resumed run's) or none, never half of one
+                write_text(path, json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        finally:
+            temp_name(path).unlink(missing_ok=True)  # what a failed write left under its temp name
         run = self._wandb
         self._to_wandb("summary", lambda: run.summary.update(summary))
 
     def close(self) -> None:
         if not self.enabled:
             return
-        self._file.close()
+        with self._writing(self._path):
+            self._file.close()
         if self._bar is not None:
             self._bar.close()
         run = self._wandb
         self._to_wandb("finish", lambda: run.finish())
+        line = wandb_line(run) if self._wandb is not None else None  # None: wandb failed and said so
+        if line:
+            print(line, file=sys.stderr, flush=True)

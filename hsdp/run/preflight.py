@@ -15,7 +15,7 @@ import importlib.util
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -28,6 +28,9 @@ from hsdp.models.optim import lr_at
 from hsdp.run.replicas import check_lighthouse_reachable
 from hsdp.run.rundir import check_output_dir
 from hsdp.sync.codec import check_codec
+
+if TYPE_CHECKING:  # the checkpoint stack is heavy: imported where it is used
+    from hsdp.run.checkpoint import ResumePlan
 
 
 def load_checked_config(path: Optional[str], overrides: Sequence[str] = (), world_size: Optional[int] = None) -> Config:
@@ -174,3 +177,12 @@ def resume_schedule_note(cfg: Config, resume_from: Optional[Path]) -> Optional[s
         f"note: run.steps {old} -> {new} on resume: the LR schedule now spans {new} steps, so the LR at the "
         f"resume step {step} is {now:.3g} (it was {was:.3g} under run.steps={old})"
     )
+
+
+def resume_line(plan: ResumePlan) -> Optional[str]:
+    """The line that says a run goes on from a checkpoint: "resuming from step N (<its folder>)", N the last step
+    the checkpoint holds (training goes on at N + 1); None for a fresh start. An elastic run's replicas each
+    resume from their own newest checkpoint: the line names the newest (launch's note says who heals)."""
+    if plan.path is None or plan.step is None:
+        return None
+    return f"resuming from step {plan.step} ({plan.path})"

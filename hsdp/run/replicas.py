@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from hsdp.config.schema import Config, ConfigError
-from hsdp.core.atomic import write_json
+from hsdp.core.atomic import write_json, write_text
 from hsdp.run.guard import ONE_LINE_ERRORS
 from hsdp.run.metrics import last_record, ledger_totals, merged_rates
 from hsdp.run.zygote import Exit, Workers
@@ -354,4 +354,5 @@ def merge_replica_summaries(
     ledger = {k: v for s in summaries.values() for k, v in (s.get("replica_ledger") or {}).items()}
     if ledger:  # each replica's own; goodput and the most any replica waited over all of them
         merged.update(ledger_totals(ledger))
-    (run_dir / "summary.json").write_text(json.dumps(merged, indent=1, allow_nan=False))
+    # atomic: a failed write (a full disk) leaves the old one or none
+    write_text(run_dir / "summary.json", json.dumps(merged, indent=1, allow_nan=False))

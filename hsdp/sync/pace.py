@@ -55,17 +55,29 @@ class Pacer:
         self.in_period = 0  # steps trained in this period
         self.cut_steps = 0  # nominal steps skipped so far (their batches stay in the stream)
         self.periods: list[int] = []  # steps trained in each finished paced period
+        # Whether the run has yet to time a trained step: its first (a compile, cold caches) is left out of the
+        # estimate, or it would starve the first window (a 30 s compile step would cut every step). Kept in a
+        # checkpoint: a resumed run paces as the uninterrupted one did (its own first step is not left out).
+        self.first_trained = True
 
     def position(self, step: int) -> int:
         """The data position of nominal `step`: the steps this replica trained before it."""
         return step - self.cut_steps
 
+    def every_replica_trains(self, step: int) -> bool:
+        """Whether no replica may skip `step`: the warmup's steps are lockstep rounds, the tail past the last
+        round has no round to reach."""
+        return grad_sync_due(step, self.cfg) or step > self.last_round
+
     def cut(self, step: int, last_step_s: Optional[float]) -> bool:
         """Whether to skip `step` (`last_step_s`: the previous step's time without its sync, if it trained)."""
         if last_step_s is not None and not grad_sync_due(step - 1, self.cfg):  # a warmup step waits for all
-            self.recent = [*self.recent[1 - RECENT_STEPS :], last_step_s]
-        if grad_sync_due(step, self.cfg) or step > self.last_round:
-            return False  # the warmup's steps are lockstep rounds; the tail has no round to reach
+            if self.first_trained:  # this life's first step compiles and warms up: not the pace of the next
+                self.first_trained = False
+            else:
+                self.recent = [*self.recent[1 - RECENT_STEPS :], last_step_s]
+        if self.every_replica_trains(step):
+            return False
         if self.met_at is None:  # no meeting yet (no warmup, or resumed): the window starts with the loop
             self.met_at = self.clock()
         late = (
@@ -90,10 +102,11 @@ class Pacer:
             self.met_at, self.in_period = self.clock(), 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cut_steps": self.cut_steps, "periods": list(self.periods)}
+        return {"cut_steps": self.cut_steps, "periods": list(self.periods), "first_trained": self.first_trained}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.cut_steps, self.periods = int(saved["cut_steps"]), list(saved["periods"])
+        self.first_trained = bool(saved.get("first_trained", False))
 
     def stats(self) -> dict[str, Any]:
         """For summary.json: the steps skipped, and the steps trained in each paced period."""

@@ -150,8 +150,13 @@ class SyncPolicy:
         # sync began (its weight in that fragment's next round), and of all it trained, how many reached the
         # global model (a grad-sync step whose round committed; a param round that committed counting it).
         self.weighted = weights_by_tokens(cfg)
+        # A paced run's replicas train unequal steps: every round exchanges what each trained (with the weights
+        # when weighted), so each replica knows the run's tokens at its rounds (hsdp/run/ledger.py).
+        self.exchanges_counts = self.weighted or cfg.every_s > 0
         self.since_sync = [0] * cfg.fragments
         self.trained_steps = 0
+        self.local_steps = 0  # trained steps that were not grad-sync rounds (periods and the unsynced tail)
+        self.replicas_local_steps: Optional[float] = None  # Σ over the replicas of local_steps, at the last round
         self.merged_steps = 0.0
         self.wait_s = 0.0  # in the rounds' weight exchange: until the last replica arrived (weighted only)
         self.round_weights: list[list[float]] = []  # per weighted round: every counted replica's steps
@@ -197,6 +202,7 @@ class SyncPolicy:
             self.merged_steps += applied  # its grads crossed the replicas in the step's own round
         else:
             self.since_sync = [n + 1 for n in self.since_sync]
+            self.local_steps += 1
 
     def ledger(self) -> dict[str, Any]:
         """The round ledger, as a checkpoint keeps it per rank (RankExtras) and a resume restores it."""
@@ -205,6 +211,8 @@ class SyncPolicy:
             "trained": self.trained_steps,
             "merged": self.merged_steps,
             "wait_s": self.wait_s,
+            "local": self.local_steps,
+            "replicas_local": self.replicas_local_steps,
         }
 
     def load_ledger(self, saved: dict[str, Any]) -> None:
@@ -212,6 +220,9 @@ class SyncPolicy:
             self.since_sync = list(saved["since_sync"])
         self.trained_steps, self.merged_steps = int(saved["trained"]), float(saved["merged"])
         self.wait_s = float(saved.get("wait_s") or 0.0)
+        self.local_steps = int(saved.get("local") or 0)
+        replicas_local = saved.get("replicas_local")
+        self.replicas_local_steps = None if replicas_local is None else float(replicas_local)
 
     def after_step(self, step: int) -> bool:
         """Called after the local update of `step`; True if a param sync started after it.
@@ -278,7 +289,7 @@ class SyncPolicy:
         own = [self.since_sync[f] for f in due]
         for f in due:
             self.since_sync[f] = 0
-        factors = self.round_factors(own) if self.weighted else [None] * len(due)
+        factors = self.round_factors(own) if self.exchanges_counts else [None] * len(due)
         syncs = []
         for f, steps, c in zip(due, own, factors):
             mine = None if c is None else float(c[1])  # the fp32 sum takes this replica's own factor
@@ -317,14 +328,20 @@ class SyncPolicy:
     def round_factors(self, own: list[int]) -> list[Optional[tuple[torch.Tensor, float]]]:
         """sync.weighting=tokens: per due fragment, every contributing replica's factor c_j = M·w_j/Σw (w: the
         steps each trained since the fragment's last sync; tokens ∝ steps) and this replica's own, from one
-        tiny all-gather of the weights over the sync transport before the payloads. None for a fragment
-        nobody trained (the plain mean). Its wait (the last replica's arrival) is the round's wait_s."""
-        mine = torch.tensor(own, dtype=torch.float32)
-        gathered = torch.zeros(self.transport.size * len(own), dtype=torch.float32)  # a lost round: 0s
+        tiny all-gather of the weights over the sync transport before the payloads, with each replica's
+        local_steps beside them (`replicas_local_steps`). None for a fragment nobody trained (the plain mean),
+        and for every fragment when the run is not weighted (a paced run with sync.weighting=equal exchanges
+        the counts only). Its wait (the last replica's arrival) is the round's wait_s."""
+        mine = torch.tensor([*own, self.local_steps], dtype=torch.float32)
+        gathered = torch.zeros(self.transport.size * len(mine), dtype=torch.float32)  # a lost round: 0s
         t0 = time.perf_counter()
         self.transport.all_gather(gathered, mine, async_op=False).wait()
         self.wait_s += time.perf_counter() - t0
-        rows = self.transport.contributed_rows(gathered).view(-1, len(own)).double()
+        rows = self.transport.contributed_rows(gathered).view(-1, len(mine)).double()
+        self.replicas_local_steps = float(rows[:, -1].sum())
+        rows = rows[:, :-1]
+        if not self.weighted:
+            return [None] * len(own)
         self.round_weights.append(rows.sum(1).tolist())
         total, M = rows.sum(0), rows.shape[0]
         return [

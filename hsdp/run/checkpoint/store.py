@@ -73,6 +73,7 @@ class Progress:
 
     start_step: int = 0  # the first step this process runs
     step_times: list[float] = field(default_factory=list)
+    trained_times: Optional[list[float]] = None  # of those, the steps this rank trained (not a skipped one's)
     loss: Optional[float] = None  # the last logged train loss
     val_loss: Optional[float] = None
     prior_wall_s: float = 0.0  # wall time of the run before this process (up to its checkpoint)
@@ -107,6 +108,7 @@ class RankExtras:
             "comm": {c: dict(getattr(comm, c)) for c in ("bytes", "seconds", "calls")},
             "progress": {
                 "step_times": list(progress.step_times),
+                "trained_times": None if progress.trained_times is None else list(progress.trained_times),
                 "loss": progress.loss,
                 "val_loss": progress.val_loss,
                 "wall_s": progress.prior_wall_s + time.perf_counter() - self.t_start,
@@ -205,6 +207,7 @@ class Checkpoints:
         return Progress(
             start_step=meta["step"] + 1,
             step_times=p["step_times"],
+            trained_times=p.get("trained_times"),  # None: a checkpoint from before skipped steps were told apart
             loss=p["loss"],
             val_loss=p["val_loss"],
             prior_wall_s=p["wall_s"],

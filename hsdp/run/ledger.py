@@ -1,0 +1,183 @@
+"""The run's accounting: what each step trained and took, and every count and rate made from them (§9).
+
+One definition each, used by the metrics records, the progress bar, summary.json and the closing line:
+
+    tokens             the tokens the run trained (every replica's), as this rank knows them: a step every
+                       replica trains is counted at once; a paced period's steps (replicas train unequal
+                       counts) at the round that ends it, from the counts the replicas exchange there
+                       (hsdp/sync/policy.py `replicas_local_steps`). Never nominal: a step skipped is 0.
+    trained_tokens     of those, the tokens of the ranks whose files this process writes (an elastic
+                       replica's own; the whole run's otherwise)
+    train_time_s       the seconds of the loop's steps (compile, syncs and waits included; start-up, eval and
+                       checkpoints not)
+    tokens_per_s       the steady rate: tokens / (trained steps x the median trained step's time), i.e. the
+                       tokens over the time their steps take at the median pace (leaves out the compile
+                       and rare slow syncs; a plain run's is tokens per step / median step)
+    wall_tokens_per_s  tokens / train_time_s: every step's time counted
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hsdp.comm.mesh import Mesh
+from hsdp.config.schema import Config
+from hsdp.run.checkpoint import Progress
+from hsdp.run.metrics import (
+    RunningMedian,
+    carried_counters,
+    ledger_entry,
+    ledger_totals,
+    peak_memory_mb,
+    run_rates,
+    steady_rate,
+)
+from hsdp.sync.membership import Membership
+from hsdp.sync.pace import Pacer
+from hsdp.sync.policy import SyncPolicy
+
+
+class StepLedger:
+    """One rank's counts of the run: `after_step` per step, `record` per logged step, `summary` at the end."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        members: Membership,
+        policy: SyncPolicy,
+        pacer: Optional[Pacer],
+        run: Progress,
+        previous: Optional[dict[str, Any]],
+        replica: int,
+        t_start: float,
+    ) -> None:
+        """`run`: the loop's progress (a resumed run's counts restored); `previous`: the last metrics record of
+        this replica's earlier life when it was restarted within the run (healed, not resumed), whose counters
+        it continues so none goes backwards."""
+        self.cfg, self.mesh, self.members, self.policy, self.pacer, self.run = cfg, mesh, members, policy, pacer, run
+        self.replica, self.t_start = replica, t_start
+        # Every rank's tokens in one nominal step (an elastic replica's mesh counts the whole run's ranks too)
+        # and one replica's (one site's, on a three-level mesh) share of them.
+        self.tokens_per_step = mesh.world * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
+        self.replica_tokens = self.tokens_per_step // cfg.mesh.sync
+        self.carried = carried_counters(previous if run.resumed_from is None and run.start_step > 0 else None)
+        if run.resumed_from is not None and run.tokens is None:  # a checkpoint from before tokens were saved
+            run_share, own_share = members.step_tokens(self.tokens_per_step)
+            run.tokens, run.trained_tokens = len(run.step_times) * run_share, len(run.step_times) * own_share
+        run.tokens = run.tokens or int(self.carried["tokens"])
+        self.tokens_before = int(self.carried["tokens"])  # an earlier life's: trained in steps not timed here
+        run.trained_tokens = run.trained_tokens or int(self.carried["trained_tokens"])
+        if run.trained_times is None:  # a checkpoint from before cut steps were told apart: every step trained
+            run.trained_times = list(run.step_times)
+        self.train_s = self.carried["train_time_s"] + sum(run.step_times)
+        self.median = RunningMedian(run.trained_times)  # the steady rate's step time so far
+        # A paced run: the steps that every replica trains (warmup rounds, the tail), counted at once.
+        self.lockstep = 0 if pacer is None else sum(pacer.every_replica_trains(s) for s in range(run.start_step))
+
+    # ------------------------------------------------------------ each step
+    def after_step(self, step: int, step_s: float, trained: bool) -> None:
+        """Count `step`: its time, and the tokens trained in it (none on this replica when `trained` is False)."""
+        run = self.run
+        run.step_times.append(step_s)
+        self.train_s += step_s
+        run_share, own_share = self.members.step_tokens(self.tokens_per_step)  # a given-up replica's: none
+        if trained:
+            assert run.trained_times is not None
+            run.trained_times.append(step_s)
+            self.median.add(step_s)
+            run.trained_tokens = (run.trained_tokens or 0) + own_share
+        if self.pacer is not None and self.members.metrics_suffix == "":
+            run.tokens = self.paced_tokens(step)
+            run.trained_tokens = run.tokens  # this process's files are the whole run's
+        elif trained:
+            run.tokens = (run.tokens or 0) + run_share
+
+    def paced_tokens(self, step: int) -> int:
+        """A paced run's tokens after `step`: the steps every replica trained, and what every replica trained in
+        the periods up to the last round (the counts the replicas exchanged there)."""
+        assert self.pacer is not None
+        self.lockstep += self.pacer.every_replica_trains(step)
+        local = self.policy.replicas_local_steps or 0.0
+        return int(self.replica_tokens * (self.cfg.mesh.sync * self.lockstep + local))
+
+    @property
+    def rate(self) -> Optional[float]:
+        """The steady rate so far (summary.json's tokens_per_s, from the running median)."""
+        run = self.run
+        assert run.trained_times is not None
+        return steady_rate((run.tokens or 0) - self.tokens_before, len(run.trained_times), self.median.value)
+
+    def rates(self) -> dict[str, Any]:
+        run = self.run
+        assert run.trained_times is not None
+        tokens = run.tokens or 0
+        return run_rates(run.trained_times, self.tokens_per_step, tokens, self.train_s, tokens - self.tokens_before)
+
+    def elapsed_s(self) -> float:
+        """The run's wall time so far: earlier lives' and processes' (a resume's) and this one's."""
+        return self.carried["elapsed_s"] + self.run.prior_wall_s + time.perf_counter() - self.t_start
+
+    def group_bytes(self) -> dict[str, int]:
+        """Bytes each group moved, earlier lives' included."""
+        comm = self.mesh.comm
+        return {f"{g}_bytes": int(self.carried[f"{g}_bytes"]) + comm.group_bytes(g) for g in GROUPS}
+
+    # ------------------------------------------------------------ logged steps
+    def record(self, step: int, loss: float, lr: float, synced: bool) -> dict[str, Any]:
+        """The metrics record of `step` (after_step has counted it)."""
+        run = self.run
+        return {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "tokens": run.tokens,
+            "trained_tokens": run.trained_tokens,
+            "step_time_s": run.step_times[-1],
+            "train_time_s": self.train_s,
+            "tokens_per_s": self.rate,
+            **self.group_bytes(),
+            "peak_mem_mb": peak_memory_mb(self.mesh.device),
+            "synced": synced,
+            "elapsed_s": self.elapsed_s(),  # wall-clock, for time-to-loss
+            **self.members.step_record(),  # e.g. the replicas counted in the last sync
+        }
+
+    # ------------------------------------------------------------ the end
+    def replica_totals(self, skipped_steps: int) -> dict[str, Any]:
+        """Every replica's ledger (tokens trained and merged, waits; goodput), gathered from every rank."""
+        waited = self.members.sync_wait_s()  # an elastic run's quorums; the policy adds its weight exchange's
+        own = {
+            **ledger_entry(self.policy.ledger(), self.replica_tokens, self.elapsed_s(), waited),
+            **(self.pacer.stats() if self.pacer else {}),
+            "skipped_steps": skipped_steps,  # a paced period's rest, or a straggler bound's cut
+        }
+        ledgers: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ledgers, (str(self.replica), own))
+        return ledger_totals(dict(ledgers))
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's counts: tokens, rates, times and bytes (the same counts as the last record)."""
+        run = self.run
+        return {
+            "tokens": run.tokens,
+            "trained_tokens": run.trained_tokens,  # of the ranks whose files these are (an elastic replica's)
+            **self.rates(),  # tokens_per_s (steady), tokens_per_step, median_step_time_s, wall_tokens_per_s
+            "train_time_s": self.train_s,
+            "wall_time_s": self.elapsed_s(),
+            **self.group_bytes(),
+        }
+
+
+GROUPS = ("shard", "replicate", "sync")  # the mesh's groups whose bytes a record counts (replicate: in-site)
+
+
+def peak_memory(mesh: Mesh, probed_mb: Optional[float]) -> tuple[float, Optional[float]]:
+    """(the run's peak memory, the largest step's tensor peak) over every rank (MB)."""
+    peak = torch.tensor([peak_memory_mb(mesh.device), probed_mb or 0.0], device=mesh.device)  # nccl: GPU
+    mesh.comm.all_reduce(peak, "world", op=dist.ReduceOp.MAX)
+    return float(peak[0]), (round(float(peak[1]), 2) if probed_mb is not None else None)
