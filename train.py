@@ -35,6 +35,7 @@ from hsdp.models.gpt import loss_fn, throughput
 from hsdp.models.optim import build_optimizer, lr_at, set_lr
 from hsdp.run.checkpoint import (
     Checkpoints,
+    Part,
     ResumePlan,
     choose_resume,
     free_bytes,
@@ -65,14 +66,17 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     data = Data(cfg, mesh.rank, mesh.world)
     engine = build_engine(cfg, mesh)
     optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
-    checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start, seat)
-    run = checkpoints.resume()  # the checkpoint run.resume names (state, RNG, counters restored), or a fresh start
-    state = ReplicaState(engine.held_buffers(), optimizer, engine.policy)  # what a heal may read and write
-    run.start_step = members.join(state, run.start_step)  # a restarted replica heals: a later step
     policy = engine.policy
-    if run.ledger:
-        policy.load_ledger(run.ledger)  # this replica's tokens trained and merged so far
-    pacer = build_pacer(cfg, mesh, run.pace)  # sync.every_s: rounds paced by wall time (None: by steps)
+    pacer = build_pacer(cfg, mesh)  # sync.every_s: rounds paced by wall time (None: by steps)
+    # What a checkpoint carries besides the engine, the RNG and the loop's progress: this replica's round
+    # ledger (tokens trained and merged) and its paced periods.
+    parts = {"ledger": Part(policy.ledger, policy.load_ledger)}
+    if pacer is not None:
+        parts["pace"] = Part(pacer.state_dict, pacer.load_state_dict)
+    checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start, seat, parts)
+    run = checkpoints.resume()  # the checkpoint run.resume names (every part restored), or a fresh start
+    state = ReplicaState(engine.held_buffers(), optimizer, policy)  # what a heal may read and write
+    run.start_step = members.join(state, run.start_step)  # a restarted replica heals: a later step
     replica = seat.replica if seat is not None else mesh.sync_rank
     spell = SlowSpell(cfg.run, replica)  # run.slowdown's
     logger = MetricsLogger(
@@ -138,7 +142,6 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             logger.log(record)
             logger.progress(step, run.loss, record["tokens_per_s"])
         if checkpoints.due(step):  # every run.checkpoint_every steps, after the update, sync and log
-            run.ledger, run.pace = policy.ledger(), pacer.state_dict() if pacer is not None else None
             checkpoints.save(step, run)
 
     checkpoints.finish()  # the last save in flight written (its failure raised here)

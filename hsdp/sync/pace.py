@@ -113,9 +113,9 @@ class Pacer:
         return {"paced_cut_steps": self.cut_steps, "paced_period_steps": self.periods}
 
 
-def build_pacer(cfg: Config, mesh: Mesh, saved: Optional[dict[str, Any]] = None) -> Optional[Pacer]:
-    """This replica's Pacer when sync.every_s paces its rounds (None: step-counted rounds), restored from a
-    checkpoint's `saved` state. Its ranks agree over the shard group and the site's replicate group."""
+def build_pacer(cfg: Config, mesh: Mesh) -> Optional[Pacer]:
+    """This replica's Pacer when sync.every_s paces its rounds (None: step-counted rounds; a checkpoint restores
+    its state, train.py's parts). Its ranks agree over the shard group and the site's replicate group."""
     if cfg.sync.every_s <= 0:
         return None
 
@@ -126,7 +126,4 @@ def build_pacer(cfg: Config, mesh: Mesh, saved: Optional[dict[str, Any]] = None)
                 mesh.comm.all_reduce(t, group, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
-    pacer = Pacer(cfg.sync, cfg.run.steps, agree)
-    if saved:
-        pacer.load_state_dict(saved)
-    return pacer
+    return Pacer(cfg.sync, cfg.run.steps, agree)

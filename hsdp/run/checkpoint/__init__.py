@@ -39,7 +39,16 @@ from hsdp.run.checkpoint.find import (
     resolve_resume,
     step_of,
 )
-from hsdp.run.checkpoint.store import Checkpoints, Progress, disk_full, free_bytes, prune, save_failure, state_bytes
+from hsdp.run.checkpoint.store import (
+    Checkpoints,
+    Part,
+    Progress,
+    disk_full,
+    free_bytes,
+    prune,
+    save_failure,
+    state_bytes,
+)
 from hsdp.run.checkpoint.validate import (
     CorruptCheckpoint,
     ResumePlan,
@@ -58,6 +67,7 @@ __all__ = [
     "FORMAT",
     "Checkpoints",
     "CorruptCheckpoint",
+    "Part",
     "Progress",
     "ResumePlan",
     "check_resume",

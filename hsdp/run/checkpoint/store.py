@@ -27,6 +27,7 @@ import random
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -80,19 +81,34 @@ class Progress:
     resumed_from: Optional[Path] = None
     tokens: Optional[int] = None  # the run's tokens trained so far, as this rank counts them (train.py)
     trained_tokens: Optional[int] = None  # of those, the tokens of the ranks whose metrics this rank writes
-    # this replica's own counts (docs/design.md §2.12): the policy's round ledger, the paced periods
-    ledger: Optional[dict[str, Any]] = None
-    pace: Optional[dict[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class Part:
+    """A piece of the run's state that a checkpoint carries besides the engine's and the loop's progress (torch's
+    `Stateful` as two callables): e.g. the sync policy's round ledger, the pacer's periods. Registered once with
+    `Checkpoints(parts=...)`: every save takes `state()`, a resume hands the saved value to `load`."""
+
+    state: Callable[[], Any]
+    load: Callable[[Any], None]
+
+
+# Parts that checkpoints from before parts were registered kept in the loop's progress, under these names.
+PROGRESS_PARTS = ("ledger", "pace")
 
 
 class RankExtras:
     """A rank's state besides the engine's (torch's `Stateful`): RNG states, Comm counters (§4) and the loop's
     progress (step times, last losses, wall time, tokens). Saved pickled under `rank{r}.extra`."""
 
-    def __init__(self, mesh: Mesh, t_start: float, progress: Optional[Progress] = None) -> None:
+    def __init__(
+        self, mesh: Mesh, t_start: float, progress: Optional[Progress] = None, parts: Optional[dict[str, Part]] = None
+    ) -> None:
         self.mesh, self.t_start = mesh, t_start
         self.saving = progress  # the loop's progress to save (None when loading)
+        self.parts = parts or {}  # the registered parts' states are saved beside it
         self.progress: dict[str, Any] = {}  # the loaded progress
+        self.part_states: dict[str, Any] = {}  # the loaded parts' states, by name
 
     def state_dict(self) -> dict[str, Any]:
         comm, progress = self.mesh.comm, self.saving
@@ -114,9 +130,8 @@ class RankExtras:
                 "wall_s": progress.prior_wall_s + time.perf_counter() - self.t_start,
                 "tokens": progress.tokens,
                 "trained_tokens": progress.trained_tokens,
-                "ledger": progress.ledger,
-                "pace": progress.pace,
             },
+            "parts": {name: part.state() for name, part in self.parts.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -131,6 +146,8 @@ class RankExtras:
             getattr(comm, counter).clear()
             getattr(comm, counter).update(state["comm"][counter])
         self.progress = state["progress"]
+        saved = state.get("parts") or {n: self.progress[n] for n in PROGRESS_PARTS if self.progress.get(n) is not None}
+        self.part_states = dict(saved)
 
 
 class Checkpoints:
@@ -144,8 +161,11 @@ class Checkpoints:
         optimizer: torch.optim.Optimizer,
         t_start: float,
         seat: Optional[ReplicaSeat] = None,
+        parts: Optional[dict[str, Part]] = None,
     ) -> None:
+        """`parts`: the run's other state a checkpoint carries (`Part`), each restored by `resume`."""
         self.cfg, self.mesh, self.engine, self.optimizer = cfg, mesh, engine, optimizer
+        self.parts = parts or {}
         # An elastic replica (`seat`) saves and loads its own checkpoints in its own world; its
         # first rank is then the world's rank 0, not the run's.
         self.seat = seat
@@ -203,6 +223,9 @@ class Checkpoints:
         extras.load_state_dict(loaded)  # after the engine's install (DDP's dummy backward moves the counters)
         self.last_load_s = round(time.perf_counter() - t0, 4)
         self.resumed_from = path
+        for name, part in self.parts.items():  # the registered parts (a checkpoint without one: left as built)
+            if extras.part_states.get(name) is not None:
+                part.load(extras.part_states[name])
         p = extras.progress
         return Progress(
             start_step=meta["step"] + 1,
@@ -214,8 +237,6 @@ class Checkpoints:
             resumed_from=path,
             tokens=p.get("tokens"),  # None: a checkpoint from before these were saved
             trained_tokens=p.get("trained_tokens"),
-            ledger=p.get("ledger"),
-            pace=p.get("pace"),
         )
 
     # ------------------------------------------------------------ save
@@ -249,7 +270,8 @@ class Checkpoints:
         engine_state = self.engine.checkpoint_state(self.optimizer)
         state = dcp_state(engine_state, self.engine.state_per_replica, self.mesh.sync_rank)
         self._refuse_non_finite(step, state)
-        state[extra_key(self.mesh.rank)] = pickle.dumps(RankExtras(self.mesh, self.t_start, progress).state_dict())
+        extras = RankExtras(self.mesh, self.t_start, progress, self.parts)
+        state[extra_key(self.mesh.rank)] = pickle.dumps(extras.state_dict())
         meta = {
             "format": FORMAT,
             "step": step,
