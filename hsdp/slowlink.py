@@ -45,27 +45,30 @@ def parse_args(argv: Optional[list[str]]) -> LinkOptions:
     p.add_argument(
         "--kill",
         metavar="REPLICA@STEP",
-        help="in every elastic run, SIGKILL replica REPLICA's node at its step STEP (< 1: that fraction of "
-        "run.steps) and start a replacement after elastic.restart_delay_s (a run's own `kill:` wins)",
+        help="SIGKILL replica REPLICA's node at its step STEP (< 1: that fraction of run.steps) and start a "
+        "replacement after elastic.restart_delay_s, in the runs whose spec names `kill:` (this value replaces "
+        "theirs), else in every elastic run but the target",
     )
     p.add_argument(
         "--partition",
         metavar="REPLICA@AT:SECONDS",
-        help="in every elastic run, take replica REPLICA's link down once it logs step AT (< 1: that fraction of "
-        "run.steps) for SECONDS, every process alive (a run's own `partition:` wins)",
+        help="take replica REPLICA's link down once it logs step AT (< 1: that fraction of run.steps) for "
+        "SECONDS, every process alive, in the runs whose spec names `partition:` (this value replaces theirs), "
+        "else in every elastic run but the target",
     )
     p.add_argument(
         "--slow",
         metavar="REPLICA:FACTOR",
-        help="in every run, replica REPLICA's node trains FACTOR× slower (--set run.slowdown=FACTOR on its "
-        "node only; a run's own `slow:` wins)",
+        help="replica REPLICA's node trains FACTOR× slower (--set run.slowdown=FACTOR on its node only), in "
+        "the runs whose spec names `slow:` (this value replaces theirs), else in every run but the target",
     )
     p.add_argument(
         "--chaos",
         metavar="SEED:MTBF_S",
-        help="in every elastic run, faults drawn as a Poisson process of mean gap MTBF_S over the group (kill, "
-        "SIGSTOP, partition, slow spell, lighthouse restart; the same SEED, the same schedule; a run's own "
-        "`chaos:` wins)",
+        help="faults drawn as a Poisson process of mean gap MTBF_S over the group (kill, SIGSTOP, partition, "
+        "slow spell, lighthouse restart; the same SEED, the same schedule), in the runs whose spec names "
+        "`chaos:` (this value replaces theirs), else in every elastic run but the target (the calm baseline "
+        "goodput is measured against)",
     )
     p.add_argument(
         "--pin-cores",

@@ -38,7 +38,11 @@ if sys.dont_write_bytecode:
 # 14 tests last); starting the long ones first keeps one of them from being the run's tail.
 LONGEST_FIRST = (
     "test_compile.py",
+    "test_exactness.py",
     "test_elastic.py",
+    "test_elastic_end.py",
+    "test_results_commands.py",
+    "test_counts_agree.py",
     "test_readme_commands.py",
     "test_paced.py",
     "test_compile_passes.py",

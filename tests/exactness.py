@@ -9,8 +9,8 @@ and the final params of every replica:
 
 - compiled ≡ eager, both compile scopes (compile.scope=step with its nested compile region, and blocks);
 - sharded ≡ unsharded: exact HSDP (no DiLoCo phase) against tests/reference.py's one-process plain-torch run on
-  the concatenated batch; with a DiLoCo phase, against the same replicas unsharded (mesh.shard=1, each replica
-  one process with its shard group's batch);
+  the concatenated batch; with a DiLoCo phase, against tests/sync_reference.py's one-process plain-torch
+  simulation of the M replicas (each on its shard group's rows);
 - the engines ≡ each other: fsdp2 and ddp (exact HSDP only: they have no periodic sync) against hsdp.
 
 tests/test_exactness.py runs a few cases in the suite; scripts/exactness_sweep.py runs many and writes
@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import RunResult, max_param_rel_err, run_train
 from tests.reference import reference_run
+from tests.sync_reference import sync_reference_run
 
 # SGD with momentum: its update is linear in the grad, so two paths' params differ by what fp32 reordering puts
 # into the grads (AdamW turns the sign of a near-zero grad's rounding noise into lr-sized steps: tests/test_compile.py).
@@ -142,6 +143,17 @@ def reference_gap(run: RunResult, case: Case) -> float:
     return max(loss_gap(losses(run), ref_losses), max_param_rel_err(mine, ref))
 
 
+def sync_reference_gap(run: RunResult, case: Case) -> float:
+    """hsdp with a DiLoCo phase against the one-process plain-torch simulation of its M replicas: per-step loss
+    (the replicas' mean) and every replica's final params."""
+    ref = sync_reference_run(case.overrides(), case.sync, case.shard)
+    gap = loss_gap(losses(run), ref.losses)
+    for m in range(case.sync):
+        mine = {k.removeprefix("units."): v for k, v in run.params(m).items()}
+        gap = max(gap, max_param_rel_err(mine, {k.removeprefix("units."): v for k, v in ref.params[m].items()}))
+    return gap
+
+
 def check_case(case: Case, out: Path, compiled: bool = True, record: Optional[Path] = None) -> dict[str, float]:
     """Train `case` on every path that must agree with eager hsdp; each gap (relative) by path name.
 
@@ -163,8 +175,8 @@ def check_case(case: Case, out: Path, compiled: bool = True, record: Optional[Pa
         gaps["unsharded"] = reference_gap(eager, case)
         against("fsdp2", ["mesh.engine=fsdp2"])
         against("ddp", ["mesh.engine=ddp"])
-    elif case.shard > 1:  # the same replicas, each one process with its shard group's batch
-        against("unsharded", ["mesh.shard=1", f"data.batch_size={case.batch * case.shard}"])
+    else:  # periodic sync: tests/sync_reference.py's M plain-torch replicas, each on its shard group's rows
+        gaps["unsharded"] = sync_reference_gap(eager, case)
     if record is not None:
         with record.open("a") as f:
             f.write(json.dumps({"case": asdict(case), "gaps": gaps}) + "\n")

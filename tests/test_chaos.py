@@ -129,3 +129,48 @@ def test_the_chaos_table_sets_a_run_against_the_calm_one(tmp_path) -> None:
     assert cells[2:5] == ["7:30", "1 kill, 2 stop", "1"]
     assert cells[6:11] == ["2.0200", "+1.0%", "0.80", "0.75", "0.900"]
     assert cells[11:] == ["40", "6/6", "yes (2 of 3 finished)", "0"]
+
+
+def test_fault_flags_reach_the_runs_that_name_them_and_never_the_calm_target(tmp_path) -> None:
+    """`--chaos 3:8` on the chaos spec (calm, chaos: '7:30') makes the chaos run denser and leaves `calm`, the
+    target goodput is taken against, without faults (it used to reach every elastic run, and a run's own value
+    won: the chaos run stayed at 7:30 while calm got 3:8). A flag that no run names reaches every run it fits
+    but the target (a kill no chaos run: it draws its own), or the target when it is the one run it fits."""
+    from hsdp.bench.elastic import Kill
+    from hsdp.bench.faults import Slow
+
+    shutil.copy(REPO / "configs" / "tiny.yaml", tmp_path / "tiny.yaml")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"base: tiny.yaml\nrates: [20mbit]\nset: [{', '.join(ELASTIC)}]\ntarget: calm\nruns:\n  calm: []\n"
+        "  chaos: {set: [], chaos: '7:30'}\n  other: []\n"
+    )
+    shared = [f"run.out_dir={tmp_path}", "run.steps=100"]
+    plan = make_plan(LinkOptions(spec=str(spec), shared=shared, chaos="3:8"))
+    assert plan.chaoses == {"chaos": Chaos(3, 8.0)}
+    assert "calm" not in {**plan.kills, **plan.partitions, **plan.slows, **plan.chaoses}
+    plan = make_plan(LinkOptions(spec=str(spec), shared=shared, kill="1@0.5", slow="2:3"))
+    assert plan.kills == {"other": Kill(1, 50)} and plan.chaoses == {"chaos": Chaos(7, 30.0)}
+    assert plan.slows == {"chaos": Slow(2, 3.0), "other": Slow(2, 3.0)}
+    alone = LinkOptions(rate="20mbit", runs=["el="], kill="1@3", shared=[*shared, *ELASTIC])
+    assert make_plan(alone).kills == {"el": Kill(1, 3)}  # the one run: the target, nothing is measured against it
+
+
+def test_no_goodput_is_taken_against_a_target_that_had_faults(tmp_path) -> None:
+    """A target run with faults of its own is no calm baseline: the chaos table leaves both goodputs out and says
+    why (the issue's calm run with --chaos read 1.13)."""
+    from hsdp.bench.analysis import Assessed
+    from hsdp.bench.plan import LinkPlan
+    from hsdp.bench.records import LinkRun, Measured, RunRecord
+    from hsdp.bench.report import chaos_table
+
+    plan = LinkPlan("x", "b", [], [("20mbit", 20_000_000)], ["20mbit"], 0, "calm", 60, 2, {}, tmp_path, tmp_path)
+    chaos = {"chaos": {"seed": 3, "mtbf_s": 8.0}, "faults": [{"kind": "stop"}], "after": {}}
+    record = RunRecord(tmp_path, {}, wall_time_s=90.0, final_val_loss=2.0)
+    calm = LinkRun("calm", "20mbit", 20_000_000, 0, tmp_path, Measured(faults=chaos), record)
+    wild = LinkRun("wild", "20mbit", 20_000_000, 0, tmp_path, Measured(faults=chaos), record)
+    assessed = {(r.run, "20mbit"): Assessed(2.0, time_to_target_vs_target_run=1.0) for r in (calm, wild)}
+    lines = chaos_table(plan, [calm, wild], assessed)
+    assert any("`calm` had faults injected at 20mbit: no goodput" in line for line in lines), lines
+    cells = [c.strip() for c in next(x for x in lines if x.startswith("| wild")).strip("|").split("|")]
+    assert cells[7:10] == ["–", "–", "–"], cells  # vs target, goodput (to target), goodput (wall)

@@ -142,9 +142,13 @@ def test_a_killed_replica_heals_and_the_run_finishes(
         steps = [r["step"] for r in _records(run_dir, m)]
         assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == KILL_RUN_STEPS - 1, m
     # a restarted replica's counters continue its previous life's: none goes backwards in its metrics
-    for key in ("elapsed_s", "train_time_s", "tokens", "trained_tokens", "sync_bytes"):
+    for key in ("elapsed_s", "train_time_s", "tokens", "trained_tokens", "merged_tokens", "sync_bytes"):
         values = [r[key] for r in _records(run_dir, 1)]
         assert all(a <= b for a, b in zip(values, values[1:])), (key, values)
+    # its ledger covers every life: what its last record says it trained and merged, no less
+    merged = json.loads((run_dir / "summary.json").read_text())["replica_ledger"]["1"]
+    last = _records(run_dir, 1)[-1]
+    assert (merged["trained_tokens"], merged["merged_tokens"]) == (last["trained_tokens"], last["merged_tokens"])
     survivor = [r["replicas"] for r in _records(run_dir, 0)]
     first_short = survivor.index(n - 1)  # a sync without replica 1 ...
     assert n in survivor[first_short:]  # ... and later with it again

@@ -109,7 +109,7 @@ class _Manager:
 
 
 class _Gather:
-    """The contributor all-gather: every replica's (counted, work, full) row, as scripted."""
+    """The contributor all-gather: every replica's (counted, work, full, round kind) row, as scripted."""
 
     def __init__(self, rows: list[list[float]]) -> None:
         self.rows = rows
@@ -124,7 +124,7 @@ def test_a_late_replicas_part_is_zero_and_not_counted() -> None:
     """In a round where this replica (rank 1) is late, its all-reduce part is zeros and the contributors
     (the mean's divisor, the gathered rows kept) are the others; in the next, on time, it counts again."""
     manager = _Manager(n=3, rank=1)
-    gather = _Gather([[1.0, 1.0, 1.0], [1.0, 2.0, 1.0], [1.0, 1.2, 1.0]])
+    gather = _Gather([[1.0, 1.0, 1.0, 0.0], [1.0, 2.0, 1.0, 0.0], [1.0, 1.2, 1.0, 0.0]])
     bound = RoundBound(0.5)
     transport = FTTransport(manager, gather, Comm({}), bound=bound)
     bound.armed = True

@@ -103,6 +103,7 @@ def test_a_restarted_replica_continues_its_counters_from_its_last_record(tmp_pat
             "replicate_bytes": 3,
             "tokens": 96,
             "trained_tokens": 48,
+            "merged_tokens": 32,
             "train_time_s": 1.5,
         },
     ]
@@ -116,6 +117,7 @@ def test_a_restarted_replica_continues_its_counters_from_its_last_record(tmp_pat
         "train_time_s": 1.5,
         "tokens": 96,
         "trained_tokens": 48,
+        "merged_tokens": 32,
     }
     assert set(carried_counters(None).values()) == {0}
     assert last_record(tmp_path / "none.jsonl") is None

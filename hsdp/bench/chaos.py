@@ -34,6 +34,7 @@ from hsdp.bench.faults import require_elastic
 from hsdp.bench.netns import namespace_pids
 from hsdp.config.schema import Config, ConfigError
 from hsdp.run.replicas import merge_replica_summaries
+from hsdp.sync.elastic import closes_level, verdicts
 
 KINDS = ("kill", "stop", "partition", "slow", "lighthouse")
 SPELL_S = {"stop": (2.0, 12.0), "partition": (5.0, 20.0), "slow": (10.0, 30.0), "lighthouse": (2.0, 6.0)}
@@ -215,6 +216,8 @@ class ChaosJob(ElasticJob):
             code = proc.poll()
             if m in self.stale or code in (None, 0):
                 continue
+            if self.cfg is not None and verdicts(self.cfg.run_dir).get(str(m)) == "differ":
+                continue  # it ended apart from the others (closing.py): a restart cannot mend that; the job fails
             mine = sum(c["replica"] == m for c in self.crashes)
             if mine >= self.cfg.elastic.max_restarts:
                 continue
@@ -308,15 +311,14 @@ class ChaosJob(ElasticJob):
 
 def after_chaos(job: ChaosJob, replicas: int) -> dict[str, Any]:
     """What a chaos schedule left behind, checked: the steps each replica did not train, whether the replicas'
-    final params are bitwise equal (run.save_model), every complete checkpoint's checksums, the processes
-    still in the namespaces."""
+    final params are bitwise equal (run.save_model; and each replica's own close said so: `closing`), every
+    complete checkpoint's checksums, the processes still in the namespaces."""
     import torch
 
     from hsdp.config.schema import ConfigError as Invalid
     from hsdp.run.checkpoint import complete_checkpoints
     from hsdp.run.checkpoint.find import replica_home
     from hsdp.run.checkpoint.validate import verify_files
-    from hsdp.sync.schedule import fragments_due
 
     assert job.cfg is not None
     run_dir, steps = job.cfg.run_dir, job.cfg.run.steps
@@ -328,13 +330,16 @@ def after_chaos(job: ChaosJob, replicas: int) -> dict[str, Any]:
     # finished, has no final model: counted in `models`)
     models = [p for p in (run_dir / f"model.replica{m}.pt" for m in range(replicas)) if p.is_file()]
     out["models"] = len(models)
-    # equal only if the run ends on a sync (a last period without one leaves the replicas apart by design)
-    out["ends_on_sync"] = fragments_due(steps - 1, job.cfg.sync)
+    # equal only if the run ends on a full sync (a last period without one leaves the replicas apart by design)
+    out["ends_on_sync"] = closes_level(job.cfg)
+    out["closing"] = verdicts(run_dir)  # each replica's close: level, or differ (it ended with one line)
     if len(models) >= 2 and out["ends_on_sync"]:
         first = torch.load(models[0])
         out["replicas_equal"] = all(
             all(torch.equal(first[k], other[k]) for k in first) for other in (torch.load(p) for p in models[1:])
         )
+    if "differ" in out["closing"].values():  # a replica that ended apart saved no model: the models alone miss it
+        out["replicas_equal"] = False
     for m in range(replicas):
         for path in complete_checkpoints(replica_home(run_dir, m)):
             out["checkpoints"] += 1

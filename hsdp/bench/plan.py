@@ -101,10 +101,12 @@ class LinkOptions:
     probe_s: Optional[float] = None
     probe_reps: int = 3
     no_probe: bool = False
-    kill: Optional[str] = None  # REPLICA@STEP for every elastic run (a run's own `kill` wins)
-    partition: Optional[str] = None  # REPLICA@AT:SECONDS for every elastic run (a run's own `partition` wins)
-    slow: Optional[str] = None  # REPLICA:FACTOR for every run (a run's own `slow` wins)
-    chaos: Optional[str] = None  # SEED:MTBF_S for every elastic run (a run's own `chaos` wins)
+    # Fault flags reach the runs that name that fault (`kill:` ... in the spec: the flag's value replaces
+    # theirs); where no run names it, every run it applies to but the target (`flag_runs`)
+    kill: Optional[str] = None  # REPLICA@STEP (elastic runs)
+    partition: Optional[str] = None  # REPLICA@AT:SECONDS (elastic runs)
+    slow: Optional[str] = None  # REPLICA:FACTOR (any run)
+    chaos: Optional[str] = None  # SEED:MTBF_S (elastic runs)
     pin_cores: bool = False  # node m's processes on CPU core m (the spec's `pin_cores: true` too)
     plot: bool = False
     no_run: bool = False
@@ -188,24 +190,35 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
     cores = len(os.sched_getaffinity(0))
     if plan.pin_cores and plan.mesh[0] > cores:
         raise ConfigError(f"--pin-cores: {plan.mesh[0]} nodes need a CPU core each, this process may use {cores}")
-    for run, label in plan_items(plan):  # validate every run's config before building anything
-        c = load_checked_config(base, overrides(plan, run, label))
-        kill = runs[run].kill or (opts.kill if c.elastic.enabled else None)
+    configs = {(run, label): load_checked_config(base, overrides(plan, run, label)) for run, label in plan_items(plan)}
+    elastic = {run for (run, _), c in configs.items() if c.elastic.enabled}
+    flagged = {
+        kind: flag_runs(runs, kind, target, elastic if kind != "slow" else set(runs), chaos_too=kind == "slow")
+        for kind in ("kill", "partition", "slow", "chaos")
+        if getattr(opts, kind)
+    }
+
+    def fault(run: str, kind: str) -> tuple[Optional[str], str]:
+        """The run's fault of `kind` (the flag's value where the flag reaches it, else the spec's) and its key."""
+        if run in flagged.get(kind, ()):
+            return getattr(opts, kind), f"--{kind}"
+        return getattr(runs[run], kind), f"runs.{run}.{kind}"
+
+    for (run, label), c in configs.items():  # validate every run's config before building anything
+        kill, what = fault(run, "kill")
         if kill:
-            plan.kills[run] = Kill.parse(kill, c, f"runs.{run}.kill" if runs[run].kill else "--kill")
-        cut = runs[run].partition or (opts.partition if c.elastic.enabled else None)
+            plan.kills[run] = Kill.parse(kill, c, what)
+        cut, what = fault(run, "partition")
         if cut:
-            what = f"runs.{run}.partition" if runs[run].partition else "--partition"
             plan.partitions[run] = Partition.parse(cut, c, what)
-        slow = runs[run].slow or opts.slow
+        slow, what = fault(run, "slow")
         if slow:
-            what = f"runs.{run}.slow" if runs[run].slow else "--slow"
             plan.slows[run] = Slow.parse(slow, c.mesh.sync, what)
             # the node's config with it, checked now (run.slowdown's own rules, hsdp/config/validate.py)
             load_checked_config(base, [*overrides(plan, run, label), *plan.slows[run].overrides()])
-        chaos = runs[run].chaos or (opts.chaos if c.elastic.enabled else None)
+        chaos, what = fault(run, "chaos")
         if chaos:
-            plan.chaoses[run] = Chaos.parse(chaos, c, f"runs.{run}.chaos" if runs[run].chaos else "--chaos")
+            plan.chaoses[run] = Chaos.parse(chaos, c, what)
             if run in plan.kills or run in plan.partitions:
                 raise ConfigError(f"runs.{run}: chaos draws its own kills and partitions; drop kill/partition")
         if node_mesh(c) != plan.mesh:
@@ -222,6 +235,20 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
     if not 2 <= plan.mesh[0] <= MAX_REPLICAS:
         raise ConfigError(f"mesh.sync: slowlink needs 2..{MAX_REPLICAS} replicas, got {plan.mesh[0]}")
     return plan
+
+
+def flag_runs(runs: dict[str, LinkRunSpec], kind: str, target: str, fit: set[str], chaos_too: bool) -> list[str]:
+    """The runs a fault flag of `kind` (kill, partition, slow, chaos) reaches: those whose spec names that fault
+    (the flag replaces their value: `--chaos 3:8` makes a spec's chaos run denser), else every run in `fit` (the
+    runs it applies to) but the target, which the others are measured against and must stay calm; the target
+    only when it is the one run the flag fits. A kill or a partition does not reach a chaos run (it draws its
+    own; `chaos_too`: the kind may)."""
+    named = [run for run, entry in runs.items() if getattr(entry, kind)]
+    if named:
+        return named
+    fits = [run for run in runs if run in fit and (chaos_too or kind == "chaos" or not runs[run].chaos)]
+    others = [run for run in fits if run != target]
+    return others or fits
 
 
 def node_mesh(cfg: Config) -> tuple[int, int]:

@@ -272,21 +272,37 @@ def ledger_table(runs: Sequence[LinkRun]) -> list[str]:
     return lines
 
 
+FAULT_KINDS = ("kill", "partition", "slow", "chaos")  # what a run's measured faults may hold (hsdp/bench/*.py)
+
+
+def had_faults(r: LinkRun) -> bool:
+    """Whether faults were injected into the run (a kill, a cut, a slow node, a chaos schedule)."""
+    return any(k in (r.measured.faults or {}) for k in FAULT_KINDS)
+
+
 def chaos_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, Assessed]) -> list[str]:
     """The chaos runs (hsdp/bench/chaos.py) against the target run at their rate: the faults by kind, the
     replicas that failed on their own and were restarted, goodput two ways (the target run's time to its
     final val loss ÷ this run's; its wall time ÷ this run's, for the same steps) and merged ÷ trained tokens,
     the steps the replicas did not train, and what the schedule left behind (checkpoints whose checksums
-    hold, the replicas' final params bitwise equal, processes left in the namespaces)."""
+    hold, the replicas' final params bitwise equal, processes left in the namespaces). No goodput is taken
+    against a target run that had faults itself (it is no calm baseline)."""
     chaos = [r for r in runs if r.measured.faults and "chaos" in r.measured.faults]
     if not chaos:
         return []
-    target = {r.rate: r for r in runs if r.run == plan.target and r.ok}
+    target = {r.rate: r for r in runs if r.run == plan.target and r.ok and not had_faults(r)}
+    faulty = sorted({r.rate for r in runs if r.run == plan.target and had_faults(r)})
+    note = (
+        [f"`{plan.target}` had faults injected at {', '.join(faulty)}: no goodput is taken against it there.", ""]
+        if faulty
+        else []
+    )
     lines = [
         "",
         f"Chaos (goodput against `{plan.target}` at the same rate: its time to its final val loss ÷ the run's, "
         "and its wall time ÷ the run's; merged = tokens merged ÷ tokens trained):",
         "",
+        *note,
         "| run | rate | seed:MTBF | faults | restarted on their own | wall time | final val | vs target | "
         "goodput (to target) | goodput (wall) | merged | steps lost | checkpoints valid | replicas equal | "
         "processes left |",
@@ -300,7 +316,7 @@ def chaos_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, 
         after = f.get("after", {})
         base = target.get(r.rate)
         a = assessed.get((r.run, r.rate))
-        ttt = a.time_to_target_vs_target_run if a else None
+        ttt = a.time_to_target_vs_target_run if a and base is not None else None
         wall = r.record.wall_time_s if r.ok else None
         base_wall = base.record.wall_time_s if base is not None and base.ok else None
         val = r.record.final_val_loss if r.ok else None
@@ -318,7 +334,7 @@ def chaos_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, 
                     secs(wall, 1),
                     "failed" if val is None else f"{val:.4f}",
                     "–" if val is None or not base_val else f"{val / base_val - 1:+.1%}",
-                    "not reached" if ttt is None else f"{1 / ttt:.2f}",
+                    "–" if base is None else "not reached" if ttt is None else f"{1 / ttt:.2f}",
                     "–" if not wall or not base_wall else f"{base_wall / wall:.2f}",
                     "–" if merged is None else f"{merged:.3f}",
                     sum(after.get("steps_lost", {}).values()),

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
+from hsdp.sync.elastic import ReplicasDiffer
+
 
 class Diverged(RuntimeError):
     """The run diverged; the message is the one line the user sees."""
@@ -25,7 +27,8 @@ class SaveFailed(RuntimeError):
 
 
 # Exceptions whose message is the whole story: the launcher reports their last line, not a traceback.
-ONE_LINE_ERRORS = tuple(f"{e.__module__}.{e.__qualname__}" for e in (Diverged, SaveFailed))
+# ReplicasDiffer: an elastic run whose replicas could not close level (hsdp/sync/elastic/closing.py).
+ONE_LINE_ERRORS = tuple(f"{e.__module__}.{e.__qualname__}" for e in (Diverged, SaveFailed, ReplicasDiffer))
 
 
 def check_finite(step: int, loss: float, grad_norm: float, rank: int, last_good: Callable[[], Optional[Path]]) -> None:

@@ -91,7 +91,7 @@ class StepLedger:
             run.trained_times.append(step_s)
             self.median.add(step_s)
             run.trained_tokens = (run.trained_tokens or 0) + own_share
-        if self.pacer is not None and self.members.metrics_suffix == "":
+        if self.pacer is not None and not self.own_files:
             run.tokens = self.paced_tokens(step)
             run.trained_tokens = run.tokens  # this process's files are the whole run's
         elif trained:
@@ -145,20 +145,41 @@ class StepLedger:
             "synced": synced,
             "elapsed_s": self.elapsed_s(),  # wall-clock, for time-to-loss
             **self.members.step_record(),  # e.g. the replicas counted in the last sync
+            **({"merged_tokens": self.merged_tokens()} if self.own_files else {}),
         }
+
+    @property
+    def own_files(self) -> bool:
+        """Whether this process's files are its replica's own (an elastic replica's), not the whole run's."""
+        return self.members.metrics_suffix != ""
+
+    def merged_tokens(self) -> int:
+        """This replica's tokens that reached the global model, its earlier lives' included."""
+        merged = float(self.policy.ledger()["merged"]) * self.replica_tokens
+        return round(merged + self.carried["merged_tokens"])
 
     # ------------------------------------------------------------ the end
     def replica_totals(self, skipped_steps: int) -> dict[str, Any]:
         """Every replica's ledger (tokens trained and merged, waits; goodput), gathered from every rank."""
         waited = self.members.sync_wait_s()  # an elastic run's quorums; the policy adds its weight exchange's
         own = {
-            **ledger_entry(self.policy.ledger(), self.replica_tokens, self.elapsed_s(), waited),
+            # a restarted replica's earlier lives: what its metrics carried over (its policy counts this life's)
+            **ledger_entry(self.policy.ledger(), self.replica_tokens, self.elapsed_s(), waited, self.earlier()),
             **(self.pacer.stats() if self.pacer else {}),
             "skipped_steps": skipped_steps,  # a paced period's rest, or a straggler bound's cut
         }
         ledgers: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ledgers, (str(self.replica), own))
-        return ledger_totals(dict(ledgers))
+        first: dict[str, Any] = {}
+        for replica, entry in ledgers:  # a replica's first rank's entry: its logging rank read the earlier lives
+            first.setdefault(replica, entry)
+        return ledger_totals(first)
+
+    def earlier(self) -> tuple[float, float]:
+        """(trained, merged) tokens of this replica's earlier lives, from its metrics; (0, 0) unless restarted."""
+        if not self.own_files:
+            return 0, 0
+        return self.carried["trained_tokens"], self.carried["merged_tokens"]
 
     def summary(self) -> dict[str, Any]:
         """summary.json's counts: tokens, rates, times and bytes (the same counts as the last record)."""

@@ -145,14 +145,22 @@ def steady_rate(tokens: float, trained_steps: int, median_step_s: Optional[float
     return tokens / (trained_steps * median_step_s) if median_step_s and trained_steps else None
 
 
-def ledger_entry(ledger: dict[str, Any], tokens_per_step: int, wall_s: float, quorum_s: float = 0.0) -> dict[str, Any]:
+def ledger_entry(
+    ledger: dict[str, Any],
+    tokens_per_step: int,
+    wall_s: float,
+    quorum_s: float = 0.0,
+    earlier: tuple[float, float] = (0, 0),
+) -> dict[str, Any]:
     """One replica's round ledger for summary.json (docs/design.md §2.12): the tokens it trained, those that
     reached the global model, and its seconds waiting at syncs for the last replica (an elastic run's
-    quorums, `quorum_s`, and a weighted run's weight exchange) with their share of its wall time."""
+    quorums, `quorum_s`, and a weighted run's weight exchange) with their share of its wall time. `earlier`:
+    the tokens it trained and merged in its earlier lives (a restarted replica's), which its policy's ledger
+    does not hold."""
     wait = float(ledger.get("wait_s") or 0.0) + quorum_s
     return {
-        "trained_tokens": int(ledger["trained"]) * tokens_per_step,
-        "merged_tokens": round(float(ledger["merged"]) * tokens_per_step),
+        "trained_tokens": int(ledger["trained"]) * tokens_per_step + int(earlier[0]),
+        "merged_tokens": round(float(ledger["merged"]) * tokens_per_step + earlier[1]),
         "sync_wait_s": round(wait, 3),
         "wait_fraction": round(wait / wall_s, 4) if wall_s > 0 else None,
     }
@@ -268,7 +276,16 @@ def _step_of(line: str) -> float:
 
 # The cumulative counters of a metrics record that a replica restarted within the run (healed, not resumed
 # from a checkpoint) continues from its previous life's last record, so that none goes backwards.
-CARRIED = ("elapsed_s", "sync_bytes", "shard_bytes", "replicate_bytes", "train_time_s", "tokens", "trained_tokens")
+CARRIED = (
+    "elapsed_s",
+    "sync_bytes",
+    "shard_bytes",
+    "replicate_bytes",
+    "train_time_s",
+    "tokens",
+    "trained_tokens",
+    "merged_tokens",  # an elastic replica's own (hsdp/run/ledger.py)
+)
 
 
 def carried_counters(previous: Optional[dict[str, Any]]) -> dict[str, float]:

@@ -38,7 +38,8 @@ class Membership(Protocol):
 
     def steps(self, start: int, end: int) -> Iterator[int]:
         """The steps this rank trains, from `start` to before `end`: one after another, except that an elastic
-        replica that was cut off and rejoined continues at the step it healed to (later than the next)."""
+        replica that was cut off and rejoined continues at the step it healed to (later than the next), and one
+        healed whole to the run's end by a closing peer trains none (it closes the run when they run out)."""
 
     def cut(self, step: int, last_step_s: Optional[float]) -> bool:
         """Whether to skip `step`'s training (forward, backward, update) and go on to its sync: a slow replica
@@ -48,7 +49,8 @@ class Membership(Protocol):
         """After `step`'s update, before its param sync."""
 
     def after_sync(self, step: int) -> None:
-        """After `step`'s param sync (and the final land)."""
+        """After `step`'s param sync (and the final land). After the run's last step, before the final eval, an
+        elastic replica closes the run here: the replicas meet until they hold one model (closing.py)."""
 
     def step_record(self) -> dict[str, Any]:
         """Fields for a metrics record."""

@@ -10,16 +10,19 @@ collectives among them. One job per module:
                     out of band, rejoin after a cut, the straggler cuts, the summary's fields)
     transport.py    FTTransport: torchft's group behind the policy's `Transport` (rounds, spectators, counts)
     heal.py         HealState: what a rejoining replica copies from a live peer, and its snapshot server
+    closing.py      RunClose: the run's close, one model at the end (meetings, a whole heal, the verdict)
     straggler.py    RoundBound: elastic.round_timeout_s (who counts in a round, when a slow replica cuts)
     manager.py      the torchft Manager of a rank (lighthouse, timeouts) and the address peers reach it at
     faults.py       FaultPoints: elastic.faults done at the named points a replica passes
     lighthouse.py   whether the lighthouse accepts connections
 
-This module is what the launcher (hsdp/run/replicas.py) uses of the wing: nothing else of it is imported
+This module is what the launcher (hsdp/run/replicas.py) and the slow-link benchmark's checks (hsdp/bench/
+chaos.py: whether a run closes level, each replica's verdict) use of the wing: nothing else of it is imported
 outside hsdp/sync.
 """
 
+from hsdp.sync.elastic.closing import ReplicasDiffer, closes_level, verdicts
 from hsdp.sync.elastic.faults import clear_markers
 from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
 
-__all__ = ["clear_markers", "in_words", "lighthouse_unreachable"]
+__all__ = ["ReplicasDiffer", "clear_markers", "closes_level", "in_words", "lighthouse_unreachable", "verdicts"]

@@ -51,6 +51,12 @@ class HealState:
         self.fetches = 0  # peers' states fetched out of band
         self.fetch_s = 0.0  # wall time fetching them
         self._step_clock: deque[float] = deque(maxlen=9)  # when the last steps reached their sync (pace)
+        # The run's close (replica.py `_close`): this replica closes (a peer behind gets its whole state inside
+        # the round); the state it loaded last came from a closing peer (the run's final state); whether its
+        # state holds the run's last param round (it committed it, or loaded a state that did).
+        self.closing = False
+        self.final = False
+        self.applied_last = True
 
     @property
     def seam(self) -> ReplicaState:
@@ -83,6 +89,8 @@ class HealState:
     def state_dict(self) -> dict[str, Any]:
         """This rank's state for a peer healing in the round begun after `step` (torchft's quorum thread
         calls it while the training thread waits in begin_round)."""
+        if self.closing:  # the run's end: the whole state, inside the round (nobody trains on while it crosses)
+            return {**self.full_state(), "final": True}
         if not self.training or self.seam.policy.grad_sync(self.step + 1) or self.snapshots is None:
             # Before training (a fresh run's replicas meeting: the initial state) or in a grad round (every
             # step is one): the state crosses inside the round.
@@ -108,6 +116,7 @@ class HealState:
             "policy": policy,
             "step": self.step,
             "joining": not self.training,  # the round the state crosses in is this rank's join round
+            "applied": self.applied_last,  # it holds the run's last param round (the close asks)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,6 +143,8 @@ class HealState:
         seam.policy.load_state_dict(state["policy"])
         self.step = self.healed_to = int(state["step"])
         self.peer_joining = bool(state.get("joining", False))
+        self.final = bool(state.get("final", False))
+        self.applied_last = bool(state.get("applied", True))
         self.heals += 1
 
     def serve(self, step: int, transport: FTTransport, timeout: timedelta) -> None:

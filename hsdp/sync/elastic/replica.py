@@ -22,6 +22,10 @@ If the serving peer died before its state was fetched, the replica heals again a
 replica cut off mid-run (its link, the lighthouse) pauses at its sync (transport.py); when a quorum answers
 and the peers went on without it, that quorum heals it, and the same catch-up follows after the round it
 began as its own sync (docs/design.md §11).
+
+After the last step's sync every replica closes the run (`_close`, closing.py): rounds that meet the others
+and compare their models, in which one behind heals whole, until all of them hold one model (or, if they
+cannot, one line: ReplicasDiffer), so the final eval and the summary see the run's one final model.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch.distributed as dist
 from hsdp.comm.groups import Comm
 from hsdp.comm.mesh import Mesh, build_elastic_mesh
 from hsdp.config.schema import Config
+from hsdp.sync.elastic.closing import Records, RunClose, closes_level
 from hsdp.sync.elastic.faults import FaultPoints
 from hsdp.sync.elastic.heal import HealState, PeerGone
 from hsdp.sync.elastic.lighthouse import lighthouse_unreachable, quorum_status
@@ -81,6 +86,15 @@ class ElasticReplica(PhaseLog):
         self.heals_seen = 0
         self.rejoins = 0  # times this replica was cut off mid-run and healed from a live one when back
         self.paused_s = 0.0  # the quorum waits of the rounds it rejoined in: paused at its sync, cut off
+        # the run's close (`_close`): done once; what the last step's round left (its drops before it, the
+        # steps each fragment's next round weighs, for doing it again); what the close did
+        self.last = cfg.run.steps - 1
+        self._closed = False
+        self._records: Optional[Records] = None
+        self._dropped_before: Optional[int] = None
+        self._since_sync: Optional[list[int]] = None
+        self.closing_heals = 0  # healed whole from a replica closing the run (at its join, or after a cut)
+        self.closer: Optional[RunClose] = None  # the close, once begun
 
     # ------------------------------------------------------------ the parts, once built
     @property
@@ -118,6 +132,8 @@ class ElasticReplica(PhaseLog):
         )
         faults.at("start", 0)
         self._faults = faults
+        self._records = Records(cfg.run_dir, self.replica, site_rank)
+        self._records.forget_own()  # an earlier launch's: this life has not closed
         self._heal = HealState(self, faults)
         site = cfg.mesh.replicate * cfg.mesh.shard  # the replica's (a site's) own world: its manager's group
         manager, pg = build_manager(cfg, self.replica, site_rank, site, self.lighthouse, self._heal)
@@ -165,6 +181,12 @@ class ElasticReplica(PhaseLog):
             if fresh:  # torchft's step is the training step resumed at: one resumed behind heals from one ahead
                 manager.load_state_dict({**manager.state_dict(), "step": start_step})
             transport.begin_round()
+            if heal.final:  # healed whole by a replica closing the run: its final state, nothing left to train
+                transport.commit_round()  # that round (its members disagreed on closing: dropped everywhere)
+                step = self.cfg.run.steps
+                self.closing_heals += 1
+                self.enter(Phase.TRAINING, "healed from a replica closing the run: its final state")
+                break
             if heal.offer is not None:  # a peer serves its state once this round closes (healing now)
                 step = self._catch_up()
                 break
@@ -290,6 +312,9 @@ class ElasticReplica(PhaseLog):
         while step < end:
             yield step
             step, self.resume_at = (step + 1 if self.resume_at is None else self.resume_at), None
+        # No last step here (healed whole to the run's end, at its join or after a cut): close it now (after
+        # the last step, `after_sync` has closed it already).
+        self._close()
 
     def cut(self, step: int, last_step_s: Optional[float]) -> bool:
         """Whether this replica skips `step`'s training to reach its next param round within the bound
@@ -313,15 +338,26 @@ class ElasticReplica(PhaseLog):
     def before_sync(self, step: int) -> None:
         self.heal.at_step(step)  # what a peer healing at this step's sync gets, and the pace it keeps up with
         self.bound.armed = True  # a round begun in this step's end_step is a param-sync round
+        if step == self.last:  # the close asks whether the last round committed, and may do it again
+            policy = self.policy
+            self._dropped_before = policy.dropped
+            since = getattr(policy, "since_sync", None)  # the steps the round weighs (sync.weighting=tokens)
+            self._since_sync = list(since) if since is not None else None
 
     def after_sync(self, step: int) -> None:
         self.bound.armed = False
+        heals = self.heal.heals
         self._rejoin_if_healed(step)
+        if step == self.last and self.heal.heals == heals and self._dropped_before is not None:
+            # its own last round (healed in place, the state it loaded says): did it land here?
+            self.heal.applied_last = self.policy.dropped == self._dropped_before
         self.heal.serve(step, self.transport, self.timeout)
         t, first = self.transport, self._rounds_seen
         self.step_held.append(len(t.touched) > first)
         self.step_touched.append(t.failure_in_rounds_since(first))
         self._rounds_seen = len(t.touched)
+        if step == self.last:
+            self._close()  # before the final eval: every replica evaluates the run's one final model
 
     def _rejoin_if_healed(self, step: int) -> None:
         """Its peers' quorum healed it while training (cut off and back, or a round behind them): the round it
@@ -339,6 +375,19 @@ class ElasticReplica(PhaseLog):
                 file=sys.stderr,
                 flush=True,
             )
+        elif heal.heals > self.heals_seen and heal.final:
+            # Healed whole by a replica closing the run (this one was behind it): the run's final state, so
+            # nothing is left to train; the round it came in was dropped on every side.
+            self.heals_seen = heal.heals
+            self.closing_heals += 1
+            if step < self.last:
+                self.resume_at = self.cfg.run.steps
+            print(
+                f"elastic: healed from a replica closing the run (its state after step {heal.healed_to}); this "
+                f"replica was at step {step}",
+                file=sys.stderr,
+                flush=True,
+            )
         elif heal.heals > self.heals_seen:
             # Healed inside a grad-sync round (the warmup): the peer's state replaced this replica's in the
             # middle of its own step. Rare (a cut inside the warmup) and not worth a second path: a restart
@@ -346,6 +395,31 @@ class ElasticReplica(PhaseLog):
             raise RuntimeError(
                 f"rejoined after a cut inside a grad-sync round (step {step}, the warmup): restarting to heal"
             )
+
+    # ------------------------------------------------------------ closing the run: one model at the end
+    def _close(self) -> None:
+        """After the run's last step (its sync landed): meet the other replicas until every one holds one model
+        (closing.py `RunClose`); nothing to do where the run ends apart by design. Once."""
+        if self._closed:
+            return
+        self._closed = True
+        if not closes_level(self.cfg):
+            return
+        assert self._records is not None, "the close's records are set up with the mesh"
+        self.closer = RunClose(
+            self.cfg,
+            self.replica,
+            self._records,
+            self.transport,
+            self.heal,
+            self.policy,
+            catch_up=lambda spectated: self._catch_up(spectated=spectated),
+            replica_max=self._replica_max,
+            logs=self.logs(self.mesh),
+            counted=self.mesh.replicate_rank == 0,
+            since_sync=self._since_sync,
+        )
+        self.closer.run()
 
     # ------------------------------------------------------------ reporting, leaving
     def step_tokens(self, tokens_per_step: int) -> tuple[int, int]:
@@ -378,7 +452,7 @@ class ElasticReplica(PhaseLog):
             "heal_retries": self.retries,
             # the rounds held after this life's join; the join's meetings (a fresh replica meets alone until its
             # peers start, a restarted one heals in the peers' round) vary with start-up times and are apart
-            "sync_rounds": t.rounds - (t.joined_at or 0),
+            "sync_rounds": t.rounds - (t.joined_at or 0) - (self.closer.rounds if self.closer else 0),
             "join_meetings": t.joined_at or 0,
             "dropped_syncs": self.policy.dropped,
             "elastic_touched_rounds": t.touched_rounds(),
@@ -402,6 +476,10 @@ class ElasticReplica(PhaseLog):
             "late_rounds": self.bound.late_rounds,
             "own_late_rounds": self.bound.own_late_rounds,
             "cut_steps": self.bound.cut_steps,
+            # the run's close (docs/design.md §11, "The close"): its meetings and their time, the replicas it
+            # closed with, the last round done again, whole heals from a closing replica, and the verdict
+            **(self.closer.stats() if self.closer else {"closing_verdict": None}),
+            "closing_heals": self.closing_heals + (self.closer.heals if self.closer else 0),
         }
 
     def sync_wait_s(self) -> float:

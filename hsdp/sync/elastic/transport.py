@@ -7,6 +7,12 @@
 A replica catching up after a heal spectates rounds (`spectating()` is True): it takes part in every
 collective (its peers need each quorum member in them) with a part that does not count, agreed at
 each round's start (`contributors`), so the peers' mean is over the peers alone.
+
+A replica closing the run (`closing`, replica.py `_close`; closing.py) runs rounds that meet and compare,
+or do the last round again: the same first collective says which (`round_kind`), and a round whose members
+disagree (a peer still in its last param round meets one that closes) is dropped on every side at once
+instead of waiting out elastic.timeout_s in collectives that do not pair up. The sync collectives' wait is
+timed into the comm counters ("sync"), as the c10d transport's are.
 """
 
 from __future__ import annotations
@@ -38,6 +44,23 @@ class Done:
         pass
 
 
+class _Timed:
+    """A sync collective's work whose wait is counted in `comm`'s seconds for (sync, `op`), as Comm times its own."""
+
+    def __init__(self, work: Any, comm: Comm, op: str) -> None:
+        self.work, self.comm, self.op = work, comm, op
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.work.wait()
+        finally:
+            self.comm.seconds[("sync", self.op)] += time.perf_counter() - t0
+            self.work = None
+
+
 class _Guarded:
     """An allgather on torchft's group whose failure is reported to the manager instead of raised."""
 
@@ -52,6 +75,9 @@ class _Guarded:
         except Exception as e:  # a peer died mid-collective: the round will not commit
             self.manager.report_error(e)
         self.work = None
+
+
+CONTROL = 4  # the values each replica puts in a round's first collective: counted, work, full period, round kind
 
 
 class PartitionTimeout(RuntimeError):
@@ -129,6 +155,17 @@ class FTTransport:
         self._round_start = 0.0
         self.open = False  # a round has begun and not been committed (e.g. one a healed replica joined)
         self.counted = True  # this replica's part counts in the current round (set at begin_round)
+        # Closing the run (replica.py `_close`): this replica's rounds meet and compare, and every member of the
+        # current round said it closes too (`all_closing`; a round that mixes both is dropped on every side).
+        self.closing = False
+        self.all_closing = False
+        self.syncing = False  # a closing replica's round is a sync (the last round done again), not only a meeting
+
+    @property
+    def round_kind(self) -> int:
+        """What this replica's round is, as its first collective says: 0 training, 1 a closing meeting, 2 a
+        closing sync (the run's last round done again). A round whose members say different kinds is dropped."""
+        return 0 if not self.closing else 2 if self.syncing else 1
 
     @property
     def size(self) -> int:
@@ -306,30 +343,60 @@ class FTTransport:
 
     def _agree_contributors(self, work: float) -> list[int]:
         """Which of the round's replicas count in its means: each says whether it spectates, its work since
-        the last meeting and whether that was a full period (three floats each, all-gathered). Only this
-        replica knows it is spectating (hsdp/sync/elastic/replica.py); the bound counts late ones out too."""
+        the last meeting, whether that was a full period and whether it closes the run (four floats each,
+        all-gathered). Only this replica knows it is spectating (hsdp/sync/elastic/replica.py); the bound
+        counts late ones out too. A round whose members disagree on closing is aborted here, on every side."""
         n = self.size
         self.counted = not self.spectating()
-        mine = torch.tensor([1.0 if self.counted else 0.0, work, 0.0 if self.bound.cut_this_period else 1.0])
+        full = 0.0 if self.bound.cut_this_period else 1.0
+        mine = torch.tensor([1.0 if self.counted else 0.0, work, full, float(self.round_kind)])
         if n == 1:
-            self.bound.met()
+            self.all_closing = self.closing
+            if not self.closing:
+                self.bound.met()
             return [0]  # alone (a spectator's peer died: its zero part stands, the round changes nothing)
-        rows = torch.zeros(n, 3)
+        rows = torch.zeros(n, CONTROL)
         # Not counted in the sync bytes: control traffic, like the quorum's own messages.
         self._guarded_all_gather(rows.view(-1), mine).wait()
         if self.manager.errored():  # the round is lost already: count everyone, its result is never applied
+            self.all_closing = False
             return list(range(n))
+        kinds = rows[:, 3]
+        if bool((kinds != kinds[0]).any()):
+            # A replica still in its last param round met one that closes (or a closing check met a closing
+            # sync): their next collectives would not pair up, and each would wait elastic.timeout_s for the
+            # other's, or read the other's bytes as its own. Every member drops the round now.
+            self.abort("the round's replicas disagree on closing the run")
+            self.all_closing = False
+            return list(range(n))
+        self.all_closing = bool(kinds[0] > 0)
+        present = [i for i in range(n) if rows[i, 0] > 0]
+        if self.closing:  # the close counts whoever came (no straggler bound: nothing is left to train)
+            return present
         self.bound.met()
         if not self.bound.enabled:
-            return [i for i in range(n) if rows[i, 0] > 0]
-        present = [bool(c > 0) for c in rows[:, 0]]
+            return present
         me = self.manager.participating_rank()
-        keep = self.bound.contributors(present, rows[:, 1].tolist(), (rows[:, 2] > 0).tolist(), me)
+        keep = self.bound.contributors(
+            [bool(c > 0) for c in rows[:, 0]], rows[:, 1].tolist(), (rows[:, 2] > 0).tolist(), me
+        )
         if self.counted and me not in keep:
             # late (elastic.round_timeout_s): its part is dropped, as a spectator's, and it adopts the result
             self.counted = False
             self.bound.own_late_rounds += 1
         return keep
+
+    def abort(self, why: str) -> None:
+        """Drop the current round on this replica: its manager errs, so every later collective of the round
+        is a no-op and the round does not commit (nothing of it is applied)."""
+        self.manager.report_error(RuntimeError(why))
+
+    def gather(self, mine: torch.Tensor) -> Optional[torch.Tensor]:
+        """Every member's `mine` (one row each, in the round's order), outside the sync bytes and times (control
+        traffic: the close's fingerprints); None if the round is lost."""
+        out = torch.zeros(self.size * mine.numel(), dtype=mine.dtype)
+        self._guarded_all_gather(out, mine.reshape(-1)).wait()
+        return None if self.manager.errored() else out.view(self.size, -1)
 
     def commit_round(self) -> bool:
         self._fault("before_commit", self.fault_round(self.rounds))
@@ -342,7 +409,10 @@ class FTTransport:
             self.dropped_s += self.clock() - self._round_start
             self._last_dropped = True
             why = f"{type(error.original_exception).__name__}: {error.original_exception}" if error else "a peer failed"
-            print(f"elastic: sync round {self.rounds} (torchft step {step}) dropped ({why})", file=sys.stderr)
+            # A closing round that only met (no sync of its own) is no sync round: the logs' "sync round ...
+            # dropped" lines stay one per dropped_syncs.
+            kind = "closing round" if self.closing and not self.syncing else "sync round"
+            print(f"elastic: {kind} {self.rounds} (torchft step {step}) dropped ({why})", file=sys.stderr)
         return ok
 
     def touched_rounds(self) -> int:
@@ -365,8 +435,12 @@ class FTTransport:
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool) -> Any:
         if not self.counted:  # a spectator's or a late replica's part is zero (as torchft's allreduce while healing)
             t.zero_()
+        if self.manager.errored():  # the round is lost: torchft's allreduce is a no-op, nothing crosses
+            return Done()
         self.comm.count("sync", "all_reduce", ring_bytes_of("all_reduce", self.size, t.numel() * t.element_size()))
-        work = self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM)
+        t0 = time.perf_counter()
+        work = _Timed(self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM), self.comm, "all_reduce")
+        self.comm.seconds[("sync", "all_reduce")] += time.perf_counter() - t0  # the issue (a quorum wait in it)
         self._after_send(work)
         if not async_op:
             work.wait()
@@ -374,8 +448,12 @@ class FTTransport:
         return work
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Any:
+        if self.manager.errored():
+            return Done()  # the round is lost already; its result is never applied
         self.comm.count("sync", "all_gather", ring_bytes_of("all_gather", self.size, inp.numel() * inp.element_size()))
-        work = self._guarded_all_gather(out, inp)
+        t0 = time.perf_counter()
+        work = _Timed(self._guarded_all_gather(out, inp), self.comm, "all_gather")
+        self.comm.seconds[("sync", "all_gather")] += time.perf_counter() - t0
         self._after_send(work)
         if not async_op:
             work.wait()
