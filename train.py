@@ -97,8 +97,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, cfg.run.steps)
         # A replica too slow for elastic.round_timeout_s skips the rest of its period (no batch, no update)
-        # and goes on to the sync, arriving within the bound (docs/design.md §11.1); a paced one skips the
-        # rest of its window's period and reads on from its own position later (§2.12).
+        # and goes on to the sync, arriving within the bound (docs/design.md §9.5); a paced one skips the
+        # rest of its window's period and reads on from its own position later (§8.12).
         cut = members.cut(step, last_trained_s) or (pacer is not None and pacer.cut(step, compute_s))
         compute_s = None
         if not cut:
@@ -149,8 +149,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     member_stats = members.stats(run.step_times)
     # the nominal steps it skipped: a paced period's rest, or a straggler bound's cut (elastic.round_timeout_s)
     skipped = pacer.cut_steps if pacer is not None else int(member_stats.get("cut_steps", 0))
-    totals = ledger.replica_totals(skipped)  # per replica: tokens trained and merged, waits; goodput (§2.12)
-    counts = ledger.summary()  # the same counts as the last record: tokens, rates, times, bytes (docs/design.md §9)
+    totals = ledger.replica_totals(skipped)  # per replica: tokens trained and merged, waits; goodput (§8.12)
+    counts = ledger.summary()  # the same counts as the last record: tokens, rates, times, bytes (docs/design.md §12)
     logger.summary(
         {
             "final_loss": run.loss,
@@ -226,7 +226,7 @@ def micro_batches(data: Data, step: int, accum: int, device: torch.device) -> li
 def world_mean(mesh: Mesh, value: torch.Tensor, own_replica: bool = False) -> float:
     """Average a scalar over all ranks (for logging; counted under the "world" group), or with `own_replica`
     over this replica's (its shard and replicate groups): a paced replica must not wait for the others at a
-    logged step, so a paced run logs the logging replica's own loss (docs/design.md §2.12)."""
+    logged step, so a paced run logs the logging replica's own loss (docs/design.md §8.12)."""
     t = value.detach().float().reshape(1).clone()
     groups = ("shard", "replicate") if own_replica else ("world",)
     n = 1

@@ -8,7 +8,7 @@
     python -m hsdp.slowlink --cleanup        # remove namespaces left by a slowlink that was SIGKILLed
 
 Needs root and iproute2 (`ip`, `tc`); without them it exits 2 with one line. The spec file,
-the outputs and the workflow: hsdp/bench/slowlink.py (network: hsdp/bench/netns.py; docs/design.md §9).
+the outputs and the workflow: hsdp/bench/slowlink.py (network: hsdp/bench/netns.py; docs/design.md §14.1).
 """
 
 from __future__ import annotations

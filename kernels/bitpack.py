@@ -1,4 +1,4 @@
-"""Bit-packed indices for a sparse sync codec (docs/design.md §2.5): b bits per entry, no padding between.
+"""Bit-packed indices for a sparse sync codec (docs/design.md §8.5): b bits per entry, no padding between.
 
 pack_bits:   c non-negative ints v[j] < 2**b → ceil(c·b/8) bytes; entry j occupies bits j·b .. j·b+b−1 of
              the little-endian bit stream (stream bit t is bit t mod 8 of byte t // 8); the last byte's

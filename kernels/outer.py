@@ -1,4 +1,4 @@
-"""DiLoCo outer step on one held shard (docs/design.md §2.4), fp32 throughout.
+"""DiLoCo outer step on one held shard (docs/design.md §8.4), fp32 throughout.
 
     Δ   = θ_g − θ_m                  compute_delta (then all-reduce(avg) -> mean Δ)
     b   = Δ if first else μ·b + Δ

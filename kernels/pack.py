@@ -1,4 +1,4 @@
-"""Shard packing around the all-gather of one unit (docs/design.md §3, §6).
+"""Shard packing around the all-gather of one unit (docs/design.md §11.1, §3).
 
 copy-in  (`pack_shards`): this rank's fp32 held shards -> its slice of the
                           all-gather buffer, cast to param_dtype.

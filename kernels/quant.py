@@ -1,4 +1,4 @@
-"""int8 block quantization for the quantized param sync (docs/design.md §2.5, `quantize: int8`).
+"""int8 block quantization for the quantized param sync (docs/design.md §8.5, `quantize: int8`).
 
 quantize_int8:   per block of `block` elements, scale = absmax / 127 and
                  q = clamp(round_half_away(x / scale), -127, 127) (scale 0 -> q 0).

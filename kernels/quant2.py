@@ -1,4 +1,4 @@
-"""2-bit block quantization, four values per byte, for a sparse sync codec (docs/design.md §2.5, `int2`).
+"""2-bit block quantization, four values per byte, for a sparse sync codec (docs/design.md §8.5, `int2`).
 
 quantize_int2:        per block of `block` (a multiple of 4) elements, over the magnitudes a = |x|:
                           lo = min a,  hi = max a,  d = (hi − lo)·0.5,  t = lo + d

@@ -1,4 +1,4 @@
-"""4-bit block quantization, two values per byte, for a quantized sync codec (docs/design.md §2.5).
+"""4-bit block quantization, two values per byte, for a quantized sync codec (docs/design.md §8.5).
 
 quantize_int4:        per block of `block` (even) elements, scale = absmax / 7 and
                       q = clamp(round_half_away(x / scale), -7, 7) (scale 0 -> q 0), stored as

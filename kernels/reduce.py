@@ -1,4 +1,4 @@
-"""Grad packing around the reduce-scatter of one unit (docs/design.md §3, §6).
+"""Grad packing around the reduce-scatter of one unit (docs/design.md §11.1, §3).
 
 `pack_grads`: chunk-cat the unit's full grads into the [S, N] reduce-scatter
 input, cast to reduce_dtype with the pre-divide fused (optionally accumulating).

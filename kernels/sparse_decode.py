@@ -1,4 +1,4 @@
-"""One replica's SparseLoCo payload added into the mean's sum in one launch (docs/design.md §2.5).
+"""One replica's SparseLoCo payload added into the mean's sum in one launch (docs/design.md §8.5).
 
 decode_topk_int2_add: for entry j of a top-k payload whose values are int2 and whose indices are bit-packed
                       (b bits each), with c = j // k its chunk:

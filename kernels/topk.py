@@ -1,4 +1,4 @@
-"""Chunked top-k selection fused with the error-feedback update, for a sparse sync codec (docs/design.md §2.5).
+"""Chunked top-k selection fused with the error-feedback update, for a sparse sync codec (docs/design.md §8.5).
 
 The flat vector is cut into chunks of `chunk` consecutive elements (the last may
 be shorter, len_last = n - (n_chunks-1)·chunk). Chunk c selects

@@ -1,4 +1,4 @@
-"""An independent single-process reference for paced rounds (sync.every_s, docs/design.md §2.12).
+"""An independent single-process reference for paced rounds (sync.every_s, docs/design.md §8.12).
 
 M replicas in one process, each a full model with its own optimizer, as in tests/sync_reference.py (whose
 config, data-row and outer-step helpers it reuses; hsdp.engines / hsdp.sync are not imported). What a

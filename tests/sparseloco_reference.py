@@ -1,4 +1,4 @@
-"""An independent reference of the compressed param sync with decayed error feedback (docs/design.md §2.4–2.5),
+"""An independent reference of the compressed param sync with decayed error feedback (docs/design.md §8.4–8.5),
 written from the design text, not from hsdp.sync or kernels/: M replicas of a list of flat units, one process.
 
 Per sync of fragment f (units u with u mod P = f), per unit, replica m (fp32 throughout):

@@ -1,11 +1,11 @@
-"""An independent single-process reference for periodic param sync (docs/design.md §2).
+"""An independent single-process reference for periodic param sync (docs/design.md §8).
 
 M replicas are simulated in one process, each a full model with its own
 optimizer: no torch.distributed, no hsdp engine (hsdp.engines / hsdp.sync are
 not imported). Replica m's batch at each micro-step is rows [m·S·B, (m+1)·S·B)
 of the global batch of one process with batch size B·M·S (the data module's
 contract), i.e. the concatenation of its S shard ranks' batches. On a
-three-level mesh (sites × R in-site replicas × shards, docs/design.md §1.1) a
+three-level mesh (sites × R in-site replicas × shards, docs/design.md §4.1) a
 replica here is a site: the in-site replicas average grads every step, so a
 site computes what one replica with their R·S ranks' rows [m·R·S·B, (m+1)·R·S·B)
 computes, while the sync (and the int8 layout) stays per shard rank of S.
@@ -14,7 +14,7 @@ Per step s:
   1. each replica computes grads on its rows (loss = mean over its rows);
   2. if s < warmup_steps (null: always) the grads are averaged over replicas;
   3. per-replica global-norm clipping, optimizer step;
-  4. param sync of the fragments due after step s (docs/design.md §2):
+  4. param sync of the fragments due after step s (docs/design.md §8):
      average:  θ_m ← mean_m θ_m
      outer step (diloco, or anything quantized, or non-default η/μ):
        Δ = θ_g − mean_m θ_m   (int8: mean_m dequant(quant(θ_g − θ_m)) per shard)
@@ -22,20 +22,20 @@ Per step s:
        θ_g −= η·(Δ + μ·b) (nesterov) or η·b
        θ_m ← θ_g
      θ_g is snapshotted after step warmup−1 (at init when warmup = 0).
-  5. delay τ > 0 (overlapped sync, docs/design.md §2.6): step 4 is split in two.
+  5. delay τ > 0 (overlapped sync, docs/design.md §8.6): step 4 is split in two.
      After step s (fragment due) only the mean Δ = θ_g − mean_m θ_m (int8: as
      above) is taken, for every method (average: η = 1, μ = 0). After step s+τ,
      before any sync that starts there, the outer step above runs with that Δ and
      θ_m ← α·θ_m + (1 − α)·θ_g (θ_m has trained τ more steps). A sync whose s+τ is
      past the last step lands right after the last step.
-  6. sync.schedule torchft (docs/design.md §2.9): fragment f's sync starts after step s
+  6. sync.schedule torchft (docs/design.md §8.9): fragment f's sync starts after step s
      iff f is due (step 4's rule) after s + τ, and lands after s + τ; it always takes
      step 5's path, so with τ = 0 it starts and lands after s and α mixes there too.
-  7. sync.eager (§2.10): when a sync starts, replica m's Δ_m = θ_g − θ_m (fp32, before any
+  7. sync.eager (§8.10): when a sync starts, replica m's Δ_m = θ_g − θ_m (fp32, before any
      codec) gives θ̂_m = θ_g − η·ŝ_m, the outer step of step 4 with Δ_m for Δ and b left
      as it is (ŝ_m = Δ_m + μ·(μ·b + Δ_m) with Nesterov, b ← Δ_m on a unit's first); then
      θ_m ← θ̂_m. When it lands: the outer step with the mean Δ, then θ_m ← θ_m + (θ_g − θ̂_m).
-  8. η and μ per round (§2.11): a unit's r-th outer step (r = 0 first) uses
+  8. η and μ per round (§8.11): a unit's r-th outer step (r = 0 first) uses
      μ_r = μ·min(r, W_μ)/W_μ (W_μ = outer_momentum_warmup, 0: μ), and η_r = η·(r+1)/W_η for
      r < W_η (outer_lr_warmup), then η (constant), or with p = min(1, (r − W_η)/(R − 1 − W_η))
      (R = outer_lr_rounds) η_min + (η − η_min)·(1 + cos πp)/2 (cosine) or η + (η_min − η)·p
@@ -48,7 +48,7 @@ concatenation, over the unit's params in named_parameters order, of rows
 zero-padded to rows·prod(rest) elements. Blocks of `quant_block` elements
 start at the beginning of each such flat shard.
 
-The other lossy codecs (docs/design.md §2.5) use the same flat held shards, written
+The other lossy codecs (docs/design.md §8.5) use the same flat held shards, written
 here from the spec, not from kernels/ or hsdp.sync:
   int4     as int8 with 7 for 127 (scale = absmax/7, q = clamp(round_half_away(x/scale), ±7));
            the nibble packing changes only the bytes, so it is not simulated.
@@ -103,7 +103,7 @@ class SyncReferenceResult:
     global_params: Optional[dict[str, torch.Tensor]] = None  # θ_g after the run (None: no θ_g)
 
 
-# ---------------------------------------------------------------- schedule (docs/design.md §2)
+# ---------------------------------------------------------------- schedule (docs/design.md §8)
 def grad_sync_due(step: int, warmup: Optional[int]) -> bool:
     return warmup is None or step < warmup
 
@@ -116,7 +116,7 @@ def fragment_due(step: int, f: int, warmup: Optional[int], every: int, fragments
 
 
 def outer_hparams(method: str, outer_lr: Optional[float], outer_momentum: Optional[float]) -> tuple[float, float]:
-    """η, μ with the defaults of docs/design.md §2 (average: 1, 0; diloco: 0.7, 0.9)."""
+    """η, μ with the defaults of docs/design.md §8 (average: 1, 0; diloco: 0.7, 0.9)."""
     lr0, mom0 = (1.0, 0.0) if method == "average" else (0.7, 0.9)
     return (lr0 if outer_lr is None else outer_lr, mom0 if outer_momentum is None else outer_momentum)
 
@@ -240,7 +240,7 @@ def quantized_mean_delta(
 # ---------------------------------------------------------------- int4, top-k, error feedback
 @dataclass(frozen=True)
 class CodecSpec:
-    """A lossy codec as the config names it (docs/design.md §2.5)."""
+    """A lossy codec as the config names it (docs/design.md §8.5)."""
 
     quantize: str  # none | int8 | int4: the dense values, or top-k's selected values
     block: int  # quant_block

@@ -295,7 +295,7 @@ def test_an_asynchronous_save_writes_what_a_synchronous_one_does(out: Path, dilo
 
 
 def test_saved_keys_are_the_format_1_layout(diloco_ref: RunResult) -> None:
-    """The DCP keys on disk are design §7's table, named here independently of the code that writes them: a
+    """The DCP keys on disk are design §12.1's table, named here independently of the code that writes them: a
     checkpoint written before hsdp/run/checkpoint/ laid out the keys has these, so it still loads."""
     step_9 = diloco_ref.run_dir / "checkpoints" / "step_9"
     names = [n for n, _ in GPT(config_for(DILOCO).model).named_parameters()]

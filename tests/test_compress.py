@@ -1,4 +1,4 @@
-"""The lossy sync codecs beyond int8 (docs/design.md §2.5: int4, top-k, error feedback) on a 2×2 mesh,
+"""The lossy sync codecs beyond int8 (docs/design.md §8.5: int4, top-k, error feedback) on a 2×2 mesh,
 against the independent reference in sync_reference.py.
 
 Every multi-process run goes through `run_train` and is made once per module (`CompressRuns`).

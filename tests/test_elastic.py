@@ -43,7 +43,7 @@ ELASTIC = [
 ]
 
 
-# The kill cases, placed by elastic.faults (docs/design.md §11, fault points; nothing here is timed). A
+# The kill cases, placed by elastic.faults (docs/design.md §9.4, fault points; nothing here is timed). A
 # replica's rounds after its join: one per sync (param syncs every 4 steps: round 1 after step 3, 2 after step
 # 7, ...; in the warmup one per step: round 1 is step 0's grads); its join's rounds are round 0. Replica 1 dies
 # before its round KILL_ROUND's quorum; its restart starts only once replica 0 has reached the commit of that round (the
@@ -110,7 +110,7 @@ def _params(run_dir: Path, replica: int) -> dict[str, torch.Tensor]:
         ("3x1-int8-delay1", ["mesh.sync=3", "mesh.shard=1"], ["sync.quantize=int8", "sync.delay=1"], 2, ()),
         # grad-sync steps throughout (exact HSDP): a quorum per step; the restarted replica heals inside one
         ("2x1-grad-sync", ["mesh.sync=2", "mesh.shard=1"], [f"sync.warmup_steps={KILL_RUN_STEPS}"], 6, ()),
-        # two sites of two in-site replicas (docs/design.md §1.1): a site is the unit of membership; both of
+        # two sites of two in-site replicas (docs/design.md §4.1): a site is the unit of membership; both of
         # site 1's ranks die, the site restarts and each rank heals from its counterpart in site 0. Only its
         # rank 1 stalls before the fetch (many steps of the peers' pace): the site's ranks must still agree
         # on the steps they skip, or their in-site collectives stop pairing up

@@ -1,4 +1,4 @@
-"""One model at the end of an elastic run: the close (docs/design.md §11, "The close"; hsdp/sync/elastic/closing.py).
+"""One model at the end of an elastic run: the close (docs/design.md §9.7, "The close"; hsdp/sync/elastic/closing.py).
 
 A round's commit is decided per replica, so the run's last round can commit on one replica and be dropped on
 another, with no later round to heal it. The real runs here (2 replicas of the small model, DiLoCo every 8

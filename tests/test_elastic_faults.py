@@ -1,4 +1,4 @@
-"""Elastic faults a WAN has (docs/design.md §11, Partitions): a replica's link cut while every process lives,
+"""Elastic faults a WAN has (docs/design.md §9.6, Partitions): a replica's link cut while every process lives,
 and the lighthouse lost and restarted at the same address.
 
 One real run (2 replicas × 1 shard, the tiny model, DiLoCo every 8 steps) across the slow-link benchmark's
@@ -69,7 +69,7 @@ class ScriptedFaults(ElasticJob):
     replica 0's RESTORE_AT; then, just after a sync both replicas held, the lighthouse killed, and started
     again at the same address once replica 0 logged two more steps (its heartbeats failed meanwhile), before
     their next sync. A replica that reaches that sync while the lighthouse is down asks for no quorum until it
-    accepts connections, then waits one heartbeat window (docs/design.md §11.2; counted on a fake clock
+    accepts connections, then waits one heartbeat window (docs/design.md §9.6; counted on a fake clock
     below), so both replicas are in the restarted lighthouse's first quorum."""
 
     events: list[str]

@@ -1,4 +1,4 @@
-"""The heal of an elastic replica at a param sync (docs/design.md §11 "Heal in the same period"), in one real run.
+"""The heal of an elastic replica at a param sync (docs/design.md §9.2 "Heal in the same period"), in one real run.
 
 Three replicas of the small model, one rank each, DiLoCo with int8 Δ and error feedback, two fragments (a
 round every 2 steps). tests/elastic_heal_train.py orders, by events, a kill on each side of a heal: replica
@@ -128,7 +128,7 @@ def test_replicas_end_equal_after_the_last_sync_with_fragments_and_error_feedbac
 
 
 def test_steps_behind_is_the_fetch_over_the_peers_pace_leaving_one_step() -> None:
-    """k = min(round(ℓ / p), n − a − 1), 0 without a pace (docs/design.md §11, Heal in the same period)."""
+    """k = min(round(ℓ / p), n − a − 1), 0 without a pace (docs/design.md §9.2, Heal in the same period)."""
     from hsdp.sync.elastic.replica import steps_behind
 
     assert steps_behind(5.5, 0.4, 32) == 14  # the slow-link benchmark's fetch at its step time

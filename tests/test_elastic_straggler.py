@@ -1,4 +1,4 @@
-"""The straggler bound (elastic.round_timeout_s, docs/design.md §11.1) and run.slowdown.
+"""The straggler bound (elastic.round_timeout_s, docs/design.md §9.5) and run.slowdown.
 
 The rule on a fake clock (who counts, the pace, the deadline), the transport dropping a late replica's part,
 one real elastic run with replica 1 ten times slower, and the config refusals. No wall-clock assertion:
@@ -229,7 +229,7 @@ def _quorum_sizes(heartbeating: int, asking: int) -> list[Optional[int]]:
 
 
 def test_the_lighthouse_never_leaves_out_one_of_two_live_replicas() -> None:
-    """The premise of §11.1 (why the bound is not the lighthouse's join timeout): torchft's split-brain rule
+    """The premise of §9.5 (why the bound is not the lighthouse's join timeout): torchft's split-brain rule
     wants more than half of the heartbeating replicas, so 1 of 2 gets no quorum however long the other is
     late; 2 of 3 do, after the join timeout. If torchft changes this, the design can be revisited."""
     assert _quorum_sizes(heartbeating=2, asking=1) == [None]

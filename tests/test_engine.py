@@ -74,7 +74,7 @@ def test_grad_accum_equals_bigger_batch(tmp_path: Path) -> None:
 
 
 def test_comm_bytes_match_formula(tmp_path: Path) -> None:
-    """shard_bytes and sync_bytes per step equal the formula of docs/design.md §4."""
+    """shard_bytes and sync_bytes per step equal the formula of docs/design.md §4.2."""
     S, M, steps = 2, 2, 3
     overrides = SMALL + [f"run.steps={steps}", f"mesh.sync={M}", f"mesh.shard={S}", "run.save_model=false"]
     run = run_train(tmp_path, "bytes", overrides)

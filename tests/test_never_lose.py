@@ -1,6 +1,6 @@
 """Nothing lost, nothing hung: each way a run could lose work or hang, tried with real processes.
 
-One test per case of the never-lose contract (docs/design.md §7.1): checks that refuse a run
+One test per case of the never-lose contract (docs/design.md §12.2): checks that refuse a run
 come before the run folder changes; checksums catch a corrupt checkpoint; a diverged run stops
 and never checkpoints or exports a NaN; a stopped rank ends the job within mesh.timeout_s; a
 second launch of a running run is refused; a world/mesh mismatch under torchrun writes nothing;

@@ -1,4 +1,4 @@
-"""sync.schedule, sync.eager and the per-round outer lr / momentum (docs/design.md §2.9–§2.11).
+"""sync.schedule, sync.eager and the per-round outer lr / momentum (docs/design.md §8.9–§8.11).
 
 The policy alone: M = 2 replicas' SyncPolicy objects in one process, one thread each, over a transport whose
 i-th collective completes once both replicas issued theirs (so blocking rounds run as the c10d group's do).

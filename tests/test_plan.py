@@ -155,7 +155,7 @@ def fake_run(tmp_path_factory) -> Path:
 
 
 def test_schedule_bytes_equal_a_fake_runs_counted_bytes(fake_run: Path):
-    """Per step: shard bytes (§4) and sync bytes (grads in the warmup, then each due fragment's codec)."""
+    """Per step: shard bytes (§4.2) and sync bytes (grads in the warmup, then each due fragment's codec)."""
     cfg = load_config(None, FAKE_RUN)
     w = build_workload(cfg)
     records = [json.loads(line) for line in (fake_run / "metrics.jsonl").read_text().splitlines()]

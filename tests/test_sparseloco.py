@@ -1,4 +1,4 @@
-"""SparseLoCo-style sync (docs/design.md §2.5): decayed error feedback, int2 values, packed indices,
+"""SparseLoCo-style sync (docs/design.md §8.5): decayed error feedback, int2 values, packed indices,
 topk_mean all | chosen — the engine's SyncPolicy against the independent reference in sparseloco_reference.py.
 
 The engine side is the real `SyncPolicy` (schedule, codec, outer optimizer, residuals) of M = 3 replicas in
@@ -251,7 +251,7 @@ def test_elastic_residuals_change_only_in_rounds_that_applied_them():
 
 def test_a_healed_replica_gets_no_residual_from_its_peer():
     """HealState sends a peer's params, optimizer and θ_g / momentum, not its residuals: a restarted
-    replica's residuals are zero from its next sync (docs/design.md §11)."""
+    replica's residuals are zero from its next sync (docs/design.md §9)."""
     from types import SimpleNamespace
 
     from hsdp.sync.elastic.heal import HealState

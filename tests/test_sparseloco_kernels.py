@@ -1,6 +1,6 @@
 """The SparseLoCo codec's kernels (kernels/quant2.py: int2 values; kernels/bitpack.py: packed indices): Triton
 (interpreter on CPU) vs torch reference bit for bit, the references vs plain python loops written from
-docs/design.md §2.5, input validation, and sm_90 code generation without FMA. Sizes are small: the
+docs/design.md §8.5, input validation, and sm_90 code generation without FMA. Sizes are small: the
 interpreter is slow.
 """
 

@@ -1,4 +1,4 @@
-"""Sync policies (docs/design.md §2) on a 2×2 mesh against the independent reference in sync_reference.py.
+"""Sync policies (docs/design.md §8) on a 2×2 mesh against the independent reference in sync_reference.py.
 
 Every multi-process run goes through `run_train` (with a timeout) and is made once per module
 (`Runs` caches them). Cases:
@@ -126,7 +126,7 @@ def replica_gap(run) -> float:
 
 # ---------------------------------------------------------------- the schedule and the reference itself
 def test_schedule_formula():
-    """docs/design.md §2.2's formula, spelled out for the cases used here (a check of the reference's schedule)."""
+    """docs/design.md §8.2's formula, spelled out for the cases used here (a check of the reference's schedule)."""
     due = lambda f, P, w=3, H=4, steps=16: [s for s in range(steps) if fragment_due(s, f, w, H, P)]  # noqa: E731
     assert due(0, 1) == [6, 10, 14]
     assert due(0, 2) == [4, 8, 12] and due(1, 2) == [6, 10, 14]
@@ -279,7 +279,7 @@ def int8_sync_bytes(n: int, block: int) -> int:
 
 
 def expected_sync_bytes(case: str) -> list[int]:
-    """Bytes this rank sends on the sync group at each step (docs/design.md §2.2 schedule, formula above)."""
+    """Bytes this rank sends on the sync group at each step (docs/design.md §8.2 schedule, formula above)."""
     cfg = load_config(None, overrides(case))
     sc = cfg.sync
     sizes = unit_sizes(case)
@@ -323,7 +323,7 @@ def test_synced_steps_follow_the_formula(runs: Runs):
     assert steps("frag") == [4, 6, 8, 10, 12, 14]  # fragment 0 after 4, 8, 12; fragment 1 after 6, 10, 14
     assert steps("delay_frag") == steps("frag")  # τ moves where a sync lands, not where it starts
     assert steps("torchft_tau0") == steps("frag")
-    # schedule torchft: τ before the slot (§2.9); the one after step 15 (slot 16) lands at the end
+    # schedule torchft: τ before the slot (§8.9); the one after step 15 (slot 16) lands at the end
     assert steps("torchft_frag") == [3, 5, 7, 9, 11, 13, 15]
 
 

@@ -1,10 +1,10 @@
-"""One message per sync round (docs/design.md §2.5): a packed codec's payloads for every unit of every
+"""One message per sync round (docs/design.md §8.5): a packed codec's payloads for every unit of every
 fragment due in a round leave in ONE all-gather; the fp32 codec still all-reduces each unit alone.
 
 Two replicas' SyncPolicy objects in one process over a loopback transport that records each collective.
 The reference is the same policies with each unit sent as a round of its own (the codec's `start`, the
 path before bucketing): the bucketed run must give the same θ_m, θ_g and residuals bit for bit, the same
-bytes per rank (the sum over units of the §2.5 payload formula, tests/test_compress.py), and one call per
+bytes per rank (the sum over units of the §8.5 payload formula, tests/test_compress.py), and one call per
 round where the reference makes one per unit. Sync every 2 steps in 4 fragments: fragments 0 and 3 are
 due at the same steps, and 1 and 2, so a round spans two fragments; τ = 1, so both replicas issue their
 round before either waits (an in-process loopback cannot run a blocking round)."""
@@ -165,7 +165,7 @@ def test_one_message_per_round_same_bits_same_bytes(name: str):
         per_round = [
             sum(payload_bytes(SIZES[u], cfg) for f in fragments_due(s, cfg) for u in frags[f]) for s in range(STEPS)
         ]
-        assert [b for _, b in loop.calls[m]] == per_round  # the §2.5 payloads of the round's units, summed
+        assert [b for _, b in loop.calls[m]] == per_round  # the §8.5 payloads of the round's units, summed
     if cfg.error_feedback:
         assert all(float(e.abs().max()) > 0 for e in bucketed[0].state.error)
 

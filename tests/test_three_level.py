@@ -1,4 +1,4 @@
-"""The three-level mesh (docs/design.md §1.1): sites × in-site replicas × shards.
+"""The three-level mesh (docs/design.md §4.1): sites × in-site replicas × shards.
 
 The distributed runs are held to the independent single-process reference of
 tests/sync_reference.py, where a site is one replica whose batch is its R·S

@@ -12,7 +12,7 @@ Outer SGD lr 0.7, momentum 0.9, Nesterov, in every case:
 
   plain       H 2, P 1, τ 0                       schedule hsdp (the default): torchft's timing at τ = 0
   streaming   H 4, P 2, τ 0                       schedule hsdp
-  torchft_p2  H 4, P 2, τ 1, α 0.5                sync.schedule=torchft (docs/design.md §2.9)
+  torchft_p2  H 4, P 2, τ 1, α 0.5                sync.schedule=torchft (docs/design.md §8.9)
   torchft_p3  H 6, P 3, τ 1, α 0.3                sync.schedule=torchft
 
 Each case has a Manager of its own (whose step, from 0, picks the fragment: `current_step() % P`), and

@@ -1,4 +1,4 @@
-"""Token-weighted outer means (sync.weighting=tokens, docs/design.md §2.12), codec by codec.
+"""Token-weighted outer means (sync.weighting=tokens, docs/design.md §8.12), codec by codec.
 
 M replicas' SyncPolicy objects run in threads of one process over tests/loopback.py's transport, whose
 collectives complete once every replica issued them (so blocking rounds work). Replica m trained w_m steps

@@ -1,6 +1,6 @@
 """An elastic job across a SlowLink: a lighthouse in node 0, one torchrun per replica, and a node kill.
 
-An elastic run (`elastic.enabled=true`, docs/design.md §11) is not one torch.distributed world:
+An elastic run (`elastic.enabled=true`, docs/design.md §9) is not one torch.distributed world:
 each replica is its own world, and the replicas meet at torchft's lighthouse. So node m runs,
 inside its namespace,
 

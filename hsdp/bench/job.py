@@ -8,7 +8,7 @@ Node m is started with `ip netns exec <its namespace>` as
 
 with `GLOO_SOCKET_IFNAME=<its veth>`. torchrun numbers ranks node_rank·S + local_rank
 (c10d orders the nodes by address, so node_rank = m) and hsdp's mesh is
-rank = sync_rank·S + shard_rank (docs/design.md §1), so replica m is node m: its shard
+rank = sync_rank·S + shard_rank (docs/design.md §4), so replica m is node m: its shard
 group talks inside the namespace (the kernel routes a namespace's own address locally,
 unshaped) and only the sync group (plus the world group's few logging bytes and the
 rendezvous) crosses the shaped link. On a three-level mesh a node is a site: S above is its

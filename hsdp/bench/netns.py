@@ -1,4 +1,4 @@
-"""Network namespaces joined by tc-shaped veths: build, inspect, stop what runs inside, remove (docs/design.md §9).
+"""Network namespaces joined by tc-shaped veths: build, inspect, stop what runs inside, remove (docs/design.md §14.1).
 
 For M replicas `SlowLink` creates the namespaces `hsl<pid><tag>n<m>` and joins them with
 veth links: for M = 2 one veth pair, for M > 2 one veth per replica into a bridge that lives

@@ -128,7 +128,7 @@ class LinkPlan:
     out: Path
     out_dir: Path  # run.out_dir (absolute)
     # (M, ranks per node) of the base config with the shared overrides: a node is a replica (its S shard
-    # ranks) or, on a three-level mesh, a site (its R·S ranks: docs/design.md §1.1)
+    # ranks) or, on a three-level mesh, a site (its R·S ranks: docs/design.md §4.1)
     mesh: tuple[int, int] = (0, 0)
     pin_cores: bool = False  # node m's processes on CPU core m (hsdp.bench.netns.SlowLink.exec_prefix)
     kills: dict[str, Kill] = field(default_factory=dict)  # elastic runs whose node is killed

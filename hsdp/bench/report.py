@@ -235,7 +235,7 @@ def fault_lines(runs: Sequence[LinkRun]) -> list[str]:
 
 
 def ledger_table(runs: Sequence[LinkRun]) -> list[str]:
-    """The rounds' ledger of each run (docs/design.md §2.12): goodput (tokens merged into the global model ÷
+    """The rounds' ledger of each run (docs/design.md §8.12): goodput (tokens merged into the global model ÷
     tokens trained, every replica), the most any replica waited at syncs as a share of its wall time, and
     the tokens each replica trained. Empty when no run reports it."""
     rows = [r for r in runs if r.ok and r.record.summary.get("goodput") is not None]

@@ -1,4 +1,4 @@
-"""The `sync × [replicate ×] shard` DeviceMesh and its process groups (docs/design.md §1).
+"""The `sync × [replicate ×] shard` DeviceMesh and its process groups (docs/design.md §4).
 
 Rank r = (sync_rank · replicate + replicate_rank) · shard + shard_rank: the shard
 dimension is innermost, so a shard group is a block of neighbouring ranks (one

@@ -1,4 +1,4 @@
-"""The sync group of a three-level mesh: a site's payload crosses the slow link once (docs/design.md §1.1).
+"""The sync group of a three-level mesh: a site's payload crosses the slow link once (docs/design.md §4.1).
 
 On a `sync × replicate × shard` mesh the R replicas of a site hold the same
 held shards (they average grads every step), so every payload the sync policy

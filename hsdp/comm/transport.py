@@ -1,4 +1,4 @@
-"""Over what Δ travels: the sync group's collectives, behind one small protocol (docs/design.md §2, §11).
+"""Over what Δ travels: the sync group's collectives, behind one small protocol (docs/design.md §8, §9).
 
 A transport moves tensors among the M replicas of one shard position. The
 policy and the codecs only call `all_reduce_sum` and `all_gather`, wait on

@@ -1,4 +1,4 @@
-"""The compiled path's graph side (docs/design.md §8).
+"""The compiled path's graph side (docs/design.md §10).
 
     graph.py    the sharded training step in traceable form: what torch.compile captures
     passes.py   graph passes: release by recompute, collective scheduling (cacheable)

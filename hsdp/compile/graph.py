@@ -1,4 +1,4 @@
-"""The sharded training step in traceable form: what torch.compile captures (docs/design.md §8).
+"""The sharded training step in traceable form: what torch.compile captures (docs/design.md §10).
 
 Per unit, in the graph:
 

@@ -1,4 +1,4 @@
-"""Graph passes of the compiled path (docs/design.md §8).
+"""Graph passes of the compiled path (docs/design.md §10).
 
 `recompute_gathers` (joint graph, before the partitioner): release.
     Tags every all-gather, its wait, the cast feeding it and the unpacking

@@ -1,7 +1,7 @@
 """`elastic.faults`: deterministic faults at named points of an elastic replica's life (no torch).
 
 A fault is placed by what the replica is doing, not by the clock, so a test or a benchmark gets the same
-order of events on a quiet laptop and on a loaded CI box (docs/design.md §11, fault points):
+order of events on a quiet laptop and on a loaded CI box (docs/design.md §9.4, fault points):
 
     SPEC   := WHO "@" ROUND ":" POINT ":" ACTION       several joined by ","
     WHO    := REPLICA ["." LIFE] ["/" RANK]            LIFE: its restart count (0: the first start; default 0)

@@ -62,7 +62,7 @@ class DataConfig:
 @dataclass
 class MeshConfig:
     sync: int = 1  # sites: replicas joined by slow links, synced per the sync section
-    replicate: int = 1  # replicas inside a site (fast links), averaging grads every step (design §1.1)
+    replicate: int = 1  # replicas inside a site (fast links), averaging grads every step (design §4.1)
     shard: int = 1  # FSDP group size (fast links)
     engine: str = "hsdp"  # hsdp | fsdp2 | ddp
     backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl | fake (no communication, timing only)

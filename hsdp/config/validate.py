@@ -182,7 +182,7 @@ def validate(cfg: Config) -> None:
 
 
 def check_outer_options(cfg: Config) -> None:
-    """sync.schedule, sync.eager and the per-round outer lr / momentum (docs/design.md §2.9–§2.11)."""
+    """sync.schedule, sync.eager and the per-round outer lr / momentum (docs/design.md §8.9–§8.11)."""
     s = cfg.sync
     if s.schedule == "torchft" and s.delay >= s.every // s.fragments:
         raise ConfigError(
@@ -227,7 +227,7 @@ def check_outer_options(cfg: Config) -> None:
 
 
 def check_paced(cfg: Config) -> None:
-    """sync.every_s (rounds paced by wall time) and sync.weighting (docs/design.md §2.12)."""
+    """sync.every_s (rounds paced by wall time) and sync.weighting (docs/design.md §8.12)."""
     s = cfg.sync
     if s.every_s > 0 and s.warmup_steps is None:
         raise ConfigError(
@@ -242,7 +242,7 @@ def check_paced(cfg: Config) -> None:
 
 
 def check_elastic(cfg: Config) -> None:
-    """What an elastic run (replicas on torchft, docs/design.md §11) supports (the engine: check_engine_config)."""
+    """What an elastic run (replicas on torchft, docs/design.md §9) supports (the engine: check_engine_config)."""
     e, s = cfg.elastic, cfg.sync
     if cfg.mesh.sync < 2:
         raise ConfigError(f"elastic.enabled: needs at least 2 replicas (mesh.sync), got {cfg.mesh.sync}")

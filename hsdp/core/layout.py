@@ -7,7 +7,7 @@ and sync grads by the same plan (docs/design.md §0).
 
 A unit's params are sharded along dim 0 over the S ranks of its shard group, each
 param padded to ceil(d0 / S) rows so every rank holds the same number of
-elements (docs/design.md §3):
+elements (docs/design.md §5):
 
     held_flat [N]        this rank's rows of every param, param after param (fp32)
     all-gather [S, N]    every rank's held_flat, rank-major

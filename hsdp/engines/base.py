@@ -1,6 +1,6 @@
 """The engine interface every training engine implements (`build_engine` is in registry.py).
 
-`train.py` drives any engine the same way (docs/design.md §5):
+`train.py` drives any engine the same way (docs/design.md §13):
 
     engine = build_engine(cfg, mesh)              # model built, sharded/wrapped; syncs through mesh.sync_transport
     optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
@@ -14,7 +14,7 @@
         synced = engine.end_step(step)            # the sync policy's param sync, if due
     engine.finish()                               # land a param sync still in flight
 
-Checkpoints (hsdp/run/checkpoint/, docs/design.md §7) go through two methods, and an
+Checkpoints (hsdp/run/checkpoint/, docs/design.md §12.1) go through two methods, and an
 engine never names a checkpoint key (the checkpoint package lays them out):
 `checkpoint_state(optimizer)` is this rank's state by role, an `EngineState`
 (params, inner optimizer state, the sync policy's state_dict with its buffers

@@ -1,4 +1,4 @@
-"""The two collective sequences of a unit, each step a small named function (docs/design.md §3).
+"""The two collective sequences of a unit, each step a small named function (docs/design.md §11.1).
 
     gather:  pack_for_gather (cast held → param_dtype) → all-gather on the shard group
              → unpack_gathered (rank-major [S, N] → param-major full_flat)
@@ -123,7 +123,7 @@ class PendingReduce:
 def replica_stages(comm: Comm, red: PendingReduce, sync_grads: bool) -> list[Callable[[], TimedWork]]:
     """The collectives after the shard group's reduce-scatter, each a launcher of one async stage.
 
-    Two-level mesh: [sync_grads] all-reduce on the sync group. Three-level (docs/design.md §1.1): the
+    Two-level mesh: [sync_grads] all-reduce on the sync group. Three-level (docs/design.md §4.1): the
     in-site replicas' all-reduce every step; when the sites sync grads too it is split around the slow
     link — reduce-scatter in the site, all-reduce of the 1/R slice across sites, all-gather in the
     site — so each site's grads cross the slow link once, as a two-level replica's do.

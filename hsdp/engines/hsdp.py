@@ -1,6 +1,6 @@
 """The eager HSDP engine: units, held shards, gather/release with prefetch, reduce-scatter.
 
-Per unit (docs/design.md §3):
+Per unit (docs/design.md §11.1):
 
     held_flat  [N]       fp32, this rank's dim-0 shard of every param, padded (hsdp/core/layout.py)
     gather:    pack → all-gather (shard group) → unpack into full_flat [S·N]   (hsdp/engines/collectives.py)

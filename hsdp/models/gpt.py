@@ -1,6 +1,6 @@
 """The decoder-only transformer used by experiments, split into units the sharding engine wraps.
 
-Units (docs/design.md §1): the embedding, each transformer block, and final norm + head.
+Units (docs/design.md §6): the embedding, each transformer block, and final norm + head.
 `GPT.units` is an `nn.ModuleList` of exactly those; `GPT.forward` runs them in
 order, so any engine that wraps each unit sees the same computation.
 

@@ -1,5 +1,5 @@
 """Goodput under faults in the planner: what a fault of each kind costs a run of N replicas, and so the share
-of replica-seconds that is useful work, from 2 to 1,024 replicas (docs/design.md §11.3).
+of replica-seconds that is useful work, from 2 to 1,024 replicas (docs/design.md §15.1).
 
     python -m hsdp.plan.goodput [--replicas 2,4,...,1024] [--mtbf-h 1,6,24] [--step-s 0.5 --every 32 --round-s 10]
                                 [--heal-s 60] [--detect-s 10] [--checkpoint-every-s 1800 --save-s 2]

@@ -1,12 +1,12 @@
 """The step-time model: one step's compute laid on a timeline with the collectives the engine issues,
-overlapped only where the engine overlaps them (docs/design.md §2, §3, §4).
+overlapped only where the engine overlaps them (docs/design.md §8, §11.1, §4.2).
 
 Two links (three on a three-level mesh), each a FIFO channel (a process group's collectives run one after another):
 
     inter   each replica's link to the others, per direction, shared by its S ranks' sync groups:
             a message of b bytes per rank takes S·b·8·overhead / inter_bps + latency · hops
             (hops: a ring's M − 1 steps for an all-gather, 2(M − 1) for an all-reduce); on a three-level
-            mesh (§1.1) a site's link, shared by its R·S ranks, each sending a 1/R slice: R·S·b·8·…
+            mesh (§4.1) a site's link, shared by its R·S ranks, each sending a 1/R slice: R·S·b·8·…
     site    the in-site replicas' fast link (three-level mesh): b·8 / intra_bps, its own FIFO; free
             without an intra rate
     intra   a rank's shard-group link: b·8 / intra_bps (None: free, as in a compute-only run), or each
@@ -15,7 +15,7 @@ Two links (three on a three-level mesh), each a FIFO channel (a process group's 
 `overhead` is the wire's framing: 1514/1448 for Ethernet + IPv4 + TCP with timestamps at MTU 1500
 (what the benchmark's veths carry); 1 for the paper's closed forms.
 
-A step (`Timeline.step`), as hsdp/engines run it (§3): forward, unit by unit, each unit waiting for
+A step (`Timeline.step`), as hsdp/engines run it (§11.1): forward, unit by unit, each unit waiting for
 its gather (prefetched one unit ahead when `mesh.prefetch`); backward in reverse, every unit but the
 embedding re-gathered (prefetched likewise); when a unit's grads exist every pending reduction
 advances one stage — waits for its current collective, then launches the next (the reduce-scatter's
@@ -136,7 +136,7 @@ class Timeline:
         return self.intra_free
 
     def site(self, start: float, m: Message) -> float:
-        """Issue an in-site replicas' collective (§1.1) at `start`: on the fast link at intra_bps, its own
+        """Issue an in-site replicas' collective (§4.1) at `start`: on the fast link at intra_bps, its own
         FIFO channel; free without one (a measured shard-group table does not cover the replicate group)."""
         if self.link.intra_bps is None or m.nbytes == 0:
             return start

@@ -9,7 +9,7 @@ with the peak from hsdp.models.gpt's table (dense 16-bit tensor-core FLOP/s, as 
 `--flops`. Codec and outer-step compute (`sync_s`) are not projected: they are memory-bound passes
 over the held shard, small next to a step at these sizes; calibrate on a run to include them.
 
-Failure (docs/design.md §11): the survivors lose about `elastic.timeout_s` (the lighthouse drops a
+Failure (docs/design.md §9): the survivors lose about `elastic.timeout_s` (the lighthouse drops a
 silent replica) plus one sync; the restarted replica fetches its state from a live peer over the
 inter link (held params, AdamW moments, DiLoCo's outer momentum, per rank, S ranks on one link) after
 `elastic.restart_delay_s`, and trains again from the next sync.
@@ -51,7 +51,7 @@ class FailureCost:
 
 
 def failure_cost(w: Workload, link: Link, compute: Compute, cfg: Config) -> FailureCost:
-    """What one replica failure costs at this link (an estimate from the elastic design, §11)."""
+    """What one replica failure costs at this link (an estimate from the elastic design, §9)."""
     tl = Timeline(w, link, Compute(step_s=0.0, sync_s=0.0))
     if w.sync.warmup_steps is None:  # exact HSDP: a round per step, one step's grad all-reduces
         one_sync = sum(tl.inter_time(w.grad_sync_message(u)) for u in range(len(w.units)))

@@ -1,4 +1,4 @@
-"""Uneven replicas in the planner (docs/design.md §2.12, §11.1): what one round costs each replica when their
+"""Uneven replicas in the planner (docs/design.md §8.12, §9.5): what one round costs each replica when their
 step times differ, under the three ways of pacing the rounds.
 
 Inputs: each replica's step time s_m (its compute; the planner's compute × `--speeds`), the period H

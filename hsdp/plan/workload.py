@@ -1,5 +1,5 @@
 """What one step of a config computes and moves: its units' held sizes and FLOP shares, and the bytes
-of every collective, from the functions the engine counts with (docs/design.md §3, §4).
+of every collective, from the functions the engine counts with (docs/design.md §11.1, §4.2).
 
 Bytes are never re-derived here. A unit's held elements come from `hsdp.core.layout.plan_layout` (the
 engine's own dim-0 layout, padding included); a collective's bytes from `hsdp.comm.groups.ring_bytes_of`
@@ -40,7 +40,7 @@ class Unit:
 
     held: int  # N_u: held elements per rank (hsdp.core.layout), padding included
     flops_share: float  # fraction of the model's forward/backward FLOPs in this unit
-    embedding: bool  # backward needs no weights: not re-gathered (docs/design.md §3)
+    embedding: bool  # backward needs no weights: not re-gathered (docs/design.md §11.1)
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Workload:
     tokens_per_step: int  # the whole run's, all replicas
     flops_per_token: int
     params: int  # the model's parameters (unpadded)
-    R: int = 1  # in-site replicas (mesh.replicate): each carries 1/R of its site's sync payloads (§1.1)
+    R: int = 1  # in-site replicas (mesh.replicate): each carries 1/R of its site's sync payloads (§4.1)
 
     # -------------------------------------------------------- the shard group (per rank, per step)
     def gather_messages(self, u: int) -> Message:
@@ -70,7 +70,7 @@ class Workload:
         )
 
     def shard_bytes_per_step(self) -> int:
-        """§4: forward gathers and backward re-gathers per micro-step, one reduce-scatter, the grad norm."""
+        """§4.2: forward gathers and backward re-gathers per micro-step, one reduce-scatter, the grad norm."""
         if self.S == 1:
             return 0
         gathers = sum(
@@ -82,7 +82,7 @@ class Workload:
     # -------------------------------------------------------- the sync group (per rank)
     def grad_sync_message(self, u: int) -> Message:
         """Stage 3 of the grad reduction: the reduced grad shard (a site's: this rank's 1/R slice of it)
-        all-reduced across replicas or sites (§3, §1.1)."""
+        all-reduced across replicas or sites (§11.1, §4.1)."""
         nbytes = -(-self.units[u].held // self.R) * self.reduce_bytes
         return Message("all_reduce", ring_bytes_of("all_reduce", self.M, nbytes))
 
@@ -92,7 +92,7 @@ class Workload:
     def grad_stages(self, u: int, grad_sync: bool) -> list[tuple[str, Message]]:
         """After the shard group's reduce-scatter, the unit's grad collectives in the engine's order
         (hsdp/engines/collectives.py `replica_stages`), each with its channel: "inter" (the slow link) or
-        "site" (the in-site replicas' fast link, §1.1)."""
+        "site" (the in-site replicas' fast link, §4.1)."""
         part = -(-self.units[u].held // self.R) * self.reduce_bytes  # one in-site replica's slice
         if not grad_sync or self.M == 1:
             whole = self.units[u].held * self.reduce_bytes
@@ -106,11 +106,11 @@ class Workload:
         ]
 
     def param_sync_messages(self, u: int) -> list[Message]:
-        """The collectives of one unit's param sync through the config's codec (§2.3–2.5), sliced per site."""
+        """The collectives of one unit's param sync through the config's codec (§8.3–8.5), sliced per site."""
         return codec_messages(self.sync, self.units[u].held, self.M, self.R)
 
     def site_round_messages(self, units: list[int]) -> list[Message]:
-        """The in-site all-gather of a round's slices after they crossed the slow link (§1.1): per unit
+        """The in-site all-gather of a round's slices after they crossed the slow link (§4.1): per unit
         for the fp32 all-reduce, one for a packed codec's gathered payloads (a row per site)."""
         if self.R == 1:
             return []
@@ -209,6 +209,6 @@ def build_workload(cfg: Config, params: int | None = None) -> Workload:
 
 
 def state_bytes_per_rank(w: Workload) -> int:
-    """What a healing replica fetches per rank (docs/design.md §11): its held params (fp32), AdamW's two
+    """What a healing replica fetches per rank (docs/design.md §9): its held params (fp32), AdamW's two
     moments and, for DiLoCo, the outer momentum; θ_g equals the params after a sync and is not sent twice."""
     return sum(u.held for u in w.units) * (4 + 8 + (4 if w.sync.method == "diloco" else 0))

@@ -1,4 +1,4 @@
-"""The run's accounting: what each step trained and took, and every count and rate made from them (§9).
+"""The run's accounting: what each step trained and took, and every count and rate made from them (§12).
 
 One definition each, used by the metrics records, the progress bar, summary.json and the closing line:
 

@@ -152,7 +152,7 @@ def ledger_entry(
     quorum_s: float = 0.0,
     earlier: tuple[float, float] = (0, 0),
 ) -> dict[str, Any]:
-    """One replica's round ledger for summary.json (docs/design.md §2.12): the tokens it trained, those that
+    """One replica's round ledger for summary.json (docs/design.md §8.12): the tokens it trained, those that
     reached the global model, and its seconds waiting at syncs for the last replica (an elastic run's
     quorums, `quorum_s`, and a weighted run's weight exchange) with their share of its wall time. `earlier`:
     the tokens it trained and merged in its earlier lives (a restarted replica's), which its policy's ledger

@@ -1,6 +1,6 @@
 """Launch an elastic run: one torch.distributed world per replica, restarted alone when it fails.
 
-(elastic.enabled, docs/design.md §11.) The launcher starts torchft's lighthouse in-process (unless
+(elastic.enabled, docs/design.md §9.) The launcher starts torchft's lighthouse in-process (unless
 `elastic.lighthouse` names one), then `mesh.sync` replica groups of `mesh.shard` local workers, each
 group with its own rendezvous port. When any worker of a replica ends badly, the launcher kills the
 rest of that replica and starts it again (up to `elastic.max_restarts` times); the new workers heal
@@ -111,7 +111,7 @@ def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
     a stalled rank. Slowness is not a failure; only silence is. Not the straggler bound either
     (elastic.round_timeout_s): with two replicas torchft's lighthouse never forms a quorum without one that
     heartbeats, and with more, one left out would heal a full state each time; the replicas keep that bound
-    themselves, all in every quorum (docs/design.md §11.1).
+    themselves, all in every quorum (docs/design.md §9.5).
     """
     return int(cfg.mesh.timeout_s * 1000), int(cfg.elastic.timeout_s * 1000)
 
@@ -334,7 +334,7 @@ def merge_replica_summaries(
         "replica_restarts": {str(m): n for m, n in restarts.items()},
         "heals": sum(s.get("heals", 0) for s in summaries.values()),
         "dropped_syncs": {str(m): s.get("dropped_syncs", 0) for m, s in summaries.items()},
-        # cuts (a partition, a lost lighthouse; docs/design.md §11): per replica, its rejoins (healed mid-run
+        # cuts (a partition, a lost lighthouse; docs/design.md §9): per replica, its rejoins (healed mid-run
         # after a cut), the time it was paused at its sync for them, and the rounds whose quorum failed outright
         **{
             key: {str(m): s.get(key, 0) for m, s in summaries.items()}

@@ -1,5 +1,5 @@
 """How Δ travels: a codec turns each replica's Δ_m into what crosses the transport and back into the
-replicas' mean (docs/design.md §2.5). n = the unit's held elements, M = replicas, B = `quant_block`.
+replicas' mean (docs/design.md §8.5). n = the unit's held elements, M = replicas, B = `quant_block`.
 
     codec                          collective            bytes one rank sends
     none   fp32                    all-reduce (sum) ÷ M  2(M−1)/M · 4n

@@ -4,7 +4,7 @@ The training loop calls a `Membership` unconditionally; `build_membership` picks
 from the config:
 
     LocalMembership     the c10d sync group of one torch.distributed world: membership fixed for the run
-    ElasticReplica      a replica of an elastic run on torchft (hsdp/sync/elastic/replica.py, docs/design.md §11)
+    ElasticReplica      a replica of an elastic run on torchft (hsdp/sync/elastic/replica.py, docs/design.md §9)
 
 Which replica a worker is and which start of it travel explicitly, as a `ReplicaSeat` the launcher hands
 the worker (hsdp/run/replicas.py; under torchrun `enter_torchrun_replica`'s result).

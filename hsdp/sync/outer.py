@@ -1,4 +1,4 @@
-"""The outer optimizer of a param sync: what θ_g does with the replicas' mean Δ (docs/design.md §2.4, §2.11).
+"""The outer optimizer of a param sync: what θ_g does with the replicas' mean Δ (docs/design.md §8.4, §8.11).
 
 average:  η = 1, μ = 0 by default (θ_g ← θ_g − mean Δ = mean θ_m)
 diloco:   η = 0.7, μ = 0.9 by default, Nesterov unless sync.nesterov=false
@@ -103,7 +103,7 @@ class OuterOptimizer:
         r: int,
     ) -> None:
         """`out` ← the θ_g that round r's outer step would give with `delta` for the mean (eager updates,
-        docs/design.md §2.10): the same kernel on copies, so θ_g and b are left as they are."""
+        docs/design.md §8.10): the same kernel on copies, so θ_g and b are left as they are."""
         g = global_params.clone()
         b = torch.empty_like(delta) if momentum is None else momentum.clone()
         self.step(out, g, b, delta, momentum is None, r)

@@ -1,4 +1,4 @@
-"""Paced rounds (sync.every_s, docs/design.md §2.12): each replica trains the steps of a period that fit a
+"""Paced rounds (sync.every_s, docs/design.md §8.12): each replica trains the steps of a period that fit a
 wall-time window, so no replica waits for a slower one beyond the window's end.
 
 The schedule stays the step-counted one (schedule.py): a round starts after every H/P nominal steps (the

@@ -1,6 +1,6 @@
 """The sync policy: the one object that decides and does everything that crosses the sync group.
 
-It combines the pieces of this package (docs/design.md §2):
+It combines the pieces of this package (docs/design.md §8):
 
     schedule.py    when: warmup grad sync, every H steps, fragments, delay τ (schedule hsdp or torchft)
     outer.py       what θ_g does with the mean Δ (average / DiLoCo; η, μ per round)
@@ -19,9 +19,9 @@ update of step s+τ the round lands: every reduction is finished (waited, mean),
 the transport says whether the round committed, and only then each unit's `apply`
 (outer step → new θ_g, θ_m ← α·θ_m + (1 − α)·θ_g). τ = 0 is the special case that
 lands in the same call (schedule hsdp: α = 0, θ_m ← θ_g; schedule torchft mixes α at
-every sync, §2.9); the elastic round is the same path on a transport whose rounds may
+every sync, §8.9); the elastic round is the same path on a transport whose rounds may
 fail to commit (then nothing is applied). `finish()` lands whatever is still in flight
-when training ends (before the final eval). With `sync.eager` (§2.10) the start also
+when training ends (before the final eval). With `sync.eager` (§8.10) the start also
 moves θ_m to θ̂_m, the outer step with its own Δ_m for the mean, and the land replaces
 θ̂_m by the real θ_g: θ_m ← θ_m + (θ_g − θ̂_m).
 
@@ -134,10 +134,10 @@ class SyncPolicy:
         self.codec = codec or build_codec(cfg)
         self.outer_opt = OuterOptimizer.from_config(cfg)
         self.delay = cfg.delay
-        self.torchft = cfg.schedule == "torchft"  # torchft's timing and merge (docs/design.md §2.9)
+        self.torchft = cfg.schedule == "torchft"  # torchft's timing and merge (docs/design.md §8.9)
         # schedule hsdp: τ = 0 lands as it starts, θ_m ← θ_g; torchft mixes α at every sync
         self.alpha = cfg.alpha if cfg.delay > 0 or self.torchft else 0.0
-        self.eager = cfg.eager  # θ_m ← θ̂_m at the start, corrected at the land (docs/design.md §2.10)
+        self.eager = cfg.eager  # θ_m ← θ̂_m at the start, corrected at the land (docs/design.md §8.10)
         if self.eager and transport.may_fail:
             raise ConfigError("sync.eager: not on a transport whose rounds may fail (an elastic run)")
         self.uses_global = uses_global_copy(cfg)
@@ -146,7 +146,7 @@ class SyncPolicy:
         self.landed: list[int] = []  # fragments whose sync landed in the last after_step / finish
         self.dropped = 0  # rounds that did not commit (an elastic replica failed during them): not applied
         self.residual_before: dict[int, torch.Tensor] = {}  # elastic + error feedback: see settle_residuals
-        # The round ledger (docs/design.md §2.12): the steps this replica trained since each fragment's last
+        # The round ledger (docs/design.md §8.12): the steps this replica trained since each fragment's last
         # sync began (its weight in that fragment's next round), and of all it trained, how many reached the
         # global model (a grad-sync step whose round committed; a param round that committed counting it).
         self.weighted = weights_by_tokens(cfg)
@@ -381,7 +381,7 @@ class SyncPolicy:
             x.mul_(factor)
         return self.codec.start(x, self.transport, self.delay > 0, error=error)
 
-    # ---- error feedback on a transport that may fail (elastic, docs/design.md §11): a residual changes only
+    # ---- error feedback on a transport that may fail (elastic, docs/design.md §9): a residual changes only
     # in a round that committed and counted this replica's part; otherwise it is put back as it was.
     def keep_residual(self, u: int) -> None:
         """Before the codec updates unit u's residual in a round that may not count: keep a copy."""
@@ -495,7 +495,7 @@ class SyncPolicy:
 
 
 def per_round_keys(cfg: SyncConfig) -> dict[str, bool]:
-    """The keys that make η or μ depend on the round (docs/design.md §2.11), and whether each is set."""
+    """The keys that make η or μ depend on the round (docs/design.md §8.11), and whether each is set."""
     return {
         "outer_momentum_warmup": cfg.outer_momentum_warmup > 0,
         "outer_lr_warmup": cfg.outer_lr_warmup > 0,

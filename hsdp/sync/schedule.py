@@ -1,9 +1,9 @@
-"""When things cross the sync group (docs/design.md §2): the schedule of one SyncConfig.
+"""When things cross the sync group (docs/design.md §8): the schedule of one SyncConfig.
 
     step s < warmup_steps        grads averaged across replicas (exact HSDP)
     fragment f's slots           the steps s >= warmup with (s + 1 − warmup − (f+1)·every/P) % every == 0
     after the update of step s   fragment f's sync starts iff s is a slot (schedule hsdp: it lands τ steps
-                                 later) or s + τ is one (schedule torchft, §2.9: it lands at the slot)
+                                 later) or s + τ is one (schedule torchft, §8.9: it lands at the slot)
     units → fragments            round-robin: fragment f holds units f, f+P, f+2P, …
 
 Pure functions of the config and the step; the policy, `train.py` (the end-of-run
@@ -21,7 +21,7 @@ def grad_sync_due(step: int, cfg: SyncConfig) -> bool:
 
 
 def slots_due(step: int, cfg: SyncConfig) -> list[int]:
-    """The fragments whose slot is the update of `step` (docs/design.md §2.2): where a blocking sync happens."""
+    """The fragments whose slot is the update of `step` (docs/design.md §8.2): where a blocking sync happens."""
     if cfg.warmup_steps is None or step < cfg.warmup_steps:
         return []
     P, H = cfg.fragments, cfg.every
@@ -30,7 +30,7 @@ def slots_due(step: int, cfg: SyncConfig) -> list[int]:
 
 def start_offset(cfg: SyncConfig) -> int:
     """How many steps before its slot a fragment's sync starts: 0 (schedule hsdp: it starts at the slot and
-    lands τ later) or τ (schedule torchft: it starts τ before the slot and lands at it, §2.9)."""
+    lands τ later) or τ (schedule torchft: it starts τ before the slot and lands at it, §8.9)."""
     return cfg.delay if cfg.schedule == "torchft" else 0
 
 
@@ -70,7 +70,7 @@ def uses_global_copy(cfg: SyncConfig) -> bool:
 
 def weights_by_tokens(cfg: SyncConfig) -> bool:
     """Whether the outer mean weights each replica's Δ by the tokens it trained since the fragment's last
-    sync (sync.weighting tokens, or auto on a paced run: docs/design.md §2.12)."""
+    sync (sync.weighting tokens, or auto on a paced run: docs/design.md §8.12)."""
     return cfg.weighting == "tokens" or (cfg.weighting == "auto" and cfg.every_s > 0)
 
 

@@ -4,9 +4,9 @@ Per unit of the held layout (each a flat fp32 tensor the size of the unit's held
 
     θ_g   global_params   where the method keeps a global copy (uses_global_copy)
     b     momentum        DiLoCo's outer momentum, from the first outer step on
-    r     rounds          the unit's outer steps so far (the round of per-round η, μ: §2.11)
+    r     rounds          the unit's outer steps so far (the round of per-round η, μ: §8.11)
     e     error           this replica's error-feedback residual, from its first sync on
-    θ̂     eager           this replica's eager estimate of θ_g while its unit's sync is in flight (§2.10)
+    θ̂     eager           this replica's eager estimate of θ_g while its unit's sync is in flight (§8.10)
     Δ     in flight       a started sync's mean Δ per unit of its fragment (τ > 0)
 
 `state_dict()` is that state in one form, used as it is by every reader: the checkpoint

@@ -1,5 +1,5 @@
 """Checkpoints as one component: the on-disk layout, the key layout, save/load, integrity and export
-(docs/design.md §7). Engines and the sync policy hand it their state; they never name a key.
+(docs/design.md §12.1). Engines and the sync policy hand it their state; they never name a key.
 
     find.py       where checkpoints are: checkpoints/step_N, an elastic replica's home, what run.resume names
     keys.py       the DCP key layout of an engine's `EngineState` (the one place keys are named)

@@ -1,5 +1,5 @@
 """Reading one model's full params out of a checkpoint, in one process (no process group): what
-`python -m hsdp.export` and `python -m hsdp.sample` load (docs/design.md §7, Export)."""
+`python -m hsdp.export` and `python -m hsdp.sample` load (docs/design.md §12.1, Export)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Finding checkpoints: the run folder's checkpoint folders, an elastic run's per-replica homes, and which
-checkpoint `run.resume` names (docs/design.md §7)."""
+checkpoint `run.resume` names (docs/design.md §12.1)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def replica_newest(cfg: Config) -> list[Optional[Path]]:
     The replicas need not agree: one that was down while the others saved is behind. Each resumes from
     its own newest state, and one behind the newest heals from a replica ahead at their first quorum
     (hsdp/sync/elastic/replica.py, `ElasticReplica.join`), as a replica restarted within the run does. Nothing a
-    replica saved is given up for a step that all of them share (docs/design.md §11)."""
+    replica saved is given up for a step that all of them share (docs/design.md §9)."""
     return [latest_checkpoint(replica_home(cfg.run_dir, m)) for m in range(cfg.mesh.sync)]
 
 

@@ -1,4 +1,4 @@
-"""The checkpoint's key layout: where each piece of an engine's state lives among DCP's keys (docs/design.md §7).
+"""The checkpoint's key layout: where each piece of an engine's state lives among DCP's keys (docs/design.md §12.1).
 
 An engine hands its state by role (`EngineState`: model params, inner optimizer state, sync
 state cut per param), never as keys; this module alone names them:

@@ -1,4 +1,4 @@
-"""Saving and restoring a rank's state: the training loop's side of the checkpoint (docs/design.md §7).
+"""Saving and restoring a rank's state: the training loop's side of the checkpoint (docs/design.md §12.1).
 
 What a rank saves is handed to it, never laid out by its owner: the engine's `EngineState` (params,
 inner optimizer state, the sync policy's state_dict cut per param), named by keys.py, plus this rank's
@@ -98,7 +98,7 @@ PROGRESS_PARTS = ("ledger", "pace")
 
 
 class RankExtras:
-    """A rank's state besides the engine's (torch's `Stateful`): RNG states, Comm counters (§4) and the loop's
+    """A rank's state besides the engine's (torch's `Stateful`): RNG states, Comm counters (§4.2) and the loop's
     progress (step times, last losses, wall time, tokens). Saved pickled under `rank{r}.extra`."""
 
     def __init__(

@@ -1,5 +1,5 @@
 """Checking a checkpoint before any worker starts: complete, readable, intact and a fit for the config
-(docs/design.md §7, §7.1). Each refusal is one line naming the key or file (ConfigError).
+(docs/design.md §12.1, §12.2). Each refusal is one line naming the key or file (ConfigError).
 
 Two kinds of refusal: a checkpoint that does not fit the config (another model, engine, optimizer, mesh)
 is the config's problem and always an error; one whose own files are damaged or incomplete

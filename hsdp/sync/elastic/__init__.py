@@ -1,4 +1,4 @@
-"""The sync group on torchft: replicas that die and rejoin (elastic.enabled, docs/design.md §11).
+"""The sync group on torchft: replicas that die and rejoin (elastic.enabled, docs/design.md §9).
 
 Each replica is its own torch.distributed world of `mesh.shard` ranks. Shard rank r of every replica
 holds the same slice of the model, so rank r's torchft `Manager` joins the quorum of the r-th ranks of

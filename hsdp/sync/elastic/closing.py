@@ -1,4 +1,4 @@
-"""The run's close: one model at the end of an elastic run (docs/design.md §11, "The close").
+"""The run's close: one model at the end of an elastic run (docs/design.md §9.7, "The close").
 
 A round's commit is decided per replica (torchft's `should_commit` agrees within a replica's world only), so
 the run's last param round can commit on one replica and be dropped on another; mid-run the next quorum

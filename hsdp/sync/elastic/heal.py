@@ -102,7 +102,7 @@ class HealState:
         # Copies: they are sent from another thread while this replica trains on.
         seam = self.seam
         policy = copy.deepcopy(seam.policy.state_dict())
-        # Error-feedback residuals are each replica's own: a healed replica starts from zero (docs/design.md §11).
+        # Error-feedback residuals are each replica's own: a healed replica starts from zero (docs/design.md §9).
         policy["buffers"]["error"] = [None] * len(policy["buffers"]["error"])
         policy["meta"]["error_units"] = []
         thetas = self._global_params(policy)

@@ -1,4 +1,4 @@
-"""The phases of an elastic replica's life and every transition between them (docs/design.md §11).
+"""The phases of an elastic replica's life and every transition between them (docs/design.md §9).
 
 One rank's view of its replica (all the replica's ranks go through the same phases: they take part in the
 same rounds). `ElasticReplica` (replica.py) owns the phase; every other object of the wing asks it.

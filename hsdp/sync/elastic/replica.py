@@ -21,7 +21,7 @@ the state there and joins the round; at a param-sync round it heals out of band 
 If the serving peer died before its state was fetched, the replica heals again at the next round. A
 replica cut off mid-run (its link, the lighthouse) pauses at its sync (transport.py); when a quorum answers
 and the peers went on without it, that quorum heals it, and the same catch-up follows after the round it
-began as its own sync (docs/design.md §11).
+began as its own sync (docs/design.md §9).
 
 After the last step's sync every replica closes the run (`_close`, closing.py): rounds that meet the others
 and compare their models, in which one behind heals whole, until all of them hold one model (or, if they
@@ -476,7 +476,7 @@ class ElasticReplica(PhaseLog):
             "late_rounds": self.bound.late_rounds,
             "own_late_rounds": self.bound.own_late_rounds,
             "cut_steps": self.bound.cut_steps,
-            # the run's close (docs/design.md §11, "The close"): its meetings and their time, the replicas it
+            # the run's close (docs/design.md §9.7, "The close"): its meetings and their time, the replicas it
             # closed with, the last round done again, whole heals from a closing replica, and the verdict
             **(self.closer.stats() if self.closer else {"closing_verdict": None}),
             "closing_heals": self.closing_heals + (self.closer.heals if self.closer else 0),

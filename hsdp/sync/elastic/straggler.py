@@ -1,6 +1,6 @@
 """RoundBound: the straggler bound of an elastic run's param-sync rounds (elastic.round_timeout_s).
 
-docs/design.md §11.1 (Stragglers). torchft's lighthouse cannot commit a round without a replica that still
+docs/design.md §9.5 (Stragglers). torchft's lighthouse cannot commit a round without a replica that still
 heartbeats when there are two (its split-brain rule wants more than half of the heartbeating replicas), so
 the bound is kept by the replicas themselves, in two parts:
 
