@@ -36,6 +36,7 @@ from hsdp.data.tokens import tokenizer_path
 from hsdp.export import CheckpointGone, export, run_checkpoints
 from hsdp.models.gpt import GPT
 from hsdp.run.checkpoint import read_saved_config, step_of
+from hsdp.run.checkpoint.find import checkpoint_step
 
 BYTES = 256
 
@@ -76,7 +77,7 @@ class TokenizerCodec:
 def newest_checkpoint(run: Path) -> Optional[Path]:
     """The run's newest complete checkpoint: its own, or an elastic replica's (replica 0's on a tie)."""
     found = run_checkpoints(run)  # the run's own, then replica 0's, 1's, ... each oldest first
-    return max(found, key=step_of, default=None)  # max keeps the first of equals: the lowest replica
+    return max(found, key=checkpoint_step, default=None)  # max keeps the first of equals: the lowest replica
 
 
 def final_model(run: Path) -> Optional[Path]:
@@ -126,9 +127,11 @@ def load_model(path: Path, picked: tuple[Optional[Path], Optional[Path], Config]
 
 def load_codec(cfg: Config, given: Optional[Path]) -> Any:
     """The run's tokenizer (see the module doc), its size checked against the model's vocabulary."""
+    vocab = cfg.model.vocab_size
+    assert vocab is not None  # a run's saved config holds the resolved size (hsdp.run.preflight)
     path = given or tokenizer_path(cfg)
     if path is None:
-        if cfg.data.source == "tokens" and cfg.model.vocab_size > BYTES:
+        if cfg.data.source == "tokens" and vocab > BYTES:
             raise ConfigError(
                 f"tokenizer: no tokenizer.json beside data.path {cfg.data.path!r} and the vocabulary is larger "
                 "than bytes; pass --tokenizer"
@@ -141,9 +144,8 @@ def load_codec(cfg: Config, given: Optional[Path]) -> Any:
         if codec.size != own_size:
             raise ConfigError(
                 f"tokenizer: {path} has {codec.size} ids but the run's own {own} has {own_size} (the model's "
-                f"vocabulary is {cfg.model.vocab_size}); give a tokenizer of the run's vocabulary"
+                f"vocabulary is {vocab}); give a tokenizer of the run's vocabulary"
             )
-    vocab = cfg.model.vocab_size
     # A model padded beyond its tokenizer (llm.c: GPT-2's 50257 ids in 50304) trained only on the tokenizer's
     # ids; training checked the run's own tokenizer against the model, a given one is trusted to 64 ids.
     padded = codec.size < vocab and (own is not None or vocab == -(-codec.size // 64) * 64)
@@ -190,7 +192,8 @@ class TextStream:
     printed text equals decoding all ids at once."""
 
     def __init__(self, codec: Any, out: Any) -> None:
-        self.codec, self.out, self.pending, self.count = codec, out, [], 0
+        self.codec, self.out, self.count = codec, out, 0
+        self.pending: list[int] = []
 
     def add(self, token: int) -> None:
         self.pending.append(token)
@@ -255,9 +258,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         prompt = codec.encode(args.prompt)
         if not prompt:  # a new document: what precedes every document in training
             prompt = [codec.eot] if codec.eot is not None else codec.encode("\n")
-        allowed = min(cfg.model.vocab_size, BYTES if isinstance(codec, ByteCodec) else codec.size)
-        if max(prompt) >= cfg.model.vocab_size:
-            raise ConfigError(f"--prompt: encodes to id {max(prompt)}, beyond the model's {cfg.model.vocab_size}")
+        vocab = cfg.model.vocab_size
+        assert vocab is not None  # a run's saved config holds the resolved size (hsdp.run.preflight)
+        allowed = min(vocab, BYTES if isinstance(codec, ByteCodec) else codec.size)
+        if max(prompt) >= vocab:
+            raise ConfigError(f"--prompt: encodes to id {max(prompt)}, beyond the model's {vocab}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -325,17 +325,18 @@ def name_process_group(name: str, group: dist.ProcessGroup) -> str:
     groups trace the same graph, so one rank per machine compiles it (hsdp/compile/turns.py).
     """
     from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+    from torch.distributed.distributed_c10d import GroupName
 
-    _unregister_process_group(name)  # a no-op when nothing is registered under it yet
-    _register_process_group(name, group)
+    _unregister_process_group(GroupName(name))  # a no-op when nothing is registered under it yet
+    _register_process_group(GroupName(name), group)
     return name
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     """The process group a compiled graph names."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-    return _resolve_process_group(group_name)
+    return _resolve_process_group(GroupName(group_name))
 
 
 def default_store() -> dist.Store:
@@ -375,7 +376,8 @@ def chunk_cat(tensors: list[torch.Tensor], dim: int, num_chunks: int, out: torch
 
 def swap_parameter(owner: nn.Module, attr: str, tensor: torch.Tensor) -> None:
     """Put a plain tensor where `owner.<attr>` (a parameter) is, without nn.Module's checks (as FSDP2 does)."""
-    owner._parameters[attr] = tensor
+    # ignored: nn.Module declares Parameter | None there, and a plain tensor is the point of the swap
+    owner._parameters[attr] = tensor  # type: ignore[assignment]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

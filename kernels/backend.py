@@ -40,7 +40,7 @@ except Exception as e:  # not installed, or a broken install: the references sti
         def cdiv(a: int, b: int) -> int:
             return -(-a // b)
 
-    triton = tl = _NoTriton()  # type: ignore[assignment]
+    triton = tl = _NoTriton()
     HAVE_TRITON = False
     _TRITON_ERROR = f"{type(e).__name__}: {e}"
 

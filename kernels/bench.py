@@ -57,7 +57,7 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
     fn()  # warm up
-    times = []
+    times: list[float] = []
     start = time.perf_counter()
     while len(times) < 5 or (len(times) < 50 and time.perf_counter() - start < 1.0):
         t = time.perf_counter()

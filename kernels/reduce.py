@@ -12,6 +12,7 @@ with FMA contraction off), so kernel and reference agree bit for bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -169,7 +170,11 @@ _pack_grads_op = register_op("pack_grads", _pack_grads, mutates_args=("out",))
 
 @no_grad
 def pack_grads(
-    grads: list[torch.Tensor | None], shard_sizes: list[int], out: torch.Tensor, scale: float, accumulate: bool = False
+    grads: Sequence[torch.Tensor | None],
+    shard_sizes: list[int],
+    out: torch.Tensor,
+    scale: float,
+    accumulate: bool = False,
 ) -> None:
     """Chunk-cat a unit's full grads into the reduce-scatter input out [S, N] (reduce_dtype).
 

@@ -157,9 +157,14 @@ def route_region_saves_to_inputs(graph: fx.Graph) -> None:
             value, anchor = operands[operand], node
             for op in chain:  # the region's view ops, on the caller's tensor, in order after the call
                 with graph.inserting_after(anchor):
-                    value = anchor = graph.node_copy(op, lambda _, v=value: v)
+                    value = anchor = graph.node_copy(op, _to_constant(value))
             user.replace_all_uses_with(value)
             graph.erase_node(user)
+
+
+def _to_constant(value: fx.node.Argument) -> Callable[[fx.Node], fx.node.Argument]:
+    """A `node_copy` arg_transform that maps every node the copied op reads to `value`."""
+    return lambda _: value
 
 
 def recompute_gathers(graph: fx.Graph) -> None:

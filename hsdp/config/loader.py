@@ -91,16 +91,20 @@ def _set_value(cfg: Config, key: str, value: Any) -> None:
     setattr(obj, name, _coerce(key, value, fields_[name]))
 
 
-def _apply_mapping(cfg: Config, data: Any, origin: str) -> None:
+def _apply_mapping(cfg: Config, data: Any, origin: str) -> list[str]:
+    """Set each `section.key` of `data`; the keys set."""
     if data is None:
-        return
+        return []
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: expected a mapping of sections, got {type(data).__name__}")
+    keys = []
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: expected a mapping of keys, got {values!r}")
         for name, value in values.items():
             _set_value(cfg, f"{section}.{name}", value)
+            keys.append(f"{section}.{name}")
+    return keys
 
 
 def parse_override(text: str) -> tuple[str, str]:
@@ -114,7 +118,7 @@ def parse_override(text: str) -> tuple[str, str]:
 class _StrictLoader(yaml.SafeLoader):
     """SafeLoader that rejects a key repeated in one mapping (plain YAML silently keeps the last)."""
 
-    def compose_document(self) -> yaml.Node:
+    def compose_document(self) -> Optional[yaml.Node]:
         self._root = super().compose_document()
         return self._root
 
@@ -142,7 +146,7 @@ def _position(mark: yaml.Mark) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
-def _key_path(root: yaml.Node, target: yaml.Node) -> Optional[list[str]]:
+def _key_path(root: Optional[yaml.Node], target: yaml.Node) -> Optional[list[str]]:
     """Keys leading from the document root to the mapping node `target` (for error messages)."""
     if root is target:
         return []
@@ -191,13 +195,12 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
     """Defaults ← YAML file ← `--set` overrides, then `validate` (the values; not the machine: see
     `hsdp.run.preflight.load_checked_config`)."""
     cfg = Config()
-    cfg.model.bias = None  # unset: the arch's default below (llama has none), unless the file or --set says
-    if path is not None:
-        _apply_mapping(cfg, read_yaml(path), str(path))
+    given = _apply_mapping(cfg, read_yaml(path), str(path)) if path is not None else []
     for text in overrides:
         key, value = parse_override(text)
         _set_value(cfg, key, value)
-    if cfg.model.bias is None:
+        given.append(key)
+    if "model.bias" not in given:  # unset: the arch's default (llama has none)
         cfg.model.bias = cfg.model.arch != "llama"
     validate(cfg)
     return cfg

@@ -17,7 +17,7 @@ import json
 import os
 import sysconfig
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -156,7 +156,10 @@ class TokenParts:
         return TokenParts(head), TokenParts(tail)
 
 
-def _open_parts(files: list[Path]) -> np.ndarray | TokenParts:
+Tokens = Union[np.ndarray, TokenParts]  # one split's tokens: an array, or shards read as one
+
+
+def _open_parts(files: list[Path]) -> Tokens:
     """One memmap for one file (as before shards), else the files read as one."""
     arrays = [open_tokens(shard_info(f)) for f in files]
     return arrays[0] if len(arrays) == 1 else TokenParts(arrays)
@@ -200,7 +203,7 @@ def resolve_vocab_size(cfg: Config) -> None:
         )
 
 
-def load_tokens(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+def load_tokens(cfg: Config) -> tuple[Tokens, Tokens]:
     """(train, val) token arrays for `cfg.data.source`."""
     d = cfg.data
     if d.source == "stdlib":
@@ -216,11 +219,11 @@ def load_tokens(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
         return _bytes_of(train), _bytes_of(val)
     if d.source == "tokens":
         train_files, val_files = token_files(d.path)
-        data = _open_parts(train_files)
+        parts = _open_parts(train_files)
         if val_files:
-            return data, _open_parts(val_files)
-        cut = int(len(data) * (1 - d.val_fraction))
-        return data.cut(cut) if isinstance(data, TokenParts) else (data[:cut], data[cut:])
+            return parts, _open_parts(val_files)
+        cut = int(len(parts) * (1 - d.val_fraction))
+        return parts.cut(cut) if isinstance(parts, TokenParts) else (parts[:cut], parts[cut:])
     return synthetic_tokens(cfg.model.vocab_size, cfg.run.seed, SYNTHETIC_TRAIN), synthetic_tokens(
         cfg.model.vocab_size, cfg.run.seed + 1, SYNTHETIC_VAL
     )
@@ -309,8 +312,10 @@ def check_data(cfg: Config) -> None:
             )
     if d.source == "tokens":
         train_files, val_files = token_files(d.path)
+        vocab_size = cfg.model.vocab_size
+        assert vocab_size is not None  # resolve_vocab_size ran first (hsdp.run.preflight)
         for f in train_files + val_files:
-            check_token_ids(f, cfg.model.vocab_size)
+            check_token_ids(f, vocab_size)
 
 
 @functools.lru_cache(maxsize=4)
@@ -339,19 +344,21 @@ def synthetic_tokens(vocab: int, seed: int, n: int) -> np.ndarray:
 class TokenStream:
     """Deterministic, rank-disjoint batches of windows from one token array."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int) -> None:
+    def __init__(self, tokens: Tokens, seq_len: int, seed: int) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed
         self.n_windows = (len(tokens) - 1) // seq_len
         if self.n_windows < 1:
             raise ValueError(f"data: {len(tokens)} tokens is fewer than one window of seq_len={seq_len}")
-        self._epoch, self._perm = -1, None
+        self._epoch = -1
+        self._perm: Optional[np.ndarray] = None
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
             self._epoch = epoch
+        assert self._perm is not None  # set for the first epoch asked
         return self._perm
 
     def windows(self, start: int, count: int) -> np.ndarray:

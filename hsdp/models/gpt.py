@@ -29,6 +29,7 @@ class Embedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        assert cfg.vocab_size is not None  # resolved before a model is built (resolve_vocab_size)
         self.wte = uninitialized_embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = uninitialized_embedding(cfg.seq_len, cfg.d_model)
 
@@ -82,6 +83,7 @@ class Head(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.ln_f = norm_layer(cfg)
+        assert cfg.vocab_size is not None  # resolved before a model is built (resolve_vocab_size)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,6 +139,7 @@ class TokenEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        assert cfg.vocab_size is not None  # resolved before a model is built (resolve_vocab_size)
         self.wte = uninitialized_embedding(cfg.vocab_size, cfg.d_model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -299,7 +299,7 @@ def tokenizer_config(cfg: ModelConfig, eot: Optional[int]) -> dict[str, Any]:
     }
 
 
-def write_file(path: Path, write: Callable[[Path], None]) -> None:
+def write_file(path: Path, write: Callable[[Path], object]) -> None:
     """`write(tmp)`, then fsync and rename to `path`: the file appears only complete."""
     tmp = temp_name(path)
     write(tmp)

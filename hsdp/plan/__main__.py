@@ -239,9 +239,10 @@ class Plan:
             else:
                 M, S = self.cfg.mesh.sync, self.cfg.mesh.shard
                 print(f"[plan] timing the shard group's collectives on a {M}×{S} mesh", file=sys.stderr)
-                self.measured = measure_shard_collectives(self.cfg)
-                share = "; on the cores that compute: not overlapped" if self.measured.shares_compute else ""
-                self.intra_used = f"measured: {self.measured.source}{share}"
+                self.measured = measured = measure_shard_collectives(self.cfg)
+                assert measured is not None  # a shard group here (mesh.shard > 1)
+                share = "; on the cores that compute: not overlapped" if measured.shares_compute else ""
+                self.intra_used = f"measured: {measured.source}{share}"
         return self.intra_used
 
     def resolve_compute(self, w: Workload) -> Compute:
@@ -330,8 +331,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
-    if plan.compute.warning:
-        print(f"plan: {plan.compute.warning}", file=sys.stderr)
+    compute = plan.resolve_compute(w)  # resolved by the predictions
+    if compute.warning:
+        print(f"plan: {compute.warning}", file=sys.stderr)
     bounds = {p.rate_bps: plan.latency_bound(w, p) for p in predictions}
     for p in predictions:
         p.extra["latency_bound"] = bounds[p.rate_bps] is not None
@@ -340,15 +342,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = [p.to_json() for p in predictions]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
     else:
-        print(
-            f"compute: {plan.compute.step_s:.4g} s/step + {plan.compute.sync_s:.4g} s per param sync "
-            f"({plan.compute.source})"
-        )
+        print(f"compute: {compute.step_s:.4g} s/step + {compute.sync_s:.4g} s per param sync ({compute.source})")
         print(f"intra (shard group): {plan.intra_used}")
         mesh = f"{w.M}×{w.R}×{w.S}" if w.R > 1 else f"{w.M}×{w.S}"  # sites × in-site replicas × shards
         print(f"params {w.params:.4g}, units {len(w.units)}, mesh {mesh}, {w.tokens_per_step} tokens/step\n")
         print(table(predictions))
-        notes = [latency_note(p, bounds[p.rate_bps], args.latency) for p in predictions if bounds[p.rate_bps]]
+        notes = [latency_note(p, bound, args.latency) for p in predictions if (bound := bounds[p.rate_bps])]
         print("\n" + "\n".join(notes) if notes else "")
         print(failure_line(w, predictions[0]))
     if plan.speeds:

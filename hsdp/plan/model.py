@@ -126,9 +126,14 @@ class Timeline:
     def intra(self, start: float, m: Message) -> float:
         """Issue a shard-group collective at `start` (the compute clock); when its result is there."""
         measured = self.link.intra_measured
-        if m.nbytes == 0 or (measured is None and self.link.intra_bps is None):
+        if m.nbytes == 0:
             return start
-        took = m.nbytes * 8 / self.link.intra_bps if measured is None else measured.time_of(m)
+        if measured is not None:
+            took = measured.time_of(m)
+        elif self.link.intra_bps is not None:
+            took = m.nbytes * 8 / self.link.intra_bps
+        else:  # no intra link to model
+            return start
         if measured is not None and measured.shares_compute:  # the compute waits while its cores communicate
             self.t = max(self.t, start) + took
             return self.t

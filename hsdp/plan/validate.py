@@ -208,7 +208,8 @@ def compare(
                     continue
                 pred = predict(w, Link(bps, intra_measured=timed_intra), c, cfg.run.steps)
                 row[key] = pred.period_step_time_s if periodic else pred.warmup_step_time_s
-            row["ratio"] = row["predicted_s"] / measured if measured else None
+            predicted = row["predicted_s"]
+            row["ratio"] = predicted / measured if measured and isinstance(predicted, (int, float)) else None
             rows.append(row)
     return rows
 

@@ -29,8 +29,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from typing import Optional
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,9 @@ class Interrupted(BaseException):
         return 128 + self.signum
 
 
+_Handler = Union[Callable[[int, Optional[FrameType]], Any], int, signal.Handlers, None]  # signal.getsignal's
+
+
 class StopSignals:
     """While active, SIGINT/SIGTERM in the main thread become `Interrupted` once armed.
 
@@ -92,7 +96,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: Optional[int] = None
         self._armed = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _Handler] = {}
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -285,7 +289,7 @@ def _launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
                     # (a replica of one rank has none that would time out). Fail its replica after the bound.
                     stalled = _stopped_too_long(workers, cfg.mesh.timeout_s, stopped_at)
                     if stalled is not None:
-                        stopped_at.pop(workers.pids.get(stalled.index), None)
+                        stopped_at.pop(workers.pids[stalled.index], None)  # a stalled worker has a pid
                         run.on_stalled(stalled)
                     run.restart_due()
             except Interrupted as e:
@@ -364,6 +368,8 @@ def _stopped_too_long(workers: Workers, timeout_s: float, stopped_at: dict[int, 
     now = time.monotonic()
     for index in workers.running():
         pid = workers.pids.get(index)
+        if pid is None:  # not spawned yet
+            continue
         if _process_state(pid) not in ("T", "t"):
             stopped_at.pop(pid, None)
             continue
@@ -419,7 +425,7 @@ def _not_answering(workers: Workers, failed: Exit, grace_s: float = 3.0) -> list
     return workers.running()
 
 
-def _failure(ended: Exit, silent: list[int] = ()) -> str:
+def _failure(ended: Exit, silent: Sequence[int] = ()) -> str:
     """WorkerError's message for a worker that did not exit cleanly; its last line is the error itself."""
     rank = f"rank {ended.index}"
     if ended.stalled:
@@ -489,7 +495,9 @@ def launch(cfg: Config, worker: Worker, seat: Optional[ReplicaSeat] = None) -> N
             return
         with start_zygote(worker, cfg.compile.enabled).workers() as workers:
             workers.start([(_local_worker, (rank, cfg, worker, port, world)) for rank in range(world)])
-            failed, silent, stopped_at = None, [], {}
+            failed: Optional[Exit] = None
+            silent: list[int] = []
+            stopped_at: dict[int, float] = {}
             try:
                 stop.arm()
                 while failed is None and workers.running():

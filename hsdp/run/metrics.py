@@ -30,7 +30,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, cast
 
 import torch
 from tqdm import tqdm
@@ -40,6 +40,9 @@ from hsdp.core.atomic import temp_name, write_text
 from hsdp.run.checkpoint.integrity import finite_or_none
 from hsdp.run.checkpoint.store import free_bytes, save_failure
 from hsdp.run.guard import SaveFailed
+
+if TYPE_CHECKING:
+    from wandb import Run
 
 WANDB_TIMEOUT_ENV = "HSDP_WANDB_TIMEOUT_S"
 WANDB_TIMEOUT_S = 60.0  # default bound on wandb.init (login + run creation)
@@ -345,7 +348,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.run_dir = run_dir
         self.suffix = suffix
-        self._wandb = None
+        self._wandb: Optional[Run] = None
         self._wandb_after = -1  # the last step the wandb run already holds (a resumed run's earlier life)
         self._bar: Optional[tqdm] = None
         self.previous: Optional[dict[str, Any]] = None  # the last record kept from before this process
@@ -374,7 +377,7 @@ class MetricsLogger:
             disable=os.environ.get("HSDP_NO_BAR") == "1",
         )
 
-    def _init_wandb(self, cfg: Config, run_dir: Path) -> Any:
+    def _init_wandb(self, cfg: Config, run_dir: Path) -> Optional[Run]:
         """A wandb run, or None (with one warning line) if wandb cannot start within the timeout."""
         timeout = wandb_timeout_s()
         try:
@@ -389,7 +392,7 @@ class MetricsLogger:
                 name=cfg.run.name,
                 id=wandb_run_id(run_dir),
                 resume="allow",  # the same id again (a resume, a restarted replica 0) continues that run
-                mode=cfg.wandb.mode,
+                mode=cast(Literal["online", "offline", "disabled"], cfg.wandb.mode),  # validate.py's choices
                 dir=str(run_dir),
                 config=to_dict(cfg),
                 settings=settings,
@@ -406,12 +409,12 @@ class MetricsLogger:
             )
             return None
 
-    def _to_wandb(self, what: str, call: Callable[[], Any]) -> None:
-        """Run one wandb call; on failure warn once and stop using wandb (metrics.jsonl has everything)."""
+    def _to_wandb(self, what: str, call: Callable[[Run], object]) -> None:
+        """Run one wandb call on the run; on failure warn once and stop using wandb (metrics.jsonl has everything)."""
         if self._wandb is None:
             return
         try:
-            call()
+            call(self._wandb)
         except Exception as e:
             self._wandb = None
             print(
@@ -441,9 +444,9 @@ class MetricsLogger:
         with self._writing(self._path):
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
-        run, step = self._wandb, record["step"]
+        step = record["step"]
         if step > self._wandb_after:  # a step the wandb run holds from an earlier life is not resent
-            self._to_wandb("log", lambda: run.log({k: v for k, v in record.items() if k != "step"}, step=step))
+            self._to_wandb("log", lambda run: run.log({k: v for k, v in record.items() if k != "step"}, step=step))
 
     def progress(self, step: int, loss: float, tokens_per_s: Optional[float]) -> None:
         """The bar at `step`; `tokens_per_s`: the steady rate so far (`steady_rate` of the running median)."""
@@ -464,8 +467,7 @@ class MetricsLogger:
                 write_text(path, json.dumps(summary, indent=2, allow_nan=False) + "\n")
         finally:
             temp_name(path).unlink(missing_ok=True)  # what a failed write left under its temp name
-        run = self._wandb
-        self._to_wandb("summary", lambda: run.summary.update(summary))
+        self._to_wandb("summary", lambda run: run.summary.update(summary))
 
     def close(self) -> None:
         if not self.enabled:
@@ -475,7 +477,7 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
         run = self._wandb
-        self._to_wandb("finish", lambda: run.finish())
+        self._to_wandb("finish", lambda r: r.finish())
         line = wandb_line(run) if self._wandb is not None else None  # None: wandb failed and said so
         if line:
             print(line, file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from hsdp.config.schema import Config, ConfigError
 from hsdp.core.atomic import write_json, write_text
@@ -28,6 +28,9 @@ from hsdp.run.metrics import last_record, ledger_totals, merged_rates
 from hsdp.run.zygote import Exit, Workers
 from hsdp.sync.elastic import clear_markers, in_words, lighthouse_unreachable
 from hsdp.sync.seam import ReplicaSeat
+
+if TYPE_CHECKING:
+    from torchft.coordination import LighthouseServer
 
 
 @dataclass
@@ -116,7 +119,7 @@ def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
     return int(cfg.mesh.timeout_s * 1000), int(cfg.elastic.timeout_s * 1000)
 
 
-def start_lighthouse(cfg: Config) -> tuple[Optional[object], str]:
+def start_lighthouse(cfg: Config) -> tuple[Optional[LighthouseServer], str]:
     """torchft's lighthouse in this process (unless the config names one), and its address."""
     if cfg.elastic.lighthouse:
         return None, cfg.elastic.lighthouse

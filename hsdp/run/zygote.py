@@ -49,7 +49,7 @@ import types
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, cast
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _HEADER = struct.Struct("!IB")  # a message: body length, number of passed descriptors; then the pickled body
@@ -282,11 +282,12 @@ class Workers:
     def _poll(self, timeout: Optional[float]) -> None:
         if self._zygote.gone:
             return self._zygote_gone()
-        readable, _, _ = select.select([self._channel.sock, *self._status], [], [], timeout)
+        sock = self._channel.sock.fileno()
+        readable, _, _ = select.select([sock, *self._status], [], [], timeout)
         for fd in readable:
             if fd in self._status:
                 self._read_status(fd)
-        if self._channel.sock in readable:
+        if sock in readable:
             try:
                 messages = self._channel.receive()
             except (EOFError, OSError):
@@ -297,7 +298,7 @@ class Workers:
                 self._handle(msg)
 
     def _handle(self, msg: dict) -> None:
-        index = self._ids.get(msg.get("id"))
+        index = self._ids.get(msg.get("id", ""))
         if index is None or index in self._exits:
             return  # about an earlier launch's worker (its launcher was killed), or already reported
         if msg["op"] == "spawned":
@@ -344,7 +345,7 @@ class _MainTracker(pickle.Pickler):
 
     uses_main = False
 
-    def reducer_override(self, obj: object) -> object:
+    def reducer_override(self, obj: object) -> Any:  # NotImplemented: pickle it as usual
         if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
             self.uses_main = True
         return NotImplemented
@@ -369,10 +370,11 @@ def _payload(function: Callable, args: tuple) -> bytes:
 
 def _load_main(path: str) -> None:
     """Make the script `path` this process's `__main__` (as `__mp_main__`: its main block does not run)."""
-    main = sys.modules.get("__main__")
-    if getattr(main, "__file__", None) and os.path.abspath(main.__file__) == path:
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file and os.path.abspath(main_file) == path:
         return
     spec = importlib.util.spec_from_file_location("__mp_main__", path)
+    assert spec is not None and spec.loader is not None  # a path gets a source file loader
     module = importlib.util.module_from_spec(spec)
     sys.modules["__mp_main__"] = module
     spec.loader.exec_module(module)
@@ -407,10 +409,11 @@ class _Forked:
             pid, status = os.waitpid(self.pid, 0 if deadline is None else os.WNOHANG)
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
-            elif time.monotonic() >= deadline:
+                continue
+            assert timeout is not None and deadline is not None  # without a timeout, waitpid blocked until the exit
+            if time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout)
-            else:
-                time.sleep(0.02)
+            time.sleep(0.02)
         return self.returncode
 
     def kill(self) -> None:
@@ -463,7 +466,8 @@ def serve(settings: Optional[dict] = None) -> None:
     lifelines: dict[int, int] = {}  # lifeline read end -> pid
     try:
         while True:
-            readable, _, _ = select.select([channel.sock, wake_r, *lifelines], [], [])
+            sock = channel.sock.fileno()
+            readable, _, _ = select.select([sock, wake_r, *lifelines], [], [])
             with contextlib.suppress(BlockingIOError):
                 while os.read(wake_r, 512):
                     pass
@@ -472,7 +476,7 @@ def serve(settings: Optional[dict] = None) -> None:
                     _kill(lifelines.pop(fd), signal.SIGKILL, children)
                     os.close(fd)
             _reap(channel, children, lifelines)
-            if channel.sock not in readable:
+            if sock not in readable:
                 continue
             for msg, fds in channel.receive():
                 if msg["op"] == "spawn":
@@ -548,7 +552,8 @@ def _run_worker(payload: bytes, fds: list[int], close: list[int], zygote: int) -
         os.dup2(err, 2)
         os.close(out)
         os.close(err)
-        sys.stdout.reconfigure(line_buffering=sys.stdout.isatty())  # as if started on the launcher's stdout
+        # as if started on the launcher's stdout (sys.stdout: the interpreter's TextIOWrapper)
+        cast(io.TextIOWrapper, sys.stdout).reconfigure(line_buffering=sys.stdout.isatty())
         die_with_parent(zygote)
         spec = pickle.loads(payload)
         os.chdir(spec["cwd"])
