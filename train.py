@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -27,10 +26,11 @@ import torch.distributed as dist
 
 from hsdp.comm.mesh import Mesh
 from hsdp.config.loader import save_config
-from hsdp.config.schema import Config, ConfigError, RunConfig, to_dict
+from hsdp.config.schema import Config, ConfigError, to_dict
 from hsdp.data.tokens import Data
 from hsdp.engines.base import Batch, Engine
 from hsdp.engines.registry import build_engine
+from hsdp.faults.slowdown import SlowSpell
 from hsdp.models.gpt import loss_fn, throughput
 from hsdp.models.optim import build_optimizer, lr_at, set_lr
 from hsdp.run.checkpoint import (
@@ -179,43 +179,6 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             (cfg.run_dir / name).write_text(text)
     if cfg.run.save_model:  # after the summary, so its byte counts are the training traffic only
         save_replicas(cfg, engine, mesh)
-
-
-SLOW_STEPS = 5  # run.slowdown's median: of a rank's last this-many trained steps
-
-
-class SlowSpell:
-    """run.slowdown on this rank (fault injection): on run.slow_replica's ranks (-1: every rank), from step
-    run.slow_from (a fraction of run.steps when < 1) for run.slow_for_s seconds (0: to the end)."""
-
-    def __init__(self, run: RunConfig, replica: int) -> None:
-        self.factor = run.slowdown if run.slow_replica in (-1, replica) else 1.0
-        self.start = int(run.slow_from * run.steps) if run.slow_from < 1 else int(run.slow_from)
-        self.for_s, self.began = run.slow_for_s, None
-        self.recent: list[float] = []  # this rank's last trained steps' own times (s), before any sleep
-
-    def factor_at(self, step: int) -> float:
-        if self.factor == 1.0 or step < self.start:
-            return 1.0
-        now = time.perf_counter()
-        self.began = now if self.began is None else self.began
-        return self.factor if not self.for_s or now - self.began < self.for_s else 1.0
-
-    def after_step(self, step: int, step_s: float) -> None:
-        """Sleep (factor − 1)× the smaller of this step's time (`step_s`) and this rank's recent median step: a
-        device that much slower. Not the step's own time alone: a host hiccup is not the device's pace, and 150×
-        a 0.4 s hiccup on a loaded box is a minute's sleep that stalls every peer at the next round. Not the
-        median alone: right after a long first step (a compile) the median of two steps is half of it."""
-        if self.factor == 1.0:  # not slowed (every run but a fault-injection one): no bookkeeping in the step
-            return
-        self.recent = [*self.recent[1 - SLOW_STEPS :], step_s]
-        slow_down(self.factor_at(step), min(step_s, statistics.median(self.recent)))
-
-
-def slow_down(factor: float, step_s: float) -> None:
-    """run.slowdown: make a step of `step_s` last `factor`× as long, by sleeping the rest."""
-    if factor > 1:
-        time.sleep((factor - 1) * step_s)
 
 
 def micro_batches(data: Data, step: int, accum: int, device: torch.device) -> list[Batch]:

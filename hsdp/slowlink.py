@@ -2,7 +2,7 @@
 
     python -m hsdp.slowlink --rate 20mbit[,100mbit,...] [--delay-ms 5] [--config C] [--set k=v ...]
                             --runs NAME=override,override ... [--out DIR] [--plot] [--kill 1@0.3]
-                            [--partition 1@0.3:20] [--slow 1:3] [--chaos 7:30]
+                            [--partition 1@0.3:20] [--slow 1:3] [--chaos 7:30]   (faults: hsdp/faults/spec.py)
     python -m hsdp.slowlink configs/ablations/slowlink.yaml [--only run,run] [--rate ...] [--plot]
     python -m hsdp.slowlink SPEC --no-run --plot   # tables and plots again from the outputs (no root needed)
     python -m hsdp.slowlink --cleanup        # remove namespaces left by a slowlink that was SIGKILLed
@@ -45,22 +45,23 @@ def parse_args(argv: Optional[list[str]]) -> LinkOptions:
     p.add_argument(
         "--kill",
         metavar="REPLICA@STEP",
-        help="SIGKILL replica REPLICA's node at its step STEP (< 1: that fraction of run.steps) and start a "
-        "replacement after elastic.restart_delay_s, in the runs whose spec names `kill:` (this value replaces "
-        "theirs), else in every elastic run but the target",
+        help="SIGKILL replica REPLICA's node at its step STEP (< 1: that fraction of run.steps; REPLICA@STEP:kill "
+        "in the fault grammar) and start a replacement after elastic.restart_delay_s, in the runs whose spec names "
+        "`kill:` (this value replaces theirs), else in every elastic run but the target",
     )
     p.add_argument(
         "--partition",
         metavar="REPLICA@AT:SECONDS",
         help="take replica REPLICA's link down once it logs step AT (< 1: that fraction of run.steps) for "
-        "SECONDS, every process alive, in the runs whose spec names `partition:` (this value replaces theirs), "
-        "else in every elastic run but the target",
+        "SECONDS (REPLICA@AT:partition=SECONDS), every process alive, in the runs whose spec names `partition:` "
+        "(this value replaces theirs), else in every elastic run but the target",
     )
     p.add_argument(
         "--slow",
-        metavar="REPLICA:FACTOR",
-        help="replica REPLICA's node trains FACTOR× slower (--set run.slowdown=FACTOR on its node only), in "
-        "the runs whose spec names `slow:` (this value replaces theirs), else in every run but the target",
+        metavar="REPLICA:FACTOR[@AT[:SECONDS]]",
+        help="replica REPLICA's node trains FACTOR× slower (--set run.slowdown=FACTOR on its node only), from step "
+        "AT for SECONDS (REPLICA@AT:slow=FACTORxSECONDS), in the runs whose spec names `slow:` (this value replaces "
+        "theirs), else in every run but the target",
     )
     p.add_argument(
         "--chaos",

@@ -1,5 +1,6 @@
-"""Seeded chaos (hsdp/bench/chaos.py): the schedule is a function of the seed, a Poisson process of the
-stated mean gap, and only hits what each kind may hit; a bad `chaos:` is one ConfigError before any run."""
+"""Seeded chaos (the generator hsdp/faults/chaos.py, applied by hsdp/bench/chaos.py): the schedule is a function of
+the seed, a Poisson process of the stated mean gap, and only hits what each kind may hit; a bad `chaos:` is one
+ConfigError before any run."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import statistics
 
 import pytest
 
-from hsdp.bench.chaos import KINDS, SPELL_S, Chaos, draw_schedule
+from hsdp.bench.faults import chaos_of
 from hsdp.bench.plan import LinkOptions, make_plan
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
+from hsdp.faults.chaos import KINDS, SLOW_FACTOR, SPELL_S, Chaos, draw_schedule, kind
+from hsdp.faults.spec import parse_fault
 from tests.helpers import REPO
 
 ELASTIC = ["elastic.enabled=true", "sync.warmup_steps=0", "mesh.sync=3", "mesh.shard=1"]
@@ -27,40 +30,43 @@ def test_faults_arrive_as_a_poisson_process_of_the_mean_gap() -> None:
     """Exponential gaps: over many draws the mean gap is MTBF_S and their spread (std ≈ mean) is the
     exponential's, not a fixed period's; every kind appears about equally often."""
     faults = draw_schedule(Chaos(1, 30.0), replicas=3, horizon_s=300_000, restart_delay_s=2)
-    times = [0.0] + [f.at_s for f in faults]
+    times = [0.0] + [f.at.at_s or 0.0 for f in faults]
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert len(gaps) > 9000
     assert statistics.mean(gaps) == pytest.approx(30.0, rel=0.05)
     assert statistics.stdev(gaps) == pytest.approx(30.0, rel=0.08)
-    counts = {k: sum(f.kind == k for f in faults) for k in KINDS}
+    counts = {k: sum(kind(f) == k for f in faults) for k in KINDS}
     assert all(c == pytest.approx(len(faults) / len(KINDS), rel=0.1) for c in counts.values()), counts
 
 
 def test_each_kind_hits_what_it_may_for_a_spell_in_its_range() -> None:
     """Kills and partitions never hit replica 0 (its node holds the lighthouse); stops and slow spells hit any
-    replica; a lighthouse fault has no replica; spells lie in their ranges, a kill's is the restart delay."""
+    replica; a lighthouse fault has no replica and is its kill; spells lie in their ranges, a kill's is the restart
+    delay; a slow spell runs at a third; each is a Fault at a time the grammar reads back."""
     faults = draw_schedule(Chaos(3, 5.0), replicas=3, horizon_s=20_000, restart_delay_s=2.5)
     for f in faults:
-        if f.kind in ("kill", "partition"):
+        if kind(f) in ("kill", "partition"):
             assert f.replica in (1, 2)
-        elif f.kind == "lighthouse":
-            assert f.replica is None
+        elif kind(f) == "lighthouse":
+            assert f.replica is None and f.action == "kill"
         else:
             assert f.replica in (0, 1, 2)
-        lo, hi = SPELL_S.get(f.kind, (2.5, 2.5))
+        lo, hi = SPELL_S.get(kind(f), (2.5, 2.5))
         assert lo <= f.seconds <= hi
-    assert {f.replica for f in faults if f.kind == "stop"} == {0, 1, 2}
+        assert f.factor == (SLOW_FACTOR if f.action == "slow" else 1.0)
+        assert f.at.when == "time" and parse_fault(str(f)) == f
+    assert {f.replica for f in faults if kind(f) == "stop"} == {0, 1, 2}
 
 
 def test_a_bad_chaos_value_is_one_config_error_naming_the_key(tmp_path) -> None:
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ELASTIC)
-    assert Chaos.parse("7:30", cfg, "--chaos") == Chaos(7, 30.0)
+    assert chaos_of("7:30", cfg, "--chaos") == Chaos(7, 30.0)
     for text, why in [("7", "SEED:MTBF_S"), ("x:3", "SEED:MTBF_S"), ("7:0", "SEED:MTBF_S"), ("7:-1", "SEED:MTBF_S")]:
         with pytest.raises(ConfigError, match=why):
-            Chaos.parse(text, cfg, "--chaos")
+            chaos_of(text, cfg, "--chaos")
     plain = load_config(str(REPO / "configs" / "tiny.yaml"), [])
     with pytest.raises(ConfigError, match="runs.x.chaos: chaos needs an elastic run"):
-        Chaos.parse("7:30", plain, "runs.x.chaos")
+        chaos_of("7:30", plain, "runs.x.chaos")
 
     shutil.copy(REPO / "configs" / "tiny.yaml", tmp_path / "tiny.yaml")
     spec = tmp_path / "spec.yaml"
@@ -136,9 +142,6 @@ def test_fault_flags_reach_the_runs_that_name_them_and_never_the_calm_target(tmp
     target goodput is taken against, without faults (it used to reach every elastic run, and a run's own value
     won: the chaos run stayed at 7:30 while calm got 3:8). A flag that no run names reaches every run it fits
     but the target (a kill no chaos run: it draws its own), or the target when it is the one run it fits."""
-    from hsdp.bench.elastic import Kill
-    from hsdp.bench.faults import Slow
-
     shutil.copy(REPO / "configs" / "tiny.yaml", tmp_path / "tiny.yaml")
     spec = tmp_path / "spec.yaml"
     spec.write_text(
@@ -150,10 +153,10 @@ def test_fault_flags_reach_the_runs_that_name_them_and_never_the_calm_target(tmp
     assert plan.chaoses == {"chaos": Chaos(3, 8.0)}
     assert "calm" not in {**plan.kills, **plan.partitions, **plan.slows, **plan.chaoses}
     plan = make_plan(LinkOptions(spec=str(spec), shared=shared, kill="1@0.5", slow="2:3"))
-    assert plan.kills == {"other": Kill(1, 50)} and plan.chaoses == {"chaos": Chaos(7, 30.0)}
-    assert plan.slows == {"chaos": Slow(2, 3.0), "other": Slow(2, 3.0)}
+    assert plan.kills == {"other": parse_fault("1@50:kill")} and plan.chaoses == {"chaos": Chaos(7, 30.0)}
+    assert plan.slows == {"chaos": parse_fault("2@0:slow=3"), "other": parse_fault("2@0:slow=3")}
     alone = LinkOptions(rate="20mbit", runs=["el="], kill="1@3", shared=[*shared, *ELASTIC])
-    assert make_plan(alone).kills == {"el": Kill(1, 3)}  # the one run: the target, nothing is measured against it
+    assert make_plan(alone).kills == {"el": parse_fault("1@3:kill")}  # the one run: the target, none measured against
 
 
 def test_no_goodput_is_taken_against_a_target_that_had_faults(tmp_path) -> None:

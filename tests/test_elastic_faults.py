@@ -20,11 +20,12 @@ import torch
 
 from hsdp.bench import netns
 from hsdp.bench.elastic import ElasticJob
-from hsdp.bench.faults import Partition, Slow
+from hsdp.bench.faults import flag_fault
 from hsdp.bench.plan import LinkOptions, make_plan
 from hsdp.comm.groups import Comm
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
+from hsdp.faults.spec import parse_fault
 from hsdp.run.replicas import ElasticLaunch
 from hsdp.run.zygote import Exit
 from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
@@ -176,26 +177,29 @@ def test_a_cut_replica_rejoins_and_a_restarted_lighthouse_lets_the_run_finish(tm
 
 
 def test_partition_and_slow_are_checked_before_anything_runs(tmp_path: Path) -> None:
-    """`--partition REPLICA@AT:SECONDS` / `partition:` (elastic runs, replica 1..M-1, AT before run.steps) and
-    `--slow REPLICA:FACTOR` / `slow:` (FACTOR >= 1): a bad value is one ConfigError naming the key, at plan time;
-    a slow replica's node alone gets run.slowdown."""
+    """`--partition REPLICA@AT:SECONDS` / `partition:` (REPLICA@AT:partition=SECONDS: elastic runs, replica
+    1..M-1, AT a step before run.steps) and `--slow REPLICA:FACTOR[@AT[:SECONDS]]` / `slow:` (REPLICA@AT:slow=F[xS],
+    FACTOR >= 1): a bad value is one ConfigError naming the key, at plan time; a slow replica's node alone gets
+    run.slowdown."""
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ["elastic.enabled=true", "sync.warmup_steps=0"])
-    assert Partition.parse("1@0.5:20", cfg, "--partition") == Partition(1, cfg.run.steps // 2, 20.0)
-    assert Partition.parse("1@7:2.5", cfg, "--partition") == Partition(1, 7, 2.5)
+    half = cfg.run.steps // 2
+    assert flag_fault("partition", "1@0.5:20", cfg, "--partition") == parse_fault(f"1@{half}:partition=20")
+    assert flag_fault("partition", "1@7:2.5", cfg, "--partition") == parse_fault("1@7:partition=2.5")
     for text, why in [("1@3", "REPLICA@AT:SECONDS"), ("1@3:0", "REPLICA@AT:SECONDS"), ("x@3:2", "REPLICA@AT"),
                       ("0@3:5", "replica 0"), (f"1@{cfg.run.steps}:5", "before run.steps")]:  # fmt: skip
         with pytest.raises(ConfigError, match=why):
-            Partition.parse(text, cfg, "--partition")
+            flag_fault("partition", text, cfg, "--partition")
     plain = load_config(str(REPO / "configs" / "tiny.yaml"), [])
     with pytest.raises(ConfigError, match="runs.x.partition: a partition needs an elastic run"):
-        Partition.parse("1@3:5", plain, "runs.x.partition")
-    assert Slow.parse("1:3", 2, "--slow") == Slow(1, 3.0)
-    assert Slow.parse("1:2@0.3:60", 2, "--slow") == Slow(1, 2.0, 0.3, 60.0)  # a spell: from 30% for 60 s
-    assert Slow(1, 2.0, 0.3, 60.0).overrides() == ["run.slowdown=2", "run.slow_from=0.3", "run.slow_for_s=60"]
-    for text, why in [("1", "REPLICA:FACTOR"), ("1:0.5", "FACTOR >= 1"), ("2:3", "replica 2"), ("a:2", "REPLICA"),
-                      ("1:2@x", "REPLICA:FACTOR"), ("1:2@0.3:-1", "REPLICA:FACTOR")]:  # fmt: skip
+        flag_fault("partition", "1@3:5", plain, "runs.x.partition")
+    assert flag_fault("slow", "1:3", cfg, "--slow") == parse_fault("1@0:slow=3")
+    spell = flag_fault("slow", "1:2@0.3:60", cfg, "--slow")  # a spell: from 30% for 60 s
+    assert spell == parse_fault("1@0.3:slow=2x60")
+    assert spell.overrides() == ["run.slowdown=2", "run.slow_from=0.3", "run.slow_for_s=60"]
+    for text, why in [("1", "REPLICA:FACTOR"), ("1:0.5", "FACTOR must be >= 1"), ("2:3", "replica 2"),
+                      ("a:2", "REPLICA"), ("1:2@x", "REPLICA:FACTOR"), ("1:2@0.3:-1", "REPLICA:FACTOR")]:  # fmt: skip
         with pytest.raises(ConfigError, match=why):
-            Slow.parse(text, 2, "--slow")
+            flag_fault("slow", text, cfg, "--slow")
 
     spec = tmp_path / "spec.yaml"
     spec.write_text(
@@ -204,12 +208,13 @@ def test_partition_and_slow_are_checked_before_anything_runs(tmp_path: Path) -> 
     )
     (tmp_path / "tiny.yaml").write_text((REPO / "configs" / "tiny.yaml").read_text())
     plan = make_plan(LinkOptions(spec=str(spec), shared=[f"run.out_dir={tmp_path}"]))
-    assert plan.partitions == {"el": Partition(1, cfg.run.steps // 2, 20.0)}
+    assert plan.partitions == {"el": parse_fault(f"1@{half}:partition=20")}
     with pytest.raises(ConfigError, match="--partition: no run is elastic"):
         make_plan(LinkOptions(rate="20mbit", runs=["plain="], partition="1@3:5", shared=[f"run.out_dir={tmp_path}"]))
     with pytest.raises(ConfigError, match="--slow: expected REPLICA:FACTOR"):
         make_plan(LinkOptions(rate="20mbit", runs=["plain="], slow="1", shared=[f"run.out_dir={tmp_path}"]))
-    job = ElasticJob(netns.SlowLink(2, None), 1, ["train.py"], 1, tmp_path, "x", slow=Slow(1, 3.0), cfg=cfg)
+    slow = parse_fault("1@0:slow=3")
+    job = ElasticJob(netns.SlowLink(2, None), 1, ["train.py"], 1, tmp_path, "x", slow=slow, cfg=cfg)
     spell = ["--set", "run.slowdown=3", "--set", "run.slow_from=0", "--set", "run.slow_for_s=0"]
     assert job.node_target(0) == ["train.py"] and job.node_target(1) == ["train.py", *spell]
 

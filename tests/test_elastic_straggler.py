@@ -21,10 +21,10 @@ from typing import Optional
 import pytest
 import torch
 
-import train
 from hsdp.comm.groups import Comm
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
+from hsdp.faults import slowdown
 from hsdp.sync.elastic.straggler import NOT_TIMED, RoundBound
 from hsdp.sync.elastic.transport import Done, FTTransport
 from tests.helpers import QUIET_ENV, REPO, SMALL
@@ -143,9 +143,9 @@ def test_a_late_replicas_part_is_zero_and_not_counted() -> None:
 
 def test_slowdown_sleeps_the_rest_of_the_factor(monkeypatch) -> None:
     slept = []
-    monkeypatch.setattr(train.time, "sleep", slept.append)
-    train.slow_down(3.0, 0.25)
-    train.slow_down(1.0, 0.25)  # full speed: no sleep at all
+    monkeypatch.setattr(slowdown.time, "sleep", slept.append)
+    slowdown.slow_down(3.0, 0.25)
+    slowdown.slow_down(1.0, 0.25)  # full speed: no sleep at all
     assert slept == [0.5]
 
 
@@ -154,18 +154,18 @@ def test_a_slowed_rank_scales_its_median_step_not_a_hiccup(monkeypatch) -> None:
     one 0.4 s hiccup among 20 ms steps is slept as a 20 ms step, so a 150x spell does not sleep a minute (and stall
     the round's peers)."""
     slept = []
-    monkeypatch.setattr(train.time, "sleep", slept.append)
+    monkeypatch.setattr(slowdown.time, "sleep", slept.append)
     cfg = load_config(str(REPO / "configs/tiny.yaml"), ["run.steps=10", "run.slowdown=150"])
-    spell = train.SlowSpell(cfg.run, 0)
+    spell = slowdown.SlowSpell(cfg.run, 0)
     for step, step_s in enumerate([0.02, 0.02, 0.4, 0.02, 0.03, 0.02, 0.02]):
         spell.after_step(step, step_s)
     assert slept == pytest.approx([149 * 0.02] * 7)
-    assert len(spell.recent) == train.SLOW_STEPS
+    assert len(spell.recent) == slowdown.SLOW_STEPS
     spell.after_step(7, 1.0)  # a lasting slowdown of the host moves the median within SLOW_STEPS steps
     spell.after_step(8, 1.0)
     spell.after_step(9, 1.0)
     assert slept[-1] == pytest.approx(149 * 1.0)
-    compiled = train.SlowSpell(cfg.run, 0)  # a first step that compiled: slept as it was, the next ones not half of it
+    compiled = slowdown.SlowSpell(cfg.run, 0)  # a first step that compiled: slept as it was, the next not half of it
     for step, step_s in enumerate([30.0, 0.05, 0.05]):
         compiled.after_step(step, step_s)
     assert slept[-3:] == pytest.approx([149 * 30.0, 149 * 0.05, 149 * 0.05])
@@ -174,18 +174,18 @@ def test_a_slowed_rank_scales_its_median_step_not_a_hiccup(monkeypatch) -> None:
 def test_a_slow_spell_is_one_replicas_from_its_step_for_its_seconds(monkeypatch) -> None:
     """run.slow_replica / slow_from / slow_for_s (the slow-link benchmark's `slow: 1:2@0.3:60`)."""
     now = [100.0]
-    monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(slowdown.time, "perf_counter", lambda: now[0])
     cfg = load_config(str(REPO / "configs/tiny.yaml"), ["mesh.sync=2", "run.steps=10", "run.slowdown=2"])
     run = cfg.run.__class__(**{**cfg.run.__dict__, "slow_replica": 1, "slow_from": 0.3, "slow_for_s": 60.0})
-    assert [train.SlowSpell(run, 0).factor_at(s) for s in (0, 5)] == [1.0, 1.0]  # another replica
-    spell = train.SlowSpell(run, 1)
+    assert [slowdown.SlowSpell(run, 0).factor_at(s) for s in (0, 5)] == [1.0, 1.0]  # another replica
+    spell = slowdown.SlowSpell(run, 1)
     assert [spell.factor_at(s) for s in (0, 2)] == [1.0, 1.0]  # before step 3 (30% of 10)
     assert spell.factor_at(3) == 2.0
     now[0] += 59.0
     assert spell.factor_at(7) == 2.0
     now[0] += 2.0
     assert spell.factor_at(8) == 1.0  # the spell is over
-    forever = train.SlowSpell(cfg.run, 0)  # slow_replica -1: every rank, from step 0, to the end
+    forever = slowdown.SlowSpell(cfg.run, 0)  # slow_replica -1: every rank, from step 0, to the end
     now[0] += 1e6
     assert forever.factor_at(0) == forever.factor_at(9) == 2.0
 

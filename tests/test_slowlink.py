@@ -319,23 +319,26 @@ def test_pareto_front_keeps_the_runs_nothing_beats() -> None:
 
 
 def test_kill_flag_is_checked_before_anything_runs(tmp_path):
-    """`--kill` / a run's `kill:`: REPLICA@STEP (a fraction of run.steps below 1), only for elastic runs,
-    never replica 0 (the lighthouse's node), before run.steps; each refusal names the key."""
-    from hsdp.bench.elastic import Kill
+    """`--kill` / a run's `kill:`: REPLICA@STEP (a fraction of run.steps below 1; REPLICA@STEP:kill in the fault
+    grammar), only for elastic runs, at a step, never replica 0 (the lighthouse's node: the benchmark's rule, not the
+    grammar's), before run.steps; each refusal names the key."""
+    from hsdp.bench.faults import flag_fault
     from hsdp.bench.plan import LinkOptions, make_plan
     from hsdp.config.loader import load_config
+    from hsdp.faults.spec import parse_fault
 
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ["elastic.enabled=true", "sync.warmup_steps=0"])
-    assert Kill.parse("1@0.3", cfg, "--kill") == Kill(1, int(0.3 * cfg.run.steps))
-    assert Kill.parse("1@77", cfg, "--kill") == Kill(1, 77)
-    for text, why in [("1", "REPLICA@STEP"), ("x@3", "REPLICA@STEP"), ("0@3", "replica 0"), ("2@3", "replica 2")]:
+    assert flag_fault("kill", "1@0.3", cfg, "--kill") == parse_fault(f"1@{int(0.3 * cfg.run.steps)}:kill")
+    assert flag_fault("kill", "1@77", cfg, "--kill") == parse_fault("1@77:kill")
+    for text, why in [("1", "REPLICA@STEP"), ("x@3", "REPLICA@STEP"), ("0@3", "replica 0"), ("2@3", "replica 2"),
+                      ("1@t30", "places a kill at a step"), ("1@3.5", "a STEP is a whole number")]:  # fmt: skip
         with pytest.raises(ConfigError, match=why):
-            Kill.parse(text, cfg, "--kill")
+            flag_fault("kill", text, cfg, "--kill")
     with pytest.raises(ConfigError, match="before run.steps"):
-        Kill.parse(f"1@{cfg.run.steps}", cfg, "--kill")
+        flag_fault("kill", f"1@{cfg.run.steps}", cfg, "--kill")
     plain = load_config(str(REPO / "configs" / "tiny.yaml"), [])
     with pytest.raises(ConfigError, match="elastic.enabled=true"):
-        Kill.parse("1@3", plain, "runs.x.kill")
+        flag_fault("kill", "1@3", plain, "runs.x.kill")
 
     spec = tmp_path / "spec.yaml"
     spec.write_text(
@@ -344,7 +347,7 @@ def test_kill_flag_is_checked_before_anything_runs(tmp_path):
     )
     shutil.copy(REPO / "configs" / "tiny.yaml", tmp_path / "tiny.yaml")
     plan = make_plan(LinkOptions(spec=str(spec), shared=[f"run.out_dir={tmp_path}"]))
-    assert plan.kills == {"el": Kill(1, cfg.run.steps // 2)}
+    assert plan.kills == {"el": parse_fault(f"1@{cfg.run.steps // 2}:kill")}
     with pytest.raises(ConfigError, match="--kill: no run is elastic"):
         make_plan(LinkOptions(rate="20mbit", runs=["plain="], kill="1@3", shared=[f"run.out_dir={tmp_path}"]))
     spec.write_text("base: tiny.yaml\nrates: [20mbit]\nruns:\n  plain: {set: [], kill: '1@3'}\n")

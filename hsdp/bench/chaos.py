@@ -1,124 +1,65 @@
-"""Seeded chaos in the slow-link benchmark: faults drawn as a Poisson process, applied to an elastic job.
+"""Seeded chaos in the slow-link benchmark: the faults hsdp/faults/chaos.py draws, applied to an elastic job.
 
-`chaos: SEED:MTBF_S` (a run's key, or `--chaos SEED:MTBF_S`) draws faults over the whole group with
-mean time MTBF_S between them, each of one kind, on one replica, for a spell:
+`chaos: SEED:MTBF_S` (a run's key, or `--chaos SEED:MTBF_S`) draws Faults at times (hsdp/faults/chaos.py has the
+schedule and its kinds); each is applied here to a replica's node, or to the lighthouse:
 
-    kill        every trainer process of a replica's node gets SIGKILL (a lost machine); the launcher's
-                rule starts a replacement after elastic.restart_delay_s, which heals from a live replica
-    stop        its trainers are SIGSTOPped for the spell (a frozen machine: heartbeats stop too)
-    partition   its link is down for the spell (hsdp.bench.netns.SlowLink.cut), every process alive
-    slow        its trainers run a third of the time for the spell (SIGSTOP/SIGCONT at 10 Hz: a throttled GPU)
-    lighthouse  the lighthouse is killed and started again after the spell (the control plane lost)
+    R@tT:kill=D         every trainer process of a replica's node gets SIGKILL (a lost machine); the launcher's
+                        rule starts a replacement after D = elastic.restart_delay_s, which heals from a live replica
+    R@tT:stop=S         its trainers are SIGSTOPped for the spell (a frozen machine: heartbeats stop too)
+    R@tT:partition=S    its link is down for the spell (hsdp.bench.netns.SlowLink.cut), every process alive
+    R@tT:slow=FxS       its trainers run 1/F of the time for the spell (SIGSTOP/SIGCONT at 10 Hz: a throttled GPU)
+    lighthouse@tT:kill=S    the lighthouse is killed and started again after the spell (the control plane lost)
 
-The same seed gives the same schedule (kinds, replicas, times, spells): it is drawn up front from
-`random.Random(seed)` over the run's time bound. A fault whose replica is still in an earlier fault (killed
-and not yet back, stopped, cut, slowed) is applied once that one is over, so at most one fault holds a replica
-at a time while faults on different replicas overlap freely; slowlink.json records when each was drawn and
-applied. Replica 0 is never killed or cut: its node holds the lighthouse and prepares the run folder, and
-losing that node is what the `lighthouse` kind does.
+T counts from when every replica logged a step. A fault whose replica is still in an earlier fault (killed and not
+yet back, stopped, cut, slowed) is applied once that one is over, so at most one fault holds a replica at a time while
+faults on different replicas overlap freely; slowlink.json records when each was drawn and applied.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hsdp.bench.elastic import ElasticJob, logged_steps
-from hsdp.bench.faults import require_elastic
 from hsdp.bench.netns import namespace_pids
-from hsdp.config.schema import Config, ConfigError
+from hsdp.faults.chaos import Chaos, draw_schedule, kind
+from hsdp.faults.spec import Fault
 from hsdp.run.replicas import merge_replica_summaries
 from hsdp.sync.elastic import closes_level, verdicts
 
-KINDS = ("kill", "stop", "partition", "slow", "lighthouse")
-SPELL_S = {"stop": (2.0, 12.0), "partition": (5.0, 20.0), "slow": (10.0, 30.0), "lighthouse": (2.0, 6.0)}
-SLOW_FACTOR = 3.0  # a slowed node runs 1/3 of the time
 SLOW_PERIOD_S = 0.1
 BACK_TIMEOUT_S = 120.0  # a killed replica counts as back once its replacement logs a step, or after this
-
-
-@dataclass(frozen=True)
-class Chaos:
-    """The seed and the mean time between faults (over the whole group) of a chaos schedule."""
-
-    seed: int
-    mtbf_s: float
-
-    @classmethod
-    def parse(cls, text: str, cfg: Config, what: str) -> Chaos:
-        """'SEED:MTBF_S' for an elastic run of at least 2 replicas, or ConfigError."""
-        usage = f"{what}: expected SEED:MTBF_S (e.g. 7:30), got {text!r}"
-        seed, sep, mtbf = str(text).partition(":")
-        try:
-            s, m = int(seed), float(mtbf)
-        except ValueError:
-            raise ConfigError(usage) from None
-        if not sep or not m > 0:
-            raise ConfigError(usage)
-        require_elastic(cfg, what, "chaos", "one fault ends all")
-        if cfg.mesh.sync < 2:
-            raise ConfigError(f"{what}: chaos needs mesh.sync >= 2 replicas, got {cfg.mesh.sync}")
-        return cls(s, m)
-
-
-@dataclass(frozen=True)
-class ChaosFault:
-    """One drawn fault: `kind` on `replica` (None: the lighthouse) at `at_s` after the start, for `seconds`."""
-
-    kind: str
-    replica: Optional[int]
-    at_s: float
-    seconds: float
-
-
-def draw_schedule(chaos: Chaos, replicas: int, horizon_s: float, restart_delay_s: float) -> list[ChaosFault]:
-    """The faults of `chaos` over `horizon_s` seconds for `replicas` replicas: exponential gaps of mean MTBF_S,
-    a kind uniformly, a replica uniformly among those the kind may hit, a spell uniformly in its range."""
-    rng = random.Random(chaos.seed)
-    faults, t = [], 0.0
-    while True:
-        t += rng.expovariate(1.0 / chaos.mtbf_s)
-        if t >= horizon_s:
-            return faults
-        kind = rng.choice(KINDS)
-        if kind == "lighthouse":
-            replica = None
-        elif kind in ("kill", "partition"):
-            replica = rng.randrange(1, replicas)  # not node 0 (module docstring)
-        else:
-            replica = rng.randrange(replicas)
-        lo, hi = SPELL_S.get(kind, (restart_delay_s, restart_delay_s))
-        faults.append(ChaosFault(kind, replica, round(t, 3), round(rng.uniform(lo, hi), 3)))
 
 
 @dataclass
 class Applied:
     """A fault as it happened: drawn, applied (None: the run ended first), over (None: still on at the end)."""
 
-    fault: ChaosFault
+    fault: Fault
     applied_s: Optional[float] = None
     over_s: Optional[float] = None
     step: Optional[int] = None  # the replica's last logged step when applied
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self.fault), "applied_s": self.applied_s, "over_s": self.over_s, "step": self.step}
+        f = self.fault
+        drawn = {"fault": str(f), "kind": kind(f), "replica": f.replica, "at_s": f.at.at_s, "seconds": f.seconds}
+        return {**drawn, "applied_s": self.applied_s, "over_s": self.over_s, "step": self.step}
 
 
 class _Slowdown(threading.Thread):
-    """Runs `pids` a 1/SLOW_FACTOR of the time until `stop` is set (then leaves them running)."""
+    """Runs `pids` a 1/`factor` of the time until `stop` is set (then leaves them running)."""
 
-    def __init__(self, pids: list[int]) -> None:
+    def __init__(self, pids: list[int], factor: float) -> None:
         super().__init__(daemon=True, name="chaos-slow")
-        self.pids, self.stop = pids, threading.Event()
+        self.pids, self.factor, self.stop = pids, factor, threading.Event()
 
     def run(self) -> None:
-        on = SLOW_PERIOD_S / SLOW_FACTOR
+        on = SLOW_PERIOD_S / self.factor
         while not self.stop.is_set():
             _signal(self.pids, signal.SIGSTOP)
             self.stop.wait(SLOW_PERIOD_S - on)
@@ -149,8 +90,8 @@ class ChaosJob(ElasticJob):
     horizon_s: float = 3600.0  # the schedule's span: the run's time bound
 
     def start(self) -> ChaosJob:
-        assert self.chaos is not None and self.cfg is not None
-        drawn = draw_schedule(self.chaos, self.link.replicas, self.horizon_s, self.cfg.elastic.restart_delay_s)
+        assert self.chaos is not None
+        drawn = draw_schedule(self.chaos, self.link.replicas, self.horizon_s, self.config.elastic.restart_delay_s)
         self.schedule = [Applied(f) for f in drawn]
         super().start()
         return self
@@ -178,7 +119,8 @@ class ChaosJob(ElasticJob):
         self._restart_crashed(now)
         self._start_replacements(now)
         for a in self.schedule:
-            if a.applied_s is None and a.fault.at_s <= now and a.fault.replica not in self._holding:
+            due = a.fault.at.at_s is not None and a.fault.at.at_s <= now
+            if a.applied_s is None and due and a.fault.replica not in self._holding:
                 self._apply(a, now)
 
     def _apply(self, a: Applied, now: float) -> None:
@@ -187,25 +129,24 @@ class ChaosJob(ElasticJob):
             return  # its node has finished the run: nothing left to hit
         a.applied_s, a.step = round(now, 3), None if m is None else self._logged_step(m)
         self._holding[m] = a
-        where = "the lighthouse" if m is None else f"replica {m}"
-        print(f"[chaos] {f.kind} {where} at {now:.1f} s for {f.seconds:g} s (step {a.step})", flush=True)
-        if f.kind == "kill":
-            self._kill(m)
-        elif f.kind == "stop":
-            _signal(self.trainer_pids(m), signal.SIGSTOP)
-        elif f.kind == "partition":
-            self.link.cut(m)
-        elif f.kind == "slow":
-            self._slowdowns[m] = _Slowdown(self.trainer_pids(m))
-            self._slowdowns[m].start()
-        elif f.kind == "lighthouse":
+        print(f"[chaos] {f} at {now:.1f} s (step {a.step})", flush=True)
+        if m is None:  # the lighthouse's one fault: killed, started again after the spell
             self._stop_lighthouse()
+        elif f.action == "kill":
+            self._kill(m, f)
+        elif f.action == "stop":
+            _signal(self.trainer_pids(m), signal.SIGSTOP)
+        elif f.action == "partition":
+            self.link.cut(m)
+        elif f.action == "slow":
+            self._slowdowns[m] = _Slowdown(self.trainer_pids(m), f.factor)
+            self._slowdowns[m].start()
 
-    def _kill(self, m: int) -> None:
+    def _kill(self, m: int, kill: Fault) -> None:
         _signal(self.trainer_pids(m), signal.SIGKILL)
         self.procs[m].wait()
         self.stale.add(m)
-        self._pending[m] = time.monotonic() + self.cfg.elastic.restart_delay_s
+        self._pending[m] = time.monotonic() + (kill.seconds or self.config.elastic.restart_delay_s)
 
     def _restart_crashed(self, now: float) -> None:
         """A node that exited non-zero on its own (a replica failing in the chaos: e.g. the peer it healed from
@@ -216,15 +157,15 @@ class ChaosJob(ElasticJob):
             code = proc.poll()
             if m in self.stale or code in (None, 0):
                 continue
-            if self.cfg is not None and verdicts(self.cfg.run_dir).get(str(m)) == "differ":
+            if verdicts(self.config.run_dir).get(str(m)) == "differ":
                 continue  # it ended apart from the others (closing.py): a restart cannot mend that; the job fails
             mine = sum(c["replica"] == m for c in self.crashes)
-            if mine >= self.cfg.elastic.max_restarts:
+            if mine >= self.config.elastic.max_restarts:
                 continue
             self.crashes.append({"replica": m, "at_s": round(now, 3), "exit_code": code})
             print(f"[chaos] replica {m}'s node exited {code} on its own at {now:.1f} s; restarting it", flush=True)
             self.stale.add(m)
-            self._pending[m] = time.monotonic() + self.cfg.elastic.restart_delay_s
+            self._pending[m] = time.monotonic() + self.config.elastic.restart_delay_s
 
     def _start_replacements(self, now: float) -> None:
         for m, due in list(self._pending.items()):
@@ -242,8 +183,8 @@ class ChaosJob(ElasticJob):
     def _end_spells(self, now: float) -> None:
         for m, a in list(self._holding.items()):
             f = a.fault
-            if f.kind == "kill":
-                assert m is not None and a.applied_s is not None
+            if m is not None and f.action == "kill":
+                assert a.applied_s is not None
                 if m in self._pending:
                     continue
                 # back: its replacement logged a step past the kill's (healed), finished, or is taking too long
@@ -251,15 +192,20 @@ class ChaosJob(ElasticJob):
                 if back or self.procs[m].poll() is not None or now > a.applied_s + BACK_TIMEOUT_S:
                     self._over(m, a, now)
             elif now >= (a.applied_s or 0) + f.seconds:
-                if f.kind == "stop":
-                    _signal(self.trainer_pids(m), signal.SIGCONT)
-                elif f.kind == "partition":
-                    self.link.restore(m)
-                elif f.kind == "slow":
-                    self._slowdowns.pop(m).stop.set()
-                elif f.kind == "lighthouse":
+                if m is None:
                     self._start_lighthouse()
+                else:
+                    self._end_spell(m, f)
                 self._over(m, a, now)
+
+    def _end_spell(self, m: int, f: Fault) -> None:
+        """Replica m's stop, cut or slow spell over: its trainers running, its link up."""
+        if f.action == "stop":
+            _signal(self.trainer_pids(m), signal.SIGCONT)
+        elif f.action == "partition":
+            self.link.restore(m)
+        elif f.action == "slow":
+            self._slowdowns.pop(m).stop.set()
 
     def _over(self, m: Optional[int], a: Applied, now: float) -> None:
         a.over_s = round(now, 3)
@@ -272,13 +218,9 @@ class ChaosJob(ElasticJob):
         """Every spell ended (the run is over or stopped): processes running, links up, the lighthouse gone."""
         now = self.now_s() or 0.0
         for m, a in list(self._holding.items()):
-            if a.fault.kind == "stop":
-                _signal(self.trainer_pids(m), signal.SIGCONT)
-            elif a.fault.kind == "partition":
-                self.link.restore(m)
-            elif a.fault.kind == "slow":
-                self._slowdowns.pop(m).stop.set()
-            if a.fault.kind != "kill":
+            if m is not None and a.fault.action != "kill":
+                self._end_spell(m, a.fault)
+            if m is None or a.fault.action != "kill":
                 self._over(m, a, now)
 
     def wait(self, timeout_s: float) -> int:
@@ -294,11 +236,11 @@ class ChaosJob(ElasticJob):
         """summary.json from the replicas' own summaries, with every replica's kills as its failures."""
         kills = {r: 0 for r in range(self.link.replicas)}
         for a in self.schedule:
-            if a.applied_s is not None and a.fault.kind == "kill" and a.fault.replica is not None:
+            if a.applied_s is not None and a.fault.action == "kill" and a.fault.replica is not None:
                 kills[a.fault.replica] += 1
         for c in self.crashes:
             kills[c["replica"]] += 1
-        merge_replica_summaries(self.cfg.run_dir, kills, restarts=kills)
+        merge_replica_summaries(self.config.run_dir, kills, restarts=kills)
 
     def faults(self) -> dict[str, Any]:
         out = super().faults()

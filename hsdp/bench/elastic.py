@@ -9,14 +9,15 @@ inside its namespace,
                                                      --set elastic.lighthouse=http://<node 0>:LPORT
 
 (MASTER_ADDR is then the node's own address, which torchft advertises to the other replicas for
-the sync group's store), and node 0 also runs `torchft_lighthouse`. A `Kill` takes replica m's
-node down at a step: every process in its namespace gets SIGKILL as soon as its metrics file
-logs that step (a machine lost); after `elastic.restart_delay_s` a replacement node starts the
-same command, joins at the survivors' next sync and heals from them (unless they have finished by
-then; one that starts but finds no live replica fails, as a restarted replica does locally). The
-job is done when every replica's current node has exited; a killed node's exit code is expected
-and ignored. Node 0 (the lighthouse's, and the one whose metrics the benchmark reads) is never
-the one killed.
+the sync group's store), and node 0 also runs `torchft_lighthouse`. A kill (`m@STEP:kill`, a Fault
+of hsdp/faults/spec.py) takes replica m's node down at a step: every process in its namespace gets
+SIGKILL as soon as its metrics file logs that step (a machine lost); after `elastic.restart_delay_s`
+(or the kill's own seconds) a replacement node starts the same command, joins at the survivors'
+next sync and heals from them (unless they have finished by then; one that starts but finds no
+live replica fails, as a restarted replica does locally). The job is done when every replica's
+current node has exited; a killed node's exit code is expected and ignored. Node 0 (the
+lighthouse's, and the one whose metrics the benchmark reads) is never the one killed or cut
+(hsdp/bench/faults.py checks it).
 """
 
 from __future__ import annotations
@@ -33,42 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hsdp.bench.faults import Partition, require_elastic
 from hsdp.bench.job import Job
 from hsdp.bench.netns import namespace_pids
-from hsdp.config.schema import Config, ConfigError
+from hsdp.config.schema import Config
+from hsdp.faults.spec import Fault
 from hsdp.run.replicas import lighthouse_timeouts_ms, merge_replica_summaries
 
 LIGHTHOUSE_PORT = 29510
-
-
-@dataclass(frozen=True)
-class Kill:
-    """Replica `replica`'s node is killed once its metrics file logs step `step`."""
-
-    replica: int
-    step: int
-
-    @classmethod
-    def parse(cls, text: str, cfg: Config, what: str) -> Kill:
-        """'R@S' (S a step, or a fraction of run.steps when < 1) for a run with this config, or ConfigError."""
-        replica, sep, at = str(text).partition("@")
-        try:
-            m, s = int(replica), float(at)
-        except ValueError:
-            raise ConfigError(f"{what}: expected REPLICA@STEP (e.g. 1@77 or 1@0.3), got {text!r}") from None
-        if not sep or s < 0:
-            raise ConfigError(f"{what}: expected REPLICA@STEP (e.g. 1@77 or 1@0.3), got {text!r}")
-        require_elastic(cfg, what, "a kill", "one death ends all")
-        if not 1 <= m < cfg.mesh.sync:
-            raise ConfigError(
-                f"{what}: replica {m} is not one of 1..{cfg.mesh.sync - 1} "
-                "(node 0 runs the lighthouse and is the replica the benchmark measures)"
-            )
-        step = int(s * cfg.run.steps) if s < 1 else int(s)
-        if step >= cfg.run.steps:
-            raise ConfigError(f"{what}: step {step} is not before run.steps={cfg.run.steps}")
-        return cls(m, step)
 
 
 def logged_steps(path: Path) -> list[int]:
@@ -87,14 +59,20 @@ class ElasticJob(Job):
     """`Job`'s contract (start, wait, stop, log_tail) for an elastic run, with an optional node kill."""
 
     cfg: Optional[Config] = None
-    kill: Optional[Kill] = None
+    kill: Optional[Fault] = None  # REPLICA@STEP:kill[=S] (hsdp/bench/faults.py: its step taken of run.steps)
     lighthouse: Optional[subprocess.Popen] = None
     killed_at: Optional[float] = None  # monotonic time of the kill
     replacement_due: Optional[float] = None
     stale: set[int] = field(default_factory=set)  # indices into procs of killed nodes
-    partition: Optional[Partition] = None
+    partition: Optional[Fault] = None  # REPLICA@STEP:partition=S
     started_at: float = 0.0  # monotonic time of start()
     cut: dict[str, Any] = field(default_factory=dict)  # what happened around the partition (slowlink.json)
+
+    @property
+    def config(self) -> Config:
+        """The run's config (`cfg`: a field with a default only because Job's fields come first)."""
+        assert self.cfg is not None, "an elastic job needs its run's config"
+        return self.cfg
 
     @property
     def lighthouse_addr(self) -> str:
@@ -119,19 +97,19 @@ class ElasticJob(Job):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # The benchmark's own run folder (always run.overwrite=true): remove it here, so that neither the
         # wait for node 0's config.yaml nor the kill's step watch reads a previous run's files.
-        shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+        shutil.rmtree(self.config.run_dir, ignore_errors=True)
         self.started_at = time.monotonic()
         self._start_lighthouse()
         for m in range(self.link.replicas):
             self.procs.append(self._start_node(m))
             if m == 0:  # node 0 prepares the run folder (config.yaml) before the others write into it
-                self._wait_for(self.cfg.run_dir / "config.yaml", timeout_s=120)
+                self._wait_for(self.config.run_dir / "config.yaml", timeout_s=120)
         return self
 
     def _start_lighthouse(self) -> None:
-        join_ms, heartbeat_ms = lighthouse_timeouts_ms(self.cfg)
+        join_ms, heartbeat_ms = lighthouse_timeouts_ms(self.config)
         cmd = [*self.link.exec_prefix(0), str(Path(sys.executable).with_name("torchft_lighthouse"))]
-        cmd += ["--min_replicas", str(self.cfg.elastic.min_replicas), "--bind", f"[::]:{LIGHTHOUSE_PORT}"]
+        cmd += ["--min_replicas", str(self.config.elastic.min_replicas), "--bind", f"[::]:{LIGHTHOUSE_PORT}"]
         cmd += ["--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms)]
         cmd += ["--quorum_tick_ms", "100"]
         log = open(self.log_dir / f"{self.name}.lighthouse.log", "w")
@@ -156,28 +134,32 @@ class ElasticJob(Job):
 
     def _logged_step(self, m: int) -> int:
         """The last step replica m's metrics file logged (-1 before the first)."""
-        return max(logged_steps(self.cfg.run_dir / f"metrics.replica{m}.jsonl"), default=-1)
+        return max(logged_steps(self.config.run_dir / f"metrics.replica{m}.jsonl"), default=-1)
 
-    def _kill_node(self) -> None:
+    def _reached(self, fault: Fault) -> bool:
+        """Whether the fault's replica logged its step (a kill's, a partition's: taken of run.steps at plan time)."""
+        return self._logged_step(_node(fault)) >= fault.at.step_of(self.config.run.steps)
+
+    def _kill_node(self, kill: Fault) -> None:
         """SIGKILL every process in the killed replica's namespace: its torchrun and its ranks at once."""
-        m = self.kill.replica
+        m = _node(kill)
         for pid in namespace_pids(self.link.namespaces[m]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.procs[m].wait()
         self.stale.add(m)
         self.killed_at = time.monotonic()
-        self.replacement_due = self.killed_at + self.cfg.elastic.restart_delay_s
+        self.replacement_due = self.killed_at + (kill.seconds or self.config.elastic.restart_delay_s)
         print(f"[slowlink] killed replica {m}'s node at its step {self._logged_step(m)}", flush=True)
 
     def on_tick(self) -> None:
         """Kill the node once its replica logs the kill step; start its replacement when due; cut and restore
         a partitioned replica's link."""
         self._partition_tick()
-        if self.kill and self.killed_at is None and self._logged_step(self.kill.replica) >= self.kill.step:
-            self._kill_node()
-        if self.replacement_due is not None and time.monotonic() >= self.replacement_due:
-            m = self.kill.replica
+        if self.kill is not None and self.killed_at is None and self._reached(self.kill):
+            self._kill_node(self.kill)
+        if self.kill is not None and self.replacement_due is not None and time.monotonic() >= self.replacement_due:
+            m = _node(self.kill)
             self.replacement_due = None
             others = [p.poll() for i, p in enumerate(self.procs) if i != m]
             if not all(c == 0 for c in others):  # as the launcher: no replacement once the others finished
@@ -190,12 +172,12 @@ class ElasticJob(Job):
         p, now = self.partition, time.monotonic()
         if p is None or "restored_s" in self.cut:
             return
-        if "cut_s" not in self.cut and self._logged_step(p.replica) >= p.step:
-            self.link.cut(p.replica)
+        if "cut_s" not in self.cut and self._reached(p):
+            self.link.cut(_node(p))
             steps = [self._logged_step(m) for m in range(self.link.replicas)]
             self.cut.update(cut_s=round(now - self.started_at, 3), steps_at_cut=steps)
             print(
-                f"[slowlink] cut replica {p.replica}'s link at its step {steps[p.replica]} for {p.seconds:g} s",
+                f"[slowlink] cut replica {p.replica}'s link at its step {steps[_node(p)]} for {p.seconds:g} s",
                 flush=True,
             )
         elif "cut_s" in self.cut and now - self.started_at >= self.cut["cut_s"] + p.seconds:
@@ -206,7 +188,7 @@ class ElasticJob(Job):
         reused by the next run at this rate)."""
         if self.partition is None or "cut_s" not in self.cut or "restored_s" in self.cut:
             return
-        self.link.restore(self.partition.replica)
+        self.link.restore(_node(self.partition))
         steps = [self._logged_step(m) for m in range(self.link.replicas)]
         self.cut.update(restored_s=round(time.monotonic() - self.started_at, 3), steps_at_restore=steps)
         print(f"[slowlink] restored replica {self.partition.replica}'s link (steps logged: {steps})", flush=True)
@@ -214,7 +196,7 @@ class ElasticJob(Job):
     def faults(self) -> dict[str, Any]:
         out = super().faults()
         if self.kill:
-            out["kill"] = {"replica": self.kill.replica, "step": self.kill.step, "done": self.killed_at is not None}
+            out["kill"] = {**self.kill.to_json(), "done": self.killed_at is not None}
         if self.partition:
             out["partition"] = {**self.partition.to_json(), **self.cut}
         return out
@@ -245,6 +227,12 @@ class ElasticJob(Job):
 
     def _write_summary(self) -> None:
         """summary.json from the replicas' own summaries (as the local launcher writes it)."""
-        m = self.kill.replica if self.killed_at is not None else None
+        m = self.kill.replica if self.kill is not None and self.killed_at is not None else None
         failures = {r: int(r == m) for r in range(self.link.replicas)}
-        merge_replica_summaries(self.cfg.run_dir, failures, restarts=failures)
+        merge_replica_summaries(self.config.run_dir, failures, restarts=failures)
+
+
+def _node(fault: Fault) -> int:
+    """The node (namespace) of the replica a kill or partition hits."""
+    assert fault.replica is not None, f"{fault} hits no replica's node"
+    return fault.replica

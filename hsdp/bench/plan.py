@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from hsdp.bench.chaos import Chaos
-from hsdp.bench.elastic import Kill
-from hsdp.bench.faults import Partition, Slow
+from hsdp.bench.faults import chaos_of, flag_fault
 from hsdp.bench.netns import MAX_REPLICAS
 from hsdp.bench.spec import REPO, LinkRunSpec, SweepSpec, load_link_spec, load_sweep, parse_rate, parse_runs_arg
 from hsdp.config.schema import Config, ConfigError
+from hsdp.faults.chaos import Chaos
+from hsdp.faults.spec import Fault
 from hsdp.run.preflight import load_checked_config
 from hsdp.run.rundir import has_checkpoint
 
@@ -102,10 +102,11 @@ class LinkOptions:
     probe_reps: int = 3
     no_probe: bool = False
     # Fault flags reach the runs that name that fault (`kill:` ... in the spec: the flag's value replaces
-    # theirs); where no run names it, every run it applies to but the target (`flag_runs`)
+    # theirs); where no run names it, every run it applies to but the target (`flag_runs`). Each compiles to a
+    # Fault of hsdp/faults/spec.py (hsdp/bench/faults.py)
     kill: Optional[str] = None  # REPLICA@STEP (elastic runs)
     partition: Optional[str] = None  # REPLICA@AT:SECONDS (elastic runs)
-    slow: Optional[str] = None  # REPLICA:FACTOR (any run)
+    slow: Optional[str] = None  # REPLICA:FACTOR[@AT[:SECONDS]] (any run)
     chaos: Optional[str] = None  # SEED:MTBF_S (elastic runs)
     pin_cores: bool = False  # node m's processes on CPU core m (the spec's `pin_cores: true` too)
     plot: bool = False
@@ -131,9 +132,9 @@ class LinkPlan:
     # ranks) or, on a three-level mesh, a site (its R·S ranks: docs/design.md §4.1)
     mesh: tuple[int, int] = (0, 0)
     pin_cores: bool = False  # node m's processes on CPU core m (hsdp.bench.netns.SlowLink.exec_prefix)
-    kills: dict[str, Kill] = field(default_factory=dict)  # elastic runs whose node is killed
-    partitions: dict[str, Partition] = field(default_factory=dict)  # elastic runs whose replica is cut off
-    slows: dict[str, Slow] = field(default_factory=dict)  # runs with a slow replica
+    kills: dict[str, Fault] = field(default_factory=dict)  # elastic runs whose node is killed (R@STEP:kill)
+    partitions: dict[str, Fault] = field(default_factory=dict)  # elastic runs whose replica is cut off
+    slows: dict[str, Fault] = field(default_factory=dict)  # runs with a slow replica (R@AT:slow=F[xS])
     chaoses: dict[str, Chaos] = field(default_factory=dict)  # elastic runs under a seeded fault schedule
 
 
@@ -205,20 +206,15 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
         return getattr(runs[run], kind), f"runs.{run}.{kind}"
 
     for (run, label), c in configs.items():  # validate every run's config before building anything
-        kill, what = fault(run, "kill")
-        if kill:
-            plan.kills[run] = Kill.parse(kill, c, what)
-        cut, what = fault(run, "partition")
-        if cut:
-            plan.partitions[run] = Partition.parse(cut, c, what)
-        slow, what = fault(run, "slow")
-        if slow:
-            plan.slows[run] = Slow.parse(slow, c.mesh.sync, what)
-            # the node's config with it, checked now (run.slowdown's own rules, hsdp/config/validate.py)
+        for kind, faults in (("kill", plan.kills), ("partition", plan.partitions), ("slow", plan.slows)):
+            text, what = fault(run, kind)
+            if text:
+                faults[run] = flag_fault(kind, text, c, what)
+        if run in plan.slows:  # the node's config with it, checked now (run.slowdown's rules, hsdp/config/validate.py)
             load_checked_config(base, [*overrides(plan, run, label), *plan.slows[run].overrides()])
         chaos, what = fault(run, "chaos")
         if chaos:
-            plan.chaoses[run] = Chaos.parse(chaos, c, what)
+            plan.chaoses[run] = chaos_of(chaos, c, what)
             if run in plan.kills or run in plan.partitions:
                 raise ConfigError(f"runs.{run}: chaos draws its own kills and partitions; drop kill/partition")
         if node_mesh(c) != plan.mesh:

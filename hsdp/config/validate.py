@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from hsdp.config.faults import FaultSpecError, parse_faults
 from hsdp.config.schema import CHOICES, Config, ConfigError
+from hsdp.faults.spec import FaultSpecError, parse_faults
 
 # Range rules by key: integers >= 1, values >= 0 (null allowed where the field is optional), values > 0.
 AT_LEAST_ONE = [
@@ -105,11 +105,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.beta1/beta2: expected values in [0, 1), got {cfg.optim.beta1}, {cfg.optim.beta2}")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction: expected a value in (0, 1), got {cfg.data.val_fraction}")
+    vocab = cfg.model.vocab_size  # not None for stdlib and text data: check_vocab_source
     if cfg.data.source == "synthetic" or cfg.data.source == "stdlib":
-        if cfg.data.source == "stdlib" and cfg.model.vocab_size < 256:  # not None: check_vocab_source
-            raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
-    elif cfg.data.source == "text" and cfg.model.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {cfg.model.vocab_size}")
+        if cfg.data.source == "stdlib" and vocab is not None and vocab < 256:
+            raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {vocab}")
+    elif cfg.data.source == "text" and vocab is not None and vocab < 256:
+        raise ConfigError(f"model.vocab_size: expected >= 256 for byte-level data, got {vocab}")
     s = cfg.sync
     if s.fragments > 1 and s.every % s.fragments:
         raise ConfigError(f"sync.fragments: expected a divisor of sync.every={s.every}, got {s.fragments}")
@@ -262,10 +263,10 @@ def check_elastic(cfg: Config) -> None:
         )
     if e.lighthouse:
         check_lighthouse(e.lighthouse)
-    try:
-        parse_faults(e.faults, cfg.mesh.sync, cfg.mesh.replicate * cfg.mesh.shard)
+    try:  # the one fault grammar (hsdp/faults/spec.py): its one line already names elastic.faults
+        parse_faults(e.faults, cfg.mesh.sync, cfg.mesh.replicate * cfg.mesh.shard, what="elastic.faults")
     except FaultSpecError as err:
-        raise ConfigError(f"elastic.faults: {err}") from None
+        raise ConfigError(str(err)) from None
 
 
 def check_lighthouse(url: str) -> None:

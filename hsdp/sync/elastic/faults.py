@@ -1,4 +1,4 @@
-"""FaultPoints: this rank's `elastic.faults` (hsdp/config/faults.py), done where the replica passes each point.
+"""FaultPoints: this rank's `elastic.faults` (hsdp/faults/spec.py), done where the replica passes each point.
 
 The wing calls `at(point, round)` at every named point of a replica's life; with no faults configured it
 does nothing. A point another replica waits for leaves a marker file (run folder, `faults/`) once this rank
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hsdp.config.faults import Fault, Place, parse_faults
+from hsdp.faults.spec import Fault, Place, parse_faults
 
 MARKERS = "faults"  # in the run folder: one empty file per (place, shard rank) that someone waits for
 POLL_S = 0.05
