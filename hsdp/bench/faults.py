@@ -23,8 +23,6 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.faults.chaos import Chaos, parse_chaos
 from hsdp.faults.spec import FLAGS, Fault, FaultSpecError, parse_flag
 
-Slow = Fault  # a slow node's fault (hsdp/bench/job.py's name for it)
-
 LOSS = {"kill": "one death ends all", "partition": "one cut ends all"}
 
 

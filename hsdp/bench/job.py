@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hsdp.bench.faults import Slow
 from hsdp.bench.netns import SlowLink
 from hsdp.bench.spec import REPO
+from hsdp.faults.spec import Fault
 
 TIMED_OUT = 124  # a job's return code when it ran past its bound
 
@@ -48,7 +48,7 @@ class Job:
     name: str
     rdzv_timeout_s: int = 120
     procs: list[subprocess.Popen] = field(default_factory=list)
-    slow: Optional[Slow] = None  # one replica's node trains slower (hsdp.bench.faults)
+    slow: Optional[Fault] = None  # one replica's node trains slower (a slow fault, hsdp/faults/spec.py)
 
     def node_command(self, m: int) -> list[str]:
         link, timeout = self.link, self.rdzv_timeout_s

@@ -40,7 +40,7 @@ class LinkRunSpec(NamedTuple):
     rates: Optional[list[str]] = None
     kill: Optional[str] = None
     partition: Optional[str] = None  # REPLICA@AT:SECONDS (hsdp.bench.faults.Partition)
-    slow: Optional[str] = None  # REPLICA:FACTOR[@AT[:SECONDS]] (hsdp.bench.faults.Slow)
+    slow: Optional[str] = None  # REPLICA:FACTOR[@AT[:SECONDS]] (a slow fault, hsdp/faults/spec.py)
     chaos: Optional[str] = None  # SEED:MTBF_S (hsdp.bench.chaos.Chaos)
 
 
