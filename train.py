@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ from hsdp.run.rundir import clear_finished, finished_line, owns_run_dir, prepare
 from hsdp.sync.membership import build_membership
 from hsdp.sync.pace import build_pacer
 from hsdp.sync.schedule import steps_after_last_sync
-from hsdp.sync.seam import ReplicaSeat, ReplicaState
+from hsdp.sync.seam import ReplicaPolicy, ReplicaSeat, ReplicaState
 from kernels.backend import set_backend
 
 
@@ -75,7 +75,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         parts["pace"] = Part(pacer.state_dict, pacer.load_state_dict)
     checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start, seat, parts)
     run = checkpoints.resume()  # the checkpoint run.resume names (every part restored), or a fresh start
-    state = ReplicaState(engine.held_buffers(), optimizer, policy)  # what a heal may read and write
+    # What a heal may read and write (an elastic run's engine is hsdp, check_engine_config: its policy a SyncPolicy).
+    state = ReplicaState(engine.held_buffers(), optimizer, cast(ReplicaPolicy, policy))
     run.start_step = members.join(state, run.start_step)  # a restarted replica heals: a later step
     replica = seat.replica if seat is not None else mesh.sync_rank
     spell = SlowSpell(cfg.run, replica)  # run.slowdown's
@@ -183,7 +184,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
 
 def micro_batches(data: Data, step: int, accum: int, device: torch.device) -> list[Batch]:
     """This rank's micro-batches of `step`, on the device."""
-    return [tuple(t.to(device) for t in data.train_batch(step, micro)) for micro in range(accum)]
+    batches = (data.train_batch(step, micro) for micro in range(accum))
+    return [(x.to(device), y.to(device)) for x, y in batches]
 
 
 def world_mean(mesh: Mesh, value: torch.Tensor, own_replica: bool = False) -> float:
@@ -365,7 +367,8 @@ def main(argv: Optional[list[str]] = None, worker: Optional[Callable[..., None]]
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except WorkerError as e:
-        remove_failed_saves(cfg.run_dir)  # a rank that died mid-save cannot clean up after itself
+        if cfg is not None:  # a rank that died mid-save cannot clean up after itself
+            remove_failed_saves(cfg.run_dir)
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (Interrupted, KeyboardInterrupt) as e:  # launch() has stopped every worker

@@ -38,7 +38,7 @@ from hsdp.run.metrics import (
 )
 from hsdp.sync.membership import Membership
 from hsdp.sync.pace import Pacer
-from hsdp.sync.policy import SyncPolicy
+from hsdp.sync.policy import Sync
 
 
 class StepLedger:
@@ -49,7 +49,7 @@ class StepLedger:
         cfg: Config,
         mesh: Mesh,
         members: Membership,
-        policy: SyncPolicy,
+        policy: Sync,
         pacer: Optional[Pacer],
         run: Progress,
         previous: Optional[dict[str, Any]],
@@ -102,7 +102,7 @@ class StepLedger:
         the periods up to the last round (the counts the replicas exchanged there)."""
         assert self.pacer is not None
         self.lockstep += self.pacer.every_replica_trains(step)
-        local = self.policy.replicas_local_steps or 0.0
+        local = self.policy.ledger().get("replicas_local") or 0.0  # none before the first round
         return int(self.replica_tokens * (self.cfg.mesh.sync * self.lockstep + local))
 
     @property
