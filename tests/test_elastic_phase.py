@@ -1,4 +1,4 @@
-"""The elastic wing's state machine (hsdp/sync/elastic/phase.py) and its fault points' spec (hsdp/config/faults.py)."""
+"""The elastic wing's state machine (hsdp/sync/elastic/phase.py) and its fault points' spec (hsdp/faults/spec.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,25 @@ from typing import Any
 
 import pytest
 
-from hsdp.config.faults import Fault, Place, parse_faults
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
+from hsdp.faults.spec import Fault, Place, parse_faults
 from hsdp.sync.elastic import phase as phase_module
 from hsdp.sync.elastic.faults import FaultPoints
 from hsdp.sync.elastic.lighthouse import QuorumStatus, lighthouse_unreachable, quorum_status
-from hsdp.sync.elastic.phase import TRANSITIONS, BadTransition, Phase, PhaseLog
+from hsdp.sync.elastic.phase import (
+    HEAL_TRANSITIONS,
+    ROUND_KIND_TRANSITIONS,
+    ROUND_TRANSITIONS,
+    TRANSITIONS,
+    BadTransition,
+    Checked,
+    Heal,
+    Phase,
+    PhaseLog,
+    Round,
+    RoundKind,
+)
 from tests.helpers import REPO
 
 
@@ -68,6 +80,144 @@ def test_a_has_trained_life_is_past_its_join() -> None:
     log.enter(Phase.CUT_OFF, "no quorum")
     log.enter(Phase.HEALING, "healed when back")
     assert log.has_trained
+
+
+# The smaller machines beside the phase: a round's life, its kind, a heal's (phase.py's docstring tables).
+TABLES = [
+    ("elastic round", ROUND_TRANSITIONS, Round.IDLE),
+    ("elastic round kind", ROUND_KIND_TRANSITIONS, RoundKind.TRAINING),
+    ("elastic heal", HEAL_TRANSITIONS, Heal.NONE),
+]
+
+
+@pytest.mark.parametrize("what,table,start", TABLES, ids=[t[0] for t in TABLES])
+def test_every_legal_round_and_heal_transition_is_taken_and_every_other_refused_naming_both(
+    what: str, table: dict, start: Any
+) -> None:
+    states = list(type(start))
+    assert set(table) == set(states)  # every state has its row
+    for now in states:
+        for to in states:
+            walk = Checked(what, table, now)  # a state reached along the table (each is, from the start)
+            if to in table[now]:
+                walk.enter(to, "test")
+                assert walk.state is to
+            else:
+                with pytest.raises(BadTransition, match=re.escape(f"{what}: {now.value} → {to.value} is not a")):
+                    walk.enter(to, "test")
+                assert walk.state is now  # refused: unchanged
+
+
+@pytest.mark.parametrize("what,table,start", TABLES, ids=[t[0] for t in TABLES])
+def test_every_round_and_heal_state_is_reachable_and_none_ends(what: str, table: dict, start: Any) -> None:
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in table[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    assert seen == set(type(start)), what
+    assert all(table[s] for s in type(start)), what  # a rank's rounds and heals go on until its life ends
+
+
+def test_the_docstring_tables_list_every_round_and_heal_state() -> None:
+    doc = phase_module.__doc__ or ""
+    rows = {r.strip() for r in re.findall(r"^    (\w[\w ]*?)\s{2,}.*$", doc, re.M)}
+    assert {s.value for s in [*Round, *Heal]} <= rows, rows
+
+
+class _Manager:
+    """torchft's Manager as the transport sees it: a quorum of 2, every round committed unless told."""
+
+    def __init__(self) -> None:
+        self.commit = True
+
+    def start_quorum(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return 2
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def current_step(self) -> int:
+        return 0
+
+    def errored(self) -> None:
+        return None
+
+    def should_commit(self) -> bool:
+        return self.commit
+
+    def allreduce(self, t: Any, reduce_op: Any) -> Any:
+        from hsdp.sync.elastic.transport import Done
+
+        return Done()
+
+
+class _Everyone:
+    def allgather(self, outs: Any, inps: Any, opts: Any) -> Any:
+        import torch
+
+        from hsdp.sync.elastic.transport import Done
+
+        for chunk in outs[0]:  # the control row of each: counted, no work timed, a full period, kind training
+            chunk.copy_(torch.tensor([1.0, 0.0, 1.0, 0.0]))
+        return Done()
+
+
+def test_a_transports_rounds_walk_the_round_table() -> None:
+    """begin → open (quorum answered), first payload → sent, commit → committed or dropped (the next round then
+    touched); a commit without a round, and a training round kind after the close, are refused."""
+    import torch
+
+    from hsdp.comm.groups import Comm
+    from hsdp.sync.elastic.transport import FTTransport
+
+    manager = _Manager()
+    t = FTTransport(manager, _Everyone(), Comm({}))
+    assert t.round is Round.IDLE and not t.open
+    with pytest.raises(BadTransition, match="elastic round: idle → committed"):
+        t.commit_round()
+    t.joined_at = 0
+    t.begin_round()
+    assert t.round is Round.OPEN and t.open and t.counted and t.contributors == [0, 1]
+    t.all_reduce_sum(torch.ones(2), async_op=False)
+    assert t.round is Round.SENT
+    manager.commit = False
+    assert not t.commit_round() and t.round is Round.DROPPED and not t.open
+    manager.commit = True
+    t.begin_round()
+    assert t.round is Round.OPEN and t.touched == [False, True]  # the round after a dropped one
+    assert t.commit_round() and t.round is Round.COMMITTED  # a meeting: no payload, never sent
+    t.closing = True
+    assert t.kind is RoundKind.MEETING
+    with t.resyncing("test"):
+        assert t.kind is RoundKind.RESYNC and t.syncing
+    assert t.kind is RoundKind.MEETING and t.closing
+    with pytest.raises(BadTransition, match="elastic round kind: closing meeting → training"):
+        t.closing = False
+
+
+def test_a_heals_offer_is_taken_once_and_a_lost_server_asks_again() -> None:
+    """none → offered (a peer's offer) → fetching (taken) → none (its server died) → offered again; a second
+    take of the same offer is refused, naming both states."""
+    from types import SimpleNamespace
+
+    from hsdp.sync.elastic.heal import HealState
+
+    life = SimpleNamespace(phase=Phase.TRAINING, has_trained=True, enter=lambda phase, why: None)
+    heal = HealState(life)
+    assert heal.stage is Heal.NONE and heal.offer is None and heal.healed_to is None
+    heal.load_state_dict({"snapshot": "http://peer/checkpoint/", "step": 9, "step_s": 0.2})
+    assert heal.stage is Heal.OFFERED and heal.offer == ("http://peer/checkpoint/", 9, 0.2) and heal.healed_to == 9
+    assert heal.take_offer().step == 9 and heal.stage is Heal.FETCHING and heal.offer is None
+    with pytest.raises(BadTransition, match="elastic heal: fetching → fetching"):
+        heal.take_offer()
+    heal.peer_gone()
+    assert heal.stage is Heal.NONE and heal.healed_to is None
+    heal.load_state_dict({"snapshot": "http://other/checkpoint/", "step": 11})
+    assert heal.offer == ("http://other/checkpoint/", 11, None) and not heal.final and not heal.peer_joining
 
 
 def test_fault_specs_parse_and_name_their_places() -> None:

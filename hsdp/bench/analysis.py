@@ -92,7 +92,11 @@ Key = tuple[str, str]  # (run, rate label)
 
 def target_losses(plan: LinkPlan, runs: Sequence[LinkRun]) -> dict[str, float]:
     """rate label → the target run's final val loss there, for the rates where it finished."""
-    return {r.rate: r.record.final_val_loss for r in runs if r.run == plan.target and r.ok}
+    return {  # the condition is `r.ok`, spelled out so that the loss is known to be a float
+        r.rate: r.record.final_val_loss
+        for r in runs
+        if r.run == plan.target and r.record is not None and r.record.final_val_loss is not None
+    }
 
 
 def target_at(rate: str, targets: dict[str, float]) -> Optional[float]:
@@ -101,9 +105,10 @@ def target_at(rate: str, targets: dict[str, float]) -> Optional[float]:
 
 
 def assess(plan: LinkPlan, r: LinkRun, target: Optional[float]) -> Assessed:
-    """A finished run on its own: time to target, and its sync seconds and link bytes against its sync bytes."""
+    """A finished run (`r.ok`) on its own: time to target, and its sync seconds and link bytes against its sync
+    bytes."""
     M, S = plan.mesh
-    rec = r.record
+    rec = r.finished
     sync_bytes = rec.sync_bytes or 0
     expected = ratio = link = None
     if r.rate_bps:  # every shard rank's sync group shares the replica's link
@@ -115,8 +120,9 @@ def assess(plan: LinkPlan, r: LinkRun, target: Optional[float]) -> Assessed:
 
 
 def against_target_run(a: Assessed, r: LinkRun, base: LinkRun, base_a: Assessed) -> Assessed:
-    """`a` with the ratios of mean step time and time to target to the target run's at the same rate."""
-    mean, base_mean = r.record.mean_step_s, base.record.mean_step_s
+    """`a` with the ratios of mean step time and time to target to the target run's at the same rate (both
+    runs finished)."""
+    mean, base_mean = r.finished.mean_step_s, base.finished.mean_step_s
     t, base_t = a.time_to_target_s, base_a.time_to_target_s
     return dataclasses.replace(
         a,
@@ -129,7 +135,7 @@ def sync_free_step_s(runs: Sequence[LinkRun]) -> Optional[float]:
     """The step time without sync traffic that every run of a plan is measured against: the fastest of its
     runs' sync-free medians (the runs share the model and mesh, so their compute is the same; a run's own may
     be slower where a heal or a slow spell fell on its local steps). None if no run logged such a step."""
-    frees = [r.record.sync_free_step_s for r in runs if r.ok]
+    frees = [r.finished.sync_free_step_s for r in runs if r.ok]
     known = [f for f in frees if f is not None]
     return min(known) if known else None
 
@@ -140,7 +146,7 @@ def evaluate_results(plan: LinkPlan, runs: Sequence[LinkRun]) -> dict[Key, Asses
     out = {(r.run, r.rate): assess(plan, r, target_at(r.rate, targets)) for r in runs if r.ok}
     free = sync_free_step_s(runs)
     for r in runs:
-        mean = r.record.mean_step_s if r.ok else None
+        mean = r.finished.mean_step_s if r.ok else None
         if r.ok and free is not None and mean:
             key = (r.run, r.rate)
             out[key] = dataclasses.replace(out[key], compute_utilization=free / mean)
@@ -207,26 +213,31 @@ def crossovers(plan: LinkPlan, runs: Sequence[LinkRun], assessed: dict[Key, Asse
 
     def value(r: LinkRun, criterion: str) -> Optional[float]:
         if criterion == "mean_step_s":
-            return r.record.mean_step_s
+            return r.finished.mean_step_s
         return assessed[(r.run, r.rate)].time_to_target_s
+
+    def measured(rs: Sequence[LinkRun], criterion: str) -> list[tuple[str, float, float]]:
+        """(rate label, Mbit/s, the criterion's value) of each shaped run that has a value."""
+        points = []
+        for r in rs:
+            v = value(r, criterion)
+            if r.rate_mbit is not None and v is not None:
+                points.append((r.rate, r.rate_mbit, v))
+        return points
 
     shaped = [r for r in runs if r.rate_mbit and r.ok]
     ref = [r for r in shaped if r.run == plan.target]
-    out = {}
+    out: dict[str, Crossovers] = {}
     for run in plan.runs:
         if run == plan.target:
             continue
         mine = [r for r in shaped if r.run == run]
-        found = {}
+        found: dict[str, Crossover] = {}
         for criterion in ("mean_step_s", "time_to_target_s"):
-            pairs = [
-                (r.rate_mbit, value(r, criterion), value(b, criterion))
-                for r in mine
-                for b in ref
-                if b.rate == r.rate and value(r, criterion) is not None and value(b, criterion) is not None
-            ]
-            fit_mine = fit_time([(r.rate_mbit, value(r, criterion)) for r in mine if value(r, criterion) is not None])
-            fit_ref = fit_time([(b.rate_mbit, value(b, criterion)) for b in ref if value(b, criterion) is not None])
+            at_mine, at_ref = measured(mine, criterion), measured(ref, criterion)
+            pairs = [(mbit, a, b) for label, mbit, a in at_mine for label_b, _, b in at_ref if label_b == label]
+            fit_mine = fit_time([(mbit, t) for _, mbit, t in at_mine])
+            fit_ref = fit_time([(mbit, t) for _, mbit, t in at_ref])
             at, wins = crossing(fit_mine, fit_ref)
             found[criterion] = Crossover(
                 wins_at_mbit=sorted(rate for rate, a, b in pairs if a < b),

@@ -109,11 +109,12 @@ class Job:
         while True:
             self.on_tick()
             codes = [p.poll() for p in self.current_nodes()]
+            failed = [c for c in codes if c is not None and c != 0]  # in node order
             if all(c is not None for c in codes) and not self.node_pending():
-                rc = next((c for c in codes if c != 0), 0)
+                rc = failed[0] if failed else 0
                 break
-            if any(c not in (None, 0) for c in codes):
-                rc = next(c for c in codes if c not in (None, 0))
+            if failed:
+                rc = failed[0]
                 break
             if time.monotonic() > deadline:
                 rc = TIMED_OUT

@@ -130,7 +130,7 @@ class SlowLink:
             self.created.append(ns)  # first: a signal between the two lines still gets it removed
             run_tool(["ip", "netns", "add", ns])
             run_tool(["ip", "-n", ns, "link", "set", "lo", "up"])
-        shaped = self._join_pair() if self.bridge_ns is None else self._join_through_bridge()
+        shaped = self._join_pair() if self.bridge_ns is None else self._join_through_bridge(self.bridge_ns)
         for m, ns in enumerate(self.namespaces):
             run_tool(["ip", "-n", ns, "addr", "add", f"{self.addrs[m]}/24", "dev", self.ifnames[m]])
             run_tool(["ip", "-n", ns, "link", "set", self.ifnames[m], "up"])
@@ -144,19 +144,19 @@ class SlowLink:
         add_veth(ns0, self.ifnames[0], ns1, self.ifnames[1])
         return [(ns0, self.ifnames[0], True), (ns1, self.ifnames[1], True)]
 
-    def _join_through_bridge(self) -> list[tuple[str, str, bool]]:
-        """M > 2: a bridge in its own namespace, one veth per replica into it."""
+    def _join_through_bridge(self, bridge_ns: str) -> list[tuple[str, str, bool]]:
+        """M > 2: a bridge in its own namespace (`bridge_ns`), one veth per replica into it."""
         br, shaped = f"{self.prefix}br", []
-        run_tool(["ip", "-n", self.bridge_ns, "link", "add", br, "type", "bridge"])
-        run_tool(["ip", "-n", self.bridge_ns, "link", "set", br, "up"])
+        run_tool(["ip", "-n", bridge_ns, "link", "add", br, "type", "bridge"])
+        run_tool(["ip", "-n", bridge_ns, "link", "set", br, "up"])
         for m, ns in enumerate(self.namespaces):
             port = f"{self.prefix}b{m}"
-            add_veth(ns, self.ifnames[m], self.bridge_ns, port)
-            run_tool(["ip", "-n", self.bridge_ns, "link", "set", port, "master", br])
-            run_tool(["ip", "-n", self.bridge_ns, "link", "set", port, "up"])
+            add_veth(ns, self.ifnames[m], bridge_ns, port)
+            run_tool(["ip", "-n", bridge_ns, "link", "set", port, "master", br])
+            run_tool(["ip", "-n", bridge_ns, "link", "set", port, "up"])
             # uplink: rate + the one-way delay; downlink (bridge port egress): rate only, so every
             # replica-to-replica path has one delay and two token buckets of the same rate
-            shaped += [(ns, self.ifnames[m], True), (self.bridge_ns, port, False)]
+            shaped += [(ns, self.ifnames[m], True), (bridge_ns, port, False)]
         return shaped
 
     def _shape(self, ns: str, dev: str, delay_ms: float) -> None:

@@ -31,19 +31,20 @@ def require_matplotlib() -> None:
 
 def curves_of(run_dirs: Mapping[str, Path]) -> tuple[dict[str, dict[str, Curve]], list[str]]:
     """Each run's val-loss curves by x-axis (runs without evals left out), and the runs without a wall-clock."""
-    curves, no_wall = {}, []
+    curves: dict[str, dict[str, Curve]] = {}
+    no_wall: list[str] = []
     for run, run_dir in run_dirs.items():
         steps = read_metrics(run_dir)
-        evals = [s for s in steps if s.val_loss is not None]
+        evals = [(s, s.val_loss) for s in steps if s.val_loss is not None]  # (step, its val loss)
         if not evals:
             continue
         wall = wall_clock(steps)
         if wall is None:
             no_wall.append(run)
         curves[run] = {
-            "tokens": [(s.tokens, s.val_loss) for s in evals],
-            "sync_bytes": [(s.sync_bytes, s.val_loss) for s in evals if s.sync_bytes > 0],
-            "wall": [(wall[s.step], s.val_loss) for s in evals] if wall else [],
+            "tokens": [(s.tokens, loss) for s, loss in evals],
+            "sync_bytes": [(s.sync_bytes, loss) for s, loss in evals if s.sync_bytes > 0],
+            "wall": [(wall[s.step], loss) for s, loss in evals] if wall else [],
         }
     return curves, no_wall
 

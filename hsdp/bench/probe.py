@@ -44,7 +44,9 @@ class ProbeResult:
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> ProbeResult:
-        return cls(**{f.name: entry.get(f.name) for f in fields(cls)})
+        """A probe of slowlink.json's `probes` (JSON: its values are not checked; a missing one is None)."""
+        values: dict[str, Any] = {f.name: entry.get(f.name) for f in fields(cls)}
+        return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

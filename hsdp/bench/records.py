@@ -202,6 +202,13 @@ class LinkRun:
         """It finished with a final val loss (what the analysis and the tables need)."""
         return self.record is not None and self.record.final_val_loss is not None
 
+    @property
+    def finished(self) -> RunRecord:
+        """The record of a run the caller knows is `ok`; a ValueError for one that failed (the caller's bug)."""
+        if self.record is None:
+            raise ValueError(f"{self.run} at {self.rate} failed: it has no record")
+        return self.record
+
     def to_json(self) -> dict[str, Any]:
         """slowlink.json's entry (without the analysis: hsdp.bench.analysis.Assessed.to_json)."""
         out = {

@@ -72,10 +72,11 @@ def sweep_table(spec: SweepSpec, records: Mapping[str, Optional[RunRecord]]) -> 
     head = ["run", *cols] + ([f"{ratio} ratio"] if ratio else []) + ([" vs ".join(relative)] if relative else [])
     lines = [row(head), "|" + "---|" * len(head)]
     reference = next(iter(values), None)  # the ratio column's: the first run
+    reference_values = next(iter(values.values()), {})
     for run, v in values.items():
         cells = [run] + [format_value(c, v.get(c)) for c in cols]
         if ratio:
-            cells.append(ratio_cell(v.get(ratio), values[reference].get(ratio), run == reference))
+            cells.append(ratio_cell(v.get(ratio), reference_values.get(ratio), run == reference))
         if relative:
             a, b = v.get(relative[0]), values.get(relative[1], {}).get(relative[0])
             cells.append(f"{a / b:.2f}×" if a and b else "–")
@@ -91,7 +92,8 @@ def rate_text(r: LinkRun) -> str:
 
 
 def run_row(r: LinkRun, a: Assessed) -> str:
-    rec = r.record
+    """The runs table's row of a finished run (`r.ok`)."""
+    rec = r.finished
     reached = a.reached
     ttt = a.time_to_target_s
     if reached is not None and reached.step_to_target is None and a.target_val_loss is not None:
@@ -174,7 +176,7 @@ def sync_check_table(plan: LinkPlan, checked: Sequence[tuple[LinkRun, Assessed]]
     ]
     for r, a in checked:
         lines.append(
-            f"| {r.run} | {rate_text(r)} | {r.record.sync_calls} | {secs(r.record.sync_seconds, 1)} | "
+            f"| {r.run} | {rate_text(r)} | {r.finished.sync_calls} | {secs(r.finished.sync_seconds, 1)} | "
             f"{secs(a.sync_expected_s, 1)} | {times(a.sync_measured_over_expected)} | "
             f"{times(a.link_over_sync)} |"
         )
@@ -238,7 +240,7 @@ def ledger_table(runs: Sequence[LinkRun]) -> list[str]:
     """The rounds' ledger of each run (docs/design.md §8.12): goodput (tokens merged into the global model ÷
     tokens trained, every replica), the most any replica waited at syncs as a share of its wall time, and
     the tokens each replica trained. Empty when no run reports it."""
-    rows = [r for r in runs if r.ok and r.record.summary.get("goodput") is not None]
+    rows = [r for r in runs if r.ok and r.finished.summary.get("goodput") is not None]
     if not rows:
         return []
     lines = [
@@ -250,7 +252,8 @@ def ledger_table(runs: Sequence[LinkRun]) -> list[str]:
         "|---|---|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
-        s = r.record.summary
+        rec = r.finished
+        s = rec.summary
         ledger = s.get("replica_ledger") or {}
         trained = ", ".join(f"{m}: {e['trained_tokens'] / 1e6:.2f}M" for m, e in ledger.items())
         skipped = ", ".join(f"{m}: {e.get('skipped_steps', '–')}" for m, e in ledger.items())
@@ -260,8 +263,8 @@ def ledger_table(runs: Sequence[LinkRun]) -> list[str]:
                 [
                     r.run,
                     rate_text(r),
-                    secs(r.record.wall_time_s, 1),
-                    f"{r.record.final_val_loss:.4f}",
+                    secs(rec.wall_time_s, 1),
+                    f"{rec.final_val_loss:.4f}",
                     f"{s['goodput']:.3f}",
                     "–" if wait is None else f"{wait:.3f}",
                     trained,
@@ -317,12 +320,12 @@ def chaos_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, 
         base = target.get(r.rate)
         a = assessed.get((r.run, r.rate))
         ttt = a.time_to_target_vs_target_run if a and base is not None else None
-        wall = r.record.wall_time_s if r.ok else None
-        base_wall = base.record.wall_time_s if base is not None and base.ok else None
-        val = r.record.final_val_loss if r.ok else None
-        base_val = base.record.final_val_loss if base is not None and base.ok else None
+        wall = r.finished.wall_time_s if r.ok else None
+        base_wall = base.finished.wall_time_s if base is not None and base.ok else None
+        val = r.finished.final_val_loss if r.ok else None
+        base_val = base.finished.final_val_loss if base is not None and base.ok else None
         n_ckpt, bad = after.get("checkpoints", 0), len(after.get("invalid_checkpoints", []))
-        merged = r.record.summary.get("goodput") if r.ok else None
+        merged = r.finished.summary.get("goodput") if r.ok else None
         lines.append(
             row(
                 [

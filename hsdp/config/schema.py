@@ -157,7 +157,7 @@ class ElasticConfig:
     timeout_s: float = 10.0  # failure detection: a sync's collectives and quorum give up on a silent peer after this
     partition_timeout_s: float = 120.0  # no quorum this long (cut off, lighthouse lost): the replica fails
     round_timeout_s: float = 0.0  # straggler bound (s): rounds count who is in within it; slower ones cut (0 = off)
-    # deterministic faults at named points (tests, benchmarks): "1@3:before_quorum:die,..." (hsdp/config/faults.py)
+    # deterministic faults at named points (tests, benchmarks): "1@3:before_quorum:die,..." (hsdp/faults/spec.py)
     faults: str = ""
 
 

@@ -5,10 +5,12 @@ holds the same slice of the model, so rank r's torchft `Manager` joins the quoru
 all live replicas (replica id `replica_<m>`), and its reconfigurable gloo group carries the sync
 collectives among them. One job per module:
 
-    phase.py        the phases of a replica's life and every transition (the table)
+    phase.py        the phases of a replica's life and every transition (the table); a round's, a heal's
     replica.py      ElasticReplica: the one owner of that life, the training loop's `Membership` (join, heal
                     out of band, rejoin after a cut, the straggler cuts, the summary's fields)
-    transport.py    FTTransport: torchft's group behind the policy's `Transport` (rounds, spectators, counts)
+    transport.py    FTTransport: torchft's group behind the policy's `Transport` (a round's life, its collectives)
+    quorum.py       Quorum: a round's quorum (paused while cut off, a restarted lighthouse) and who counts in it
+    seam.py         the torchft seam: Protocols of what the wing calls (Manager, ProcessGroup, Work, Snapshots)
     heal.py         HealState: what a rejoining replica copies from a live peer, and its snapshot server
     closing.py      RunClose: the run's close, one model at the end (meetings, a whole heal, the verdict)
     straggler.py    RoundBound: elastic.round_timeout_s (who counts in a round, when a slow replica cuts)

@@ -26,12 +26,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from hsdp.config.schema import Config
+from hsdp.sync.elastic.phase import Heal
 from hsdp.sync.schedule import grad_sync_due, steps_after_last_sync
 from hsdp.sync.seam import ReplicaPolicy
 
@@ -45,6 +46,12 @@ LEVEL, DIFFER, REDO, AGAIN = 0, 1, 2, 3
 WORD_BITS = 62  # an int64 word holds that many replicas' bits and stays positive
 RECORDS = "closing"  # in the run folder: one record per closed replica's rank
 POLL_S = 0.2  # between a closing replica's meetings while it waits for another to come
+
+
+class _Weighed(Protocol):
+    """SyncPolicy's ledger of the steps each fragment's next round weighs (not part of the heal's seam)."""
+
+    since_sync: list[int]
 
 
 class ReplicasDiffer(RuntimeError):
@@ -331,12 +338,10 @@ class RunClose:
         heals = heal.heals
         t.begin_round()
         self.heals += heal.heals - heals  # behind a closing peer: healed whole in its quorum
-        if heal.offer is not None:  # a peer ahead still trains (it is not closing): heal from it out of band
-            t.syncing = True  # that round is its sync round (dropped here: its members disagree on closing)
-            try:
+        if heal.stage is Heal.OFFERED:  # a peer ahead still trains (it is not closing): heal from it out of band
+            # that round is its sync round (dropped here: its members disagree on closing)
+            with t.resyncing("a peer still training healed this replica in a meeting"):
                 self.catch_up(False)
-            finally:
-                t.syncing = False
             return Verdict(AGAIN, [], []), None
         base = manager.current_step()
         rows = None
@@ -355,17 +360,13 @@ class RunClose:
         round of its own, from the state it left (θ_m, θ_g, b and residuals as they were before it)."""
         t, heal, policy = self.transport, self.heal, self.policy
         if self.since_sync is not None:  # the steps that round weighs (its start set them to 0)
-            weighed: Any = policy  # SyncPolicy's ledger, not part of the heal's seam
-            weighed.since_sync = list(self.since_sync)
+            cast(_Weighed, policy).since_sync = list(self.since_sync)
         before = policy.dropped
-        t.syncing = True
-        try:
+        with t.resyncing("the last round, dropped on every replica, done again"):
             policy.start_due(self.last)
             if self.cfg.sync.delay > 0:
                 policy.finish()  # τ > 0: land it now
-        finally:
-            t.syncing = False
-        if heal.offer is not None:  # a peer ahead met this round (dropped: it was not closing): heal from it
+        if heal.stage is Heal.OFFERED:  # a peer ahead met this round (dropped: it was not closing): heal from it
             self.catch_up(True)
         elif policy.dropped == before:
             heal.applied_last = True

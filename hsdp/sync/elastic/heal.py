@@ -4,25 +4,47 @@ The state a replica needs to continue exactly where a live peer is: its held sha
 optimizer's state, the sync policy's state (θ_g, outer momentum; nothing is in flight at the start of a
 round) and the training step. The LR and the data stream are functions of the step and of the replica's
 own rank, so both are right once the step is.
+
+The heal's own state (`stage`, phase.py's heal table): none → offered (a peer's offer, out of band) →
+fetching (the offer taken) → loaded, or none again (the serving peer died); none or loaded → loaded (a
+state inside the round); loaded → offered (healed again).
 """
 
 from __future__ import annotations
 
 import copy
+import enum
 import statistics
 import time
 from collections import deque
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
 from hsdp.sync.elastic.faults import FaultPoints
-from hsdp.sync.elastic.phase import Life, Phase
+from hsdp.sync.elastic.phase import HEAL_TRANSITIONS, Checked, Heal, Life, Phase
+from hsdp.sync.elastic.seam import Snapshots
 from hsdp.sync.seam import ReplicaState
 
 if TYPE_CHECKING:
     from hsdp.sync.elastic.transport import FTTransport
+
+
+class Offer(NamedTuple):
+    """A peer's offer to serve its state out of band (what torchft's quorum carries at a param sync)."""
+
+    url: str  # its snapshot server's address
+    step: int  # the step its round began after
+    pace: Optional[float]  # its median step time (None before two steps)
+
+
+class Source(enum.Enum):
+    """Whose state a heal loaded last."""
+
+    TRAINING = "a training peer"
+    JOINING = "a peer in its own join round"  # a resume: it was ahead
+    CLOSING = "a peer closing the run"  # the run's final state, nothing left to train
 
 
 class HealState:
@@ -39,12 +61,13 @@ class HealState:
     def __init__(self, life: Life, faults: Optional[FaultPoints] = None) -> None:
         self.life, self.faults = life, faults
         self.state: Optional[ReplicaState] = None  # the engine's seam, attached at the join
-        self.snapshots: Any = None  # this rank's server of its state for a peer healing out of band (manager.py)
+        # this rank's server of its state for a peer healing out of band, and its client (manager.py)
+        self.snapshots: Optional[Snapshots] = None
         self.step = -1  # the last finished step (set by the training loop, through the membership)
-        self.healed_to: Optional[int] = None  # set when a peer's state (or its offer) was loaded
-        self.peer_joining = False  # the state came from a peer in its own join round (a resume: it was ahead)
-        # (a peer's snapshot address, the step its round began after, the peer's median step time or None)
-        self.offer: Optional[tuple[str, int, Optional[float]]] = None
+        self._stage = Checked("elastic heal", HEAL_TRANSITIONS, Heal.NONE)
+        self._offer: Optional[Offer] = None  # the last offer (`offer`: while it is not taken)
+        self._healed_to = -1  # the step of the last offer or state (`healed_to`: None while none)
+        self.source: Optional[Source] = None  # whose state was loaded last
         self.asked_at: Optional[int] = None  # a peer healed from this rank in the round begun after this step
         self.served_round: Optional[int] = None  # the round after which the served state was published
         self.heals = 0
@@ -52,11 +75,55 @@ class HealState:
         self.fetch_s = 0.0  # wall time fetching them
         self._step_clock: deque[float] = deque(maxlen=9)  # when the last steps reached their sync (pace)
         # The run's close (replica.py `_close`): this replica closes (a peer behind gets its whole state inside
-        # the round); the state it loaded last came from a closing peer (the run's final state); whether its
-        # state holds the run's last param round (it committed it, or loaded a state that did).
+        # the round); whether its state holds the run's last param round (it committed it, or loaded a state
+        # that did). Whether the state it loaded last is the run's final one: `final`.
         self.closing = False
-        self.final = False
         self.applied_last = True
+
+    # ------------------------------------------------------------ the heal's state (phase.py's heal table)
+    @property
+    def stage(self) -> Heal:
+        return self._stage.state
+
+    @property
+    def offer(self) -> Optional[Offer]:
+        """A peer's offer not yet taken (None: none, or taken)."""
+        return self._offer if self.stage is Heal.OFFERED else None
+
+    @offer.setter
+    def offer(self, value: None) -> None:
+        """`offer = None`: take it (as `take_offer`; a test's stand-in for the catch-up does this)."""
+        assert value is None, "an offer comes only in a quorum (load_state_dict)"
+        self.take_offer()
+
+    def take_offer(self) -> Offer:
+        """offered → fetching: the catch-up takes the offer (spectates its round, then fetches the state)."""
+        assert self._offer is not None, "an offer is taken only once one came"
+        self._stage.enter(Heal.FETCHING, f"the offer after the peer's step {self._offer.step} taken")
+        return self._offer
+
+    def peer_gone(self) -> None:
+        """fetching → none: the serving peer died before its state was fetched; the next quorum heals again."""
+        self._stage.enter(Heal.NONE, "the serving peer is gone: healed again at the next round")
+
+    @property
+    def healed_to(self) -> Optional[int]:
+        """The step of the peer's offer or state this rank healed to (None: no heal, or one begun again)."""
+        return None if self.stage is Heal.NONE else self._healed_to
+
+    @property
+    def peer_joining(self) -> bool:
+        """The state came from a peer in its own join round (a resume: it was ahead)."""
+        return self.source is Source.JOINING
+
+    @property
+    def final(self) -> bool:
+        """The state came from a peer closing the run: the run's final state."""
+        return self.source is Source.CLOSING
+
+    def _server(self) -> Snapshots:
+        assert self.snapshots is not None, "the snapshot server is built with the manager (manager.py)"
+        return self.snapshots
 
     @property
     def seam(self) -> ReplicaState:
@@ -122,9 +189,10 @@ class HealState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A peer's state, or its offer to serve it (torchft calls this on the training thread, in begin_round)."""
         if "snapshot" in state:
-            self.offer = (state["snapshot"], int(state["step"]), state.get("step_s"))
-            self.healed_to = int(state["step"])
-            self.life.enter(Phase.HEALING, f"a peer offers its state after its step {self.healed_to}")
+            self._offer = Offer(state["snapshot"], int(state["step"]), state.get("step_s"))
+            self._healed_to = self._offer.step
+            self._stage.enter(Heal.OFFERED, f"a peer offers its state after its step {self._healed_to}")
+            self.life.enter(Phase.HEALING, f"a peer offers its state after its step {self._healed_to}")
             return
         self.load_full(state)
 
@@ -134,6 +202,7 @@ class HealState:
 
     @torch.no_grad()
     def load_full(self, state: dict[str, Any]) -> None:
+        self._stage.enter(Heal.LOADED, f"a peer's state after its step {state['step']} loaded")
         seam = self.seam
         for mine, held, g in zip(seam.held, state["held"], self._global_params(state["policy"]), strict=True):
             source = g if held is None else held  # a unit sent as None equals its θ_g (full_state)
@@ -141,9 +210,9 @@ class HealState:
             mine.copy_(source)
         seam.optimizer.load_state_dict(state["optimizer"])
         seam.policy.load_state_dict(state["policy"])
-        self.step = self.healed_to = int(state["step"])
-        self.peer_joining = bool(state.get("joining", False))
-        self.final = bool(state.get("final", False))
+        self.step = self._healed_to = int(state["step"])
+        final, joining = bool(state.get("final", False)), bool(state.get("joining", False))
+        self.source = Source.CLOSING if final else Source.JOINING if joining else Source.TRAINING
         self.applied_last = bool(state.get("applied", True))
         self.heals += 1
 
@@ -157,10 +226,10 @@ class HealState:
         if self.asked_at is not None and step >= self.asked_at:
             if self.faults is not None:
                 self.faults.at("before_serve", transport.fault_round(rounds))
-            self.snapshots.send_checkpoint(dst_ranks=[], step=step, state_dict=self.full_state(), timeout=timeout)
+            self._server().send_checkpoint(dst_ranks=[], step=step, state_dict=self.full_state(), timeout=timeout)
             self.asked_at, self.served_round = None, rounds
         elif self.served_round is not None and rounds > self.served_round:
-            self.snapshots.send_checkpoint(dst_ranks=[], step=-1, state_dict={}, timeout=timeout)
+            self._server().send_checkpoint(dst_ranks=[], step=-1, state_dict={}, timeout=timeout)
             self.served_round = None
 
     def fetch(self, url: str, step: int, wait_s: float, timeout: timedelta) -> dict[str, Any]:
@@ -168,7 +237,7 @@ class HealState:
         t0 = time.perf_counter()
         while True:
             try:
-                state = self.snapshots.recv_checkpoint(src_rank=0, metadata=url, step=step, timeout=timeout)
+                state = self._server().recv_checkpoint(src_rank=0, metadata=url, step=step, timeout=timeout)
                 self.fetch_s += time.perf_counter() - t0
                 self.fetches += 1
                 return state
@@ -181,7 +250,7 @@ class HealState:
 
 
 class PeerGone(RuntimeError):
-    """The peer a replica was healing from died before its state was fetched (join.py heals again)."""
+    """The peer a replica was healing from died before its state was fetched (replica.py heals again)."""
 
 
 def _refused(e: Optional[BaseException]) -> bool:

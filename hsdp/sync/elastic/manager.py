@@ -6,22 +6,22 @@ import logging
 import math
 import warnings
 from datetime import timedelta
-from typing import Any
 
 from hsdp import torch_compat
 from hsdp.config.schema import Config
 from hsdp.sync.elastic.heal import HealState
+from hsdp.sync.elastic.seam import Manager, ProcessGroup, Snapshots
 
 CONNECT_FACTOR = 6  # elastic.timeout_s multiples a quorum (and re-forming the group after it) may take
 
 
 def build_manager(
     cfg: Config, replica: int, shard_rank: int, shard: int, lighthouse: str, heal: HealState
-) -> tuple[Any, Any]:
+) -> tuple[Manager, ProcessGroup]:
     """(torchft Manager, its gloo group) of rank `shard_rank` of replica `replica`'s world of `shard` ranks (a
     site's replicate·shard ranks on a three-level mesh), meeting the other
     replicas at `lighthouse`; `heal` is what it sends a peer that heals from it and loads when it heals."""
-    from torchft.manager import Manager  # lazy: only elastic runs need torchft
+    from torchft.manager import Manager as TorchftManager  # lazy: only elastic runs need torchft
 
     # torchft's checkpoint transport deserialises a peer's state from a read-only buffer, which torch warns
     # about on each heal; the tensors are copied into this replica's own buffers at once.
@@ -37,7 +37,7 @@ def build_manager(
     pg = torch_compat.elastic_gloo_group(CONNECT_FACTOR * timeout, timeout)
     # Where the peers reach this replica (its manager, and its state for a peer that heals from it).
     host = "127.0.0.1" if not cfg.elastic.lighthouse else address_towards(cfg.elastic.lighthouse)
-    manager = Manager(
+    manager = TorchftManager(
         pg=pg,
         load_state_dict=heal.load_state_dict,
         state_dict=heal.state_dict,
@@ -79,7 +79,7 @@ def quorum_retries(cfg: Config) -> int:
     return max(1, math.ceil(quorum_timeout_s(cfg) / cfg.elastic.timeout_s) - 1)
 
 
-def _http_transport(timeout: timedelta, host: str):
+def _http_transport(timeout: timedelta, host: str) -> Snapshots:
     """torchft's HTTP checkpoint transport (heals), advertising `host` instead of this machine's hostname."""
     from torchft.checkpointing.http_transport import HTTPTransport
 

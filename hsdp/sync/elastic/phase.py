@@ -21,12 +21,42 @@ same rounds). `ElasticReplica` (replica.py) owns the phase; every other object o
     leaving      finished (or failing): its manager shut down              -
 
 A failure in any phase ends the process; its launcher restarts the replica (a new life: starting again).
+
+Inside a life two smaller machines are checked the same way (`Checked`: an illegal change raises
+BadTransition naming both states). One rank's round (transport.py owns it, quorum.py settles its members):
+
+    round        what the rank's current round is doing                   → next states (why)
+    -----------  -------------------------------------------------------  ----------------------------------------
+    idle         no round yet in this life                                 quorum (begin_round)
+    quorum       asking torchft (paused while cut off, §9.6)               open (answered; who counts agreed)
+    open         its collectives may run (a meeting only compares)         sent (first payload collective done),
+                                                                           committed, dropped (should_commit)
+    sent         this replica's part is out (the after_send point)         committed, dropped
+    committed    applied; the next round may begin                         quorum
+    dropped      not applied on this replica (the next round is touched)   quorum
+
+Its kind (`RoundKind`, the control row's last value): training → closing meeting (the close begins),
+closing meeting ⇄ closing sync (the last round done again, or a sync with a peer still training).
+
+One rank's heal (heal.py owns it; a peer's state, or its offer, comes in a quorum):
+
+    heal         the rank's state                                          → next states (why)
+    -----------  -------------------------------------------------------  ----------------------------------------
+    none         no peer's state taken (or the server died: asked again)   offered (out of band), loaded (inside
+                                                                           the round)
+    offered      a peer offers its state out of band: spectating           fetching (the offer taken)
+    fetching     its round spectated, the state being fetched              loaded, none (the serving peer died)
+    loaded       a peer's state loaded (from a training, joining or        offered, loaded (healed again: cut off,
+                 closing peer)                                             behind, or whole at the close)
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Generic, Protocol, TypeVar
+
+S = TypeVar("S", bound=enum.Enum)
 
 
 class Phase(enum.Enum):
@@ -49,7 +79,82 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 
 
 class BadTransition(RuntimeError):
-    """A transition the table does not list: a bug in the wing, named with both phases."""
+    """A transition the table does not list: a bug in the wing, named with both states."""
+
+
+def check(what: str, table: Mapping[S, frozenset[S]], now: S, to: S, why: str) -> None:
+    """BadTransition unless `table` lists now → to (`what`: whose state, for the message)."""
+    if to not in table[now]:
+        raise BadTransition(f"{what}: {now.value} → {to.value} is not a transition ({why})")
+
+
+class Checked(Generic[S]):
+    """A state of `what` that changes only along `table` (`enter`), starting at `start`."""
+
+    def __init__(self, what: str, table: Mapping[S, frozenset[S]], start: S) -> None:
+        self.what, self.table, self._state = what, table, start
+
+    @property
+    def state(self) -> S:
+        return self._state
+
+    def enter(self, to: S, why: str) -> None:
+        check(self.what, self.table, self._state, to, why)
+        self._state = to
+
+
+class Round(enum.Enum):
+    """One rank's current round (module docstring's round table)."""
+
+    IDLE = "idle"
+    QUORUM = "quorum"
+    OPEN = "open"
+    SENT = "sent"
+    COMMITTED = "committed"
+    DROPPED = "dropped"
+
+
+ROUND_TRANSITIONS: dict[Round, frozenset[Round]] = {
+    Round.IDLE: frozenset({Round.QUORUM}),
+    Round.QUORUM: frozenset({Round.OPEN}),
+    Round.OPEN: frozenset({Round.SENT, Round.COMMITTED, Round.DROPPED}),
+    Round.SENT: frozenset({Round.COMMITTED, Round.DROPPED}),
+    Round.COMMITTED: frozenset({Round.QUORUM}),
+    Round.DROPPED: frozenset({Round.QUORUM}),
+}
+OPEN_ROUNDS = frozenset({Round.QUORUM, Round.OPEN, Round.SENT})  # begun and not yet committed
+
+
+class RoundKind(enum.Enum):
+    """What a rank's rounds are: training rounds, then the close's meetings and syncs (closing.py)."""
+
+    TRAINING = "training"
+    MEETING = "closing meeting"
+    RESYNC = "closing sync"
+
+
+ROUND_KIND_TRANSITIONS: dict[RoundKind, frozenset[RoundKind]] = {
+    RoundKind.TRAINING: frozenset({RoundKind.MEETING}),
+    RoundKind.MEETING: frozenset({RoundKind.RESYNC}),
+    RoundKind.RESYNC: frozenset({RoundKind.MEETING}),
+}
+
+
+class Heal(enum.Enum):
+    """One rank's heal (module docstring's heal table)."""
+
+    NONE = "none"
+    OFFERED = "offered"
+    FETCHING = "fetching"
+    LOADED = "loaded"
+
+
+HEAL_TRANSITIONS: dict[Heal, frozenset[Heal]] = {
+    Heal.NONE: frozenset({Heal.OFFERED, Heal.LOADED}),
+    Heal.OFFERED: frozenset({Heal.FETCHING}),
+    Heal.FETCHING: frozenset({Heal.LOADED, Heal.NONE}),
+    Heal.LOADED: frozenset({Heal.OFFERED, Heal.LOADED}),
+}
 
 
 class Life(Protocol):
@@ -82,8 +187,7 @@ class PhaseLog:
         return self._has_trained
 
     def enter(self, phase: Phase, why: str) -> None:
-        if phase not in TRANSITIONS[self._phase]:
-            raise BadTransition(f"elastic replica: {self._phase.value} → {phase.value} is not a transition ({why})")
+        check("elastic replica", TRANSITIONS, self._phase, phase, why)
         self._phase = phase
         self._has_trained = self._has_trained or phase is Phase.TRAINING
         self.history.append((phase.value, why))

@@ -3,8 +3,9 @@
 The one object that owns the replica's phase (phase.py has the table of phases and transitions): it
 builds the mesh with the torchft transport, joins (a fresh run's meeting, or a restart's heal), catches up
 after a heal at a param sync (spectate, fetch, skip), rejoins after a cut, keeps the straggler bound's
-cuts, and reports. The parts it drives: transport.py (the rounds), heal.py (what crosses to a healing
-peer), straggler.py (elastic.round_timeout_s), manager.py (torchft's Manager), faults.py (elastic.faults).
+cuts, and reports. The parts it drives: transport.py (the rounds; quorum.py settles their members), heal.py
+(what crosses to a healing peer), straggler.py (elastic.round_timeout_s), manager.py (torchft's Manager),
+faults.py (elastic.faults). Its join is a walk through `JoinStep`s, each a method returning the next.
 It meets the engine only through `ReplicaState` (the held shards, the inner optimizer, the sync policy).
 
 A restarted replica behind the live ones heals at their next sync round: inside a grad-sync round it takes
@@ -19,7 +20,7 @@ the state there and joins the round; at a param-sync round it heals out of band 
    offer) are skipped, so the peers do not wait for this replica at that round.
 
 If the serving peer died before its state was fetched, the replica heals again at the next round. A
-replica cut off mid-run (its link, the lighthouse) pauses at its sync (transport.py); when a quorum answers
+replica cut off mid-run (its link, the lighthouse) pauses at its sync (quorum.py); when a quorum answers
 and the peers went on without it, that quorum heals it, and the same catch-up follows after the round it
 began as its own sync (docs/design.md §9).
 
@@ -30,11 +31,13 @@ cannot, one line: ReplicasDiffer), so the final eval and the summary see the run
 
 from __future__ import annotations
 
+import enum
 import math
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -49,11 +52,45 @@ from hsdp.sync.elastic.faults import FaultPoints
 from hsdp.sync.elastic.heal import HealState, PeerGone
 from hsdp.sync.elastic.lighthouse import lighthouse_unreachable, quorum_status
 from hsdp.sync.elastic.manager import build_manager
-from hsdp.sync.elastic.phase import Phase, PhaseLog
+from hsdp.sync.elastic.phase import Heal, Phase, PhaseLog
+from hsdp.sync.elastic.quorum import RoundSettings
 from hsdp.sync.elastic.straggler import RoundBound
 from hsdp.sync.elastic.transport import FTTransport, lost_in_touched_steps
 from hsdp.sync.schedule import fragments_due
 from hsdp.sync.seam import ReplicaPolicy, ReplicaSeat, ReplicaState
+
+
+class JoinStep(enum.Enum):
+    """The walk of `ElasticReplica.join`: each step a method of the replica that returns the next one.
+
+    meet          ask for a quorum (a fresh run's meeting, or a restart's heal) → by how it healed this
+                  replica: healed whole, healed out of band, healed in the round; else count (a fresh
+                  run) or fail (a restart finding no live peer)
+    count         a fresh run's meeting that healed nobody → joined (every replica came) or meet again
+    healed whole  by a replica closing the run: its final state, nothing left to train → joined
+    out of band   a peer's offer at a param sync: catch up (spectate, fetch, skip) → joined
+    in the round  the peer's state crossed inside its round (a grad-sync round, or before training) → joined
+    """
+
+    MEET = "meet"
+    COUNT = "count"
+    WHOLE = "healed whole"
+    OUT_OF_BAND = "out of band"
+    IN_ROUND = "in the round"
+    JOINED = "joined"
+
+
+@dataclass
+class _Join:
+    """What the join's steps share: the step it would train from, whether this is the replica's first start
+    (a restart must find a live peer), when it began and how long a fresh run waits for all replicas; `step`:
+    the step to train from, once joined."""
+
+    start: int
+    fresh: bool
+    t0: float
+    wait_s: float
+    step: int = -1
 
 
 class ElasticReplica(PhaseLog):
@@ -137,19 +174,17 @@ class ElasticReplica(PhaseLog):
         self._heal = HealState(self, faults)
         site = cfg.mesh.replicate * cfg.mesh.shard  # the replica's (a site's) own world: its manager's group
         manager, pg = build_manager(cfg, self.replica, site_rank, site, self.lighthouse, self._heal)
-        self._transport = FTTransport(
-            manager,
-            pg,
-            comm,
-            spectating=lambda: self.heal.spectating,
+        settings = RoundSettings(
             partition_timeout_s=cfg.elastic.partition_timeout_s,
-            bound=self.bound,
+            heartbeat_window_s=cfg.elastic.timeout_s,  # the lighthouse's heartbeat timeout (run/replicas.py)
             lighthouse_unreachable=lambda: lighthouse_unreachable(self.lighthouse, cfg.elastic.timeout_s),
             lighthouse_status=lambda: quorum_status(self.lighthouse, cfg.elastic.timeout_s),
-            heartbeat_window_s=cfg.elastic.timeout_s,  # the lighthouse's heartbeat timeout (run/replicas.py)
-            faults=faults,
+            spectating=lambda: self.heal.spectating,
             on_cut=self._on_cut,
+            bound=self.bound,
+            faults=faults,
         )
+        self._transport = FTTransport(manager, pg, comm, settings)
         self.enter(Phase.JOINING, "its manager heartbeats")
         return self._transport
 
@@ -170,64 +205,95 @@ class ElasticReplica(PhaseLog):
         A fresh run starts once all mesh.sync replicas are in the quorum (replicas that start later, e.g. on
         other machines, are waited for up to the longer of mesh.timeout_s and elastic.partition_timeout_s: a
         slow machine's start is not a failure): a replica must not race ahead alone from the initial weights.
+        A walk through `JoinStep`s, each a method returning the next, until joined.
         """
         heal, transport = self.heal, self.transport
         heal.state, heal.step = state, start_step - 1
-        manager = transport.manager
-        t0 = time.perf_counter()
-        start_wait_s = max(self.cfg.mesh.timeout_s, self.cfg.elastic.partition_timeout_s)
-        fresh = self.restart == 0
-        while True:
-            if fresh:  # torchft's step is the training step resumed at: one resumed behind heals from one ahead
-                manager.load_state_dict({**manager.state_dict(), "step": start_step})
-            transport.begin_round()
-            if heal.final:  # healed whole by a replica closing the run: its final state, nothing left to train
-                transport.commit_round()  # that round (its members disagreed on closing: dropped everywhere)
-                step = self.cfg.run.steps
-                self.closing_heals += 1
-                self.enter(Phase.TRAINING, "healed from a replica closing the run: its final state")
-                break
-            if heal.offer is not None:  # a peer serves its state once this round closes (healing now)
-                step = self._catch_up()
-                break
-            if heal.healed_to is not None:  # healed inside the peers' round
-                t = heal.healed_to
-                if heal.peer_joining:
-                    transport.commit_round()  # the peer's join round, which it commits too
-                elif self.policy.grad_sync(t + 1):
-                    pass  # the peers' round is step t+1's grads: left open, this replica's step t+1 joins it
-                elif not self.policy.start_due(t, joined=True):
-                    transport.commit_round()  # the peers' round had nothing to sync at t
-                step = t + 1
-                self.enter(Phase.TRAINING, f"healed inside the peers' round at their step {t}")
-                break
-            if not fresh:
-                raise RuntimeError(
-                    f"replica {self.replica} was restarted but found no live replica to heal from "
-                    "(the others finished or died); it would train alone from the initial weights"
-                )
-            transport.commit_round()
-            if (transport.participants or 0) >= self.cfg.mesh.sync:
-                step = start_step
-                self.enter(Phase.TRAINING, "every replica met")
-                break
-            if time.perf_counter() - t0 > start_wait_s:
-                raise RuntimeError(
-                    f"only {transport.participants} of mesh.sync={self.cfg.mesh.sync} replicas joined within "
-                    f"{start_wait_s:g} s (the longer of mesh.timeout_s and elastic.partition_timeout_s); a fresh "
-                    "elastic run starts with all of them"
-                )
-            time.sleep(0.2)
-        self.joined_s = time.perf_counter() - t0
+        wait_s = max(self.cfg.mesh.timeout_s, self.cfg.elastic.partition_timeout_s)
+        walk = _Join(start_step, fresh=self.restart == 0, t0=time.perf_counter(), wait_s=wait_s)
+        walks: dict[JoinStep, Callable[[_Join], JoinStep]] = {
+            JoinStep.MEET: self._meet,
+            JoinStep.COUNT: self._count,
+            JoinStep.WHOLE: self._healed_whole,
+            JoinStep.OUT_OF_BAND: self._healed_out_of_band,
+            JoinStep.IN_ROUND: self._healed_in_round,
+        }
+        at = JoinStep.MEET
+        while at is not JoinStep.JOINED:
+            at = walks[at](walk)
+        self.joined_s = time.perf_counter() - walk.t0
         transport.joined_at = transport.rounds  # elastic.faults count this life's rounds from here
         if heal.heals and self.mesh.shard_rank == 0 and self.mesh.replicate_rank == 0:
             print(
                 f"elastic: replica {self.replica} healed from a live replica at its step {heal.healed_to}, "
-                f"training from step {step}",
+                f"training from step {walk.step}",
                 file=sys.stderr,
                 flush=True,
             )
-        return step
+        return walk.step
+
+    def _meet(self, walk: _Join) -> JoinStep:
+        """Ask for a quorum; what follows is how that quorum healed this replica (its heal's state)."""
+        manager, heal = self.transport.manager, self.heal
+        if walk.fresh:  # torchft's step is the training step resumed at: one resumed behind heals from one ahead
+            manager.load_state_dict({**manager.state_dict(), "step": walk.start})
+        self.transport.begin_round()
+        if heal.stage is Heal.LOADED:
+            return JoinStep.WHOLE if heal.final else JoinStep.IN_ROUND
+        if heal.stage is Heal.OFFERED:  # a peer serves its state once this round closes (healing now)
+            return JoinStep.OUT_OF_BAND
+        if not walk.fresh:
+            raise RuntimeError(
+                f"replica {self.replica} was restarted but found no live replica to heal from "
+                "(the others finished or died); it would train alone from the initial weights"
+            )
+        return JoinStep.COUNT
+
+    def _count(self, walk: _Join) -> JoinStep:
+        """A fresh run's meeting that healed nobody: joined once every replica came; else met again (0.2 s on),
+        up to the wait."""
+        transport = self.transport
+        transport.commit_round()
+        if (transport.participants or 0) >= self.cfg.mesh.sync:
+            walk.step = walk.start
+            self.enter(Phase.TRAINING, "every replica met")
+            return JoinStep.JOINED
+        if time.perf_counter() - walk.t0 > walk.wait_s:
+            raise RuntimeError(
+                f"only {transport.participants} of mesh.sync={self.cfg.mesh.sync} replicas joined within "
+                f"{walk.wait_s:g} s (the longer of mesh.timeout_s and elastic.partition_timeout_s); a fresh "
+                "elastic run starts with all of them"
+            )
+        time.sleep(0.2)
+        return JoinStep.MEET
+
+    def _healed_whole(self, walk: _Join) -> JoinStep:
+        """Healed whole by a replica closing the run: its final state, nothing left to train."""
+        self.transport.commit_round()  # that round (its members disagreed on closing: dropped everywhere)
+        walk.step = self.cfg.run.steps
+        self.closing_heals += 1
+        self.enter(Phase.TRAINING, "healed from a replica closing the run: its final state")
+        return JoinStep.JOINED
+
+    def _healed_out_of_band(self, walk: _Join) -> JoinStep:
+        """A peer's offer at a param sync: spectate its round, fetch its state, skip what the peers trained."""
+        walk.step = self._catch_up()
+        return JoinStep.JOINED
+
+    def _healed_in_round(self, walk: _Join) -> JoinStep:
+        """The peer's state crossed inside its round (begun after its step t): train from t + 1."""
+        heal, transport = self.heal, self.transport
+        t = heal.healed_to
+        assert t is not None, "a loaded heal knows its step"
+        if heal.peer_joining:
+            transport.commit_round()  # the peer's join round, which it commits too
+        elif self.policy.grad_sync(t + 1):
+            pass  # the peers' round is step t+1's grads: left open, this replica's step t+1 joins it
+        elif not self.policy.start_due(t, joined=True):
+            transport.commit_round()  # the peers' round had nothing to sync at t
+        walk.step = t + 1
+        self.enter(Phase.TRAINING, f"healed inside the peers' round at their step {t}")
+        return JoinStep.JOINED
 
     # ------------------------------------------------------------ healing (out of band) → training
     def _catch_up(self, spectated: bool = False) -> int:
@@ -237,10 +303,9 @@ class ElasticReplica(PhaseLog):
         cfg, heal, policy = self.cfg, self.heal, self.policy
         last = cfg.run.steps - 1
         policy.start_global_copy()  # a θ_g for the first round's Δ (not counted, and replaced by the fetch)
-        while True:
-            assert heal.offer is not None
-            url, t, pace = heal.offer
-            heal.offer = None
+        assert heal.stage is Heal.OFFERED, "a catch-up begins at a peer's offer"
+        while heal.stage is Heal.OFFERED:  # offered → fetching → loaded, or none → offered again (heal again)
+            url, t, pace = heal.take_offer()
             if not spectated:
                 self._spectate(t)
             spectated = False
@@ -257,9 +322,8 @@ class ElasticReplica(PhaseLog):
                 why = gone or "the replica serving another of its ranks is gone"
                 print(f"elastic: replica {self.replica}: {why}; healing again at the next round", file=sys.stderr)
                 self._heal_again()
-                continue
-            heal.load_full(state)
-            break
+            else:
+                heal.load_full(state)
         self.enter(Phase.TRAINING, f"caught up: the state after the peers' step {at} loaded")
         following = next((s for s in range(at + 1, cfg.run.steps) if fragments_due(s, cfg.sync)), None)
         if following is None:  # the peers sync no more: train on alone to the end, as they do
@@ -296,10 +360,10 @@ class ElasticReplica(PhaseLog):
         heals it again from a live peer (begun here; its offer is what _catch_up continues with)."""
         manager = self.transport.manager
         manager.load_state_dict({**manager.state_dict(), "step": 0})
-        self.heal.healed_to = None
+        self.heal.peer_gone()
         self.transport.begin_round()
         self.retries += 1
-        if self.heal.offer is None:
+        if self.heal.stage is not Heal.OFFERED:
             raise RuntimeError(
                 f"replica {self.replica} lost the replica it was healing from and found no other to heal from"
             )
@@ -364,7 +428,7 @@ class ElasticReplica(PhaseLog):
         began as its own sync ran with it spectating; finish the heal in place and continue at the step it
         healed to, instead of a restart."""
         heal = self.heal
-        if heal.offer is not None:  # healed out of band: the round it came in is over (spectated)
+        if heal.stage is Heal.OFFERED:  # healed out of band: the round it came in is over (spectated)
             self.paused_s += self.transport.quorum_waits[-1]  # that round's quorum: the pause
             self.policy.finish()  # τ > 0: that round lands now, as a restarted replica's spectated round does
             self.resume_at = self._catch_up(spectated=True)
@@ -468,9 +532,9 @@ class ElasticReplica(PhaseLog):
             # cut off mid-run (a partition, a lost lighthouse): rejoins, pauses
             "rejoins": self.rejoins,
             "rejoin_paused_s": round(self.paused_s, 3),
-            "quorum_failures": t.quorum_failures,
-            "lighthouse_restarts_seen": t.lighthouse_restarts,  # found by its quorum id going back (no refusal)
-            "quorum_failed_s": round(t.quorum_failed_s, 3),
+            "quorum_failures": t.quorum.failures,
+            "lighthouse_restarts_seen": t.quorum.lighthouse_restarts,  # found by its quorum id going back
+            "quorum_failed_s": round(t.quorum.failed_s, 3),
             # the straggler bound (elastic.round_timeout_s): rounds that counted a late replica out, this
             # replica's own late rounds, and the local steps it skipped to arrive within the bound
             "late_rounds": self.bound.late_rounds,

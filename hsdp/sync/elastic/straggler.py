@@ -69,9 +69,10 @@ class RoundBound:
             return NOT_TIMED
         return self.clock() - self.met_at
 
-    def contributors(self, counted: list[bool], works: list[float], full: list[bool], me: int) -> list[int]:
+    def contributors(self, counted: list[bool], works: list[float], full: list[bool], me: Optional[int]) -> list[int]:
         """The replicas (quorum ranks) whose parts count: not spectating, and in within the bound of the
-        reference arrival. `full`: each did its whole period (did not cut it); `me`: this replica's rank.
+        reference arrival. `full`: each did its whole period (did not cut it); `me`: this replica's rank
+        (None: not in the quorum).
 
         Every replica computes this from the same gathered values, so all agree. The reference is the first
         arrival among the replicas that did a full period (the round's pace; a replica that cut its period may
