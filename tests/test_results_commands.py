@@ -71,6 +71,7 @@ REFERENCES: dict[str, str] = {
     "python -m pytest -q tests/<module>": "a placeholder: any test module",
     "python -c 'while True: pass'": "the CPU load a suite measurement ran beside (it never ends)",
     "ruff check . && ruff format --check . && python -m pytest -q -n 3 --dist loadfile": "the suite itself",
+    "python -m pytest -q -n 3 --dist loadfile --durations=50": "the suite itself, listing its longest items",
 }
 # The gpt vs llama runs of tiny-bpe.md: ARCH and B as the page says (B = true for gpt, false for llama).
 ARCH_RUNS = {"gpt": "true", "llama": "false"}
