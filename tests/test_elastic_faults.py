@@ -265,7 +265,7 @@ class _Flags:
 
 def _transport(manager: _UnreachableManager, clock: _Clock, bound: float, **kwargs) -> FTTransport:
     t = FTTransport(manager, _Flags(), Comm({}), clock=clock, partition_timeout_s=bound, **kwargs)
-    t.pause_retry_s = 0.0
+    t.quorum.pause_retry_s = 0.0
     return t
 
 
@@ -279,7 +279,7 @@ def test_a_replica_without_quorum_pauses_and_ends_with_one_line_after_the_bound(
     t.begin_round()
     assert t.open and t.participants == 2 and len(manager.attempts) == 4
     assert manager.attempts[0] is None and all(a is not None and a <= 30 for a in manager.attempts[1:])
-    assert t.quorum_failures == 1 and t.quorum_failed_s == 14.0  # from the first failure: two more attempts
+    assert t.quorum.failures == 1 and t.quorum.failed_s == 14.0  # from the first failure: two more attempts
     assert "paused at this sync" in capsys.readouterr().err
 
     clock = _Clock()
@@ -315,13 +315,13 @@ def test_no_quorum_is_asked_for_while_the_lighthouse_refuses_connections(capsys)
         clock.now += s
 
     t = _transport(manager, clock, 60, lighthouse_unreachable=lighthouse_unreachable, heartbeat_window_s=5.0)
-    t.sleep = sleep
+    t.quorum.sleep = sleep
     t.begin_round()
     assert refusals == [0, 0, 0] and len(manager.attempts) == 1  # not one quorum asked for while it refused
     assert manager.attempts[0] is not None and manager.attempts[0] <= 30  # a retry's bound: what is left
     # back: one heartbeat window (every live replica reconnects to a restarted lighthouse), then the quorum
     assert sleeps == [0.0, 0.0, 0.0, 5.0]
-    assert t.quorum_failures == 1 and t.quorum_failed_s == 4.0 + 5.0  # from the first refusal: two probes, the window
+    assert t.quorum.failures == 1 and t.quorum.failed_s == 4.0 + 5.0  # from the first refusal: two probes, the window
     err = capsys.readouterr().err
     assert "the lighthouse does not accept connections: Connection refused" in err and "paused at this sync" in err
 
@@ -330,9 +330,9 @@ def test_no_quorum_is_asked_for_while_the_lighthouse_refuses_connections(capsys)
     cut = iter([OSError(101, "Network is unreachable")] * 2)
     t = _transport(manager, clock, 60, lighthouse_unreachable=lambda: next(cut, None), heartbeat_window_s=5.0)
     sleeps.clear()
-    t.pause_retry_s, t.sleep = 0.5, sleep
+    t.quorum.pause_retry_s, t.quorum.sleep = 0.5, sleep
     t.begin_round()
-    assert sleeps == [0.5, 0.5] and len(manager.attempts) == 1 and t.quorum_failed_s == 1.0
+    assert sleeps == [0.5, 0.5] and len(manager.attempts) == 1 and t.quorum.failed_s == 1.0
 
     clock = _Clock()  # a lighthouse that never comes back: the partition bound still ends the pause
     manager = _UnreachableManager(clock, failures=0)
@@ -369,14 +369,14 @@ def test_a_lighthouse_restarted_while_the_replica_trained_is_given_one_heartbeat
         return None if quorum_id is None else QuorumStatus(quorum_id, 0)
 
     t = _transport(manager, clock, 60, lighthouse_status=status, heartbeat_window_s=5.0)
-    t.sleep = sleep
+    t.quorum.sleep = sleep
     waits = []
     for _ in range(5):
         t.begin_round()
         t.commit_round()
         waits.append(list(sleeps))
     assert waits == [[], [], [], [5.0], [5.0]]  # only before the round after the id went back from 7 to 0
-    assert t.lighthouse_restarts == 1 and len(manager.attempts) == 5
+    assert t.quorum.lighthouse_restarts == 1 and len(manager.attempts) == 5
     assert "the lighthouse was restarted (its quorum id went back from 7 to 0)" in capsys.readouterr().err
 
 
@@ -402,7 +402,7 @@ def test_a_restarted_lighthouse_is_asked_once_the_last_quorums_replicas_heartbea
             return QuorumStatus(quorum_id, 0, next(counts) if quorum_id == 0 else None)
 
         t = _transport(manager, clock, 60, lighthouse_status=status, heartbeat_window_s=5.0)
-        t.sleep = sleep
+        t.quorum.sleep = sleep
         for _ in range(2):
             t.begin_round()
             t.commit_round()

@@ -92,16 +92,14 @@ class StepLedger:
             self.median.add(step_s)
             run.trained_tokens = (run.trained_tokens or 0) + own_share
         if self.pacer is not None and not self.own_files:
-            run.tokens = self.paced_tokens(step)
-            run.trained_tokens = run.tokens  # this process's files are the whole run's
+            self.lockstep += self.pacer.every_replica_trains(step)
+            run.tokens = run.trained_tokens = self.paced_tokens()  # this process's files are the whole run's
         elif trained:
             run.tokens = (run.tokens or 0) + run_share
 
-    def paced_tokens(self, step: int) -> int:
-        """A paced run's tokens after `step`: the steps every replica trained, and what every replica trained in
-        the periods up to the last round (the counts the replicas exchanged there)."""
-        assert self.pacer is not None
-        self.lockstep += self.pacer.every_replica_trains(step)
+    def paced_tokens(self) -> int:
+        """A paced run's tokens so far: the steps every replica trained, and what every replica trained in the
+        periods up to the last round (the counts the replicas exchanged there)."""
         local = self.policy.ledger().get("replicas_local") or 0.0  # none before the first round
         return int(self.replica_tokens * (self.cfg.mesh.sync * self.lockstep + local))
 

@@ -47,15 +47,17 @@ def _never_unreachable() -> Optional[OSError]:
 
 
 def _no_status() -> Optional[QuorumStatus]:
+    """No lighthouse status page to read (the default: nothing watches it)."""
     return None
 
 
 def _not_spectating() -> bool:
+    """The default: this replica never spectates."""
     return False
 
 
 def _ignore_cut(cut: bool) -> None:
-    pass
+    """The default: nobody is told when the replica is cut off or back."""
 
 
 @dataclass(frozen=True)

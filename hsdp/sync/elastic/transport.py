@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
@@ -197,35 +197,6 @@ class FTTransport:
         rows = gathered.view(self.size, -1)
         keep = self.contributors
         return rows if len(keep) == rows.shape[0] else rows[keep]
-
-    # ------------------------------------------------------------ the quorum's counts, by the transport's names
-    @property
-    def quorum_failures(self) -> int:
-        return self.quorum.failures
-
-    @property
-    def quorum_failed_s(self) -> float:
-        return self.quorum.failed_s
-
-    @property
-    def lighthouse_restarts(self) -> int:
-        return self.quorum.lighthouse_restarts
-
-    @property
-    def pause_retry_s(self) -> float:
-        return self.quorum.pause_retry_s
-
-    @pause_retry_s.setter
-    def pause_retry_s(self, value: float) -> None:
-        self.quorum.pause_retry_s = value
-
-    @property
-    def sleep(self) -> Callable[[float], None]:
-        return self.quorum.sleep
-
-    @sleep.setter
-    def sleep(self, value: Callable[[float], None]) -> None:
-        self.quorum.sleep = value
 
     # ------------------------------------------------------------ a round: begin, collectives, commit
     def begin_round(self) -> None:
