@@ -126,7 +126,7 @@ def resolve(api: Api) -> Any:
     return obj
 
 
-# What a launcher's zygote imports before it forks the ranks (hsdp/run/launch.py), so that they share it: torch
+# What a launcher's zygote imports before it forks the ranks (hsdp/run/pool.py), so that they share it: torch
 # imports dynamo on the first call of anything wrapped in torch._disable_dynamo, and every rank makes one (the
 # torch optimizer's constructor), ~2 CPU s a rank.
 RANK_LAZY_IMPORTS = ("torch._dynamo",)

@@ -144,7 +144,7 @@ CHECKS = {
 
 
 def _worker(rank: int, name: str, world: int, port: int, out: str) -> None:
-    from hsdp.run.launch import shutdown_process_group
+    from hsdp.run.rank import shutdown_process_group
     from tests.helpers import join_rendezvous
 
     torch.set_num_threads(1)
@@ -161,7 +161,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hsdp, when run as a script
     import hsdp.engines.hsdp  # noqa: F401  (once, before the fork, and not in each rank)
     import hsdp.models.gpt  # noqa: F401
-    import hsdp.run.launch  # noqa: F401
+    import hsdp.run.rank  # noqa: F401
     from tests.helpers import hold_rendezvous
 
     store = hold_rendezvous()  # listening before the ranks start: no port to lose to another process

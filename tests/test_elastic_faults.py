@@ -26,8 +26,8 @@ from hsdp.comm.groups import Comm
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.faults.spec import parse_fault
-from hsdp.run.replicas import ElasticLaunch
-from hsdp.run.zygote import Exit
+from hsdp.run.pool import Exit
+from hsdp.run.replicas import ElasticRun
 from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
 from hsdp.sync.elastic.transport import Done, FTTransport, PartitionTimeout
 from hsdp.sync.schedule import fragments_due
@@ -428,10 +428,18 @@ def test_lighthouse_unreachable_says_why_a_port_refuses_and_nothing_for_one_that
         assert lighthouse_unreachable(f"http://127.0.0.1:{server.getsockname()[1]}", 1.0) is None
 
 
-class _Workers:
-    pids = {0: 100, 1: 101}
+class _Pool:
+    """The pool as ElasticRun uses it (no processes): each start is one worker, numbered from 0."""
 
-    def send_signal(self, sig, indices) -> None:
+    def __init__(self) -> None:
+        self.pids = {0: 100, 1: 101}
+        self.started = 0
+
+    def start(self, targets) -> list[int]:
+        self.started += 1
+        return [self.started - 1]
+
+    def signal(self, sig, indices) -> None:
         pass
 
 
@@ -446,10 +454,10 @@ def test_the_launcher_gives_up_every_replica_when_its_lighthouse_is_gone(tmp_pat
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [*overrides, f"elastic.lighthouse=http://127.0.0.1:{port}"])
     cfg.run.out_dir, cfg.run.name = str(tmp_path), "lost"
     (tmp_path / "lost").mkdir()
-    run = ElasticLaunch(cfg, _Workers(), lambda m, restarts: [m])
-    run.start(0)
-    run.start(1)
-    run.on_exit(Exit(1, 1, "PartitionTimeout: no quorum for 120 s"))
+    run = ElasticRun(cfg, _Pool(), print, lighthouse="")
+    run.start_replica(0)
+    run.start_replica(1)
+    run.worker_ended(Exit(1, 1, "PartitionTimeout: no quorum for 120 s"))
     assert run.lighthouse_lost and all(r.given_up for r in run.replicas)
     line = run.outcome()
     assert f"the lighthouse at http://127.0.0.1:{port} stopped answering" in line and "\n" not in line
@@ -458,8 +466,8 @@ def test_the_launcher_gives_up_every_replica_when_its_lighthouse_is_gone(tmp_pat
         server.bind(("127.0.0.1", 0))
         server.listen()
         cfg.elastic.lighthouse = f"http://127.0.0.1:{server.getsockname()[1]}"
-        run = ElasticLaunch(cfg, _Workers(), lambda m, restarts: [m])
-        run.start(0)
-        run.start(1)
-        run.on_exit(Exit(1, 1, "PartitionTimeout: no quorum for 120 s"))
+        run = ElasticRun(cfg, _Pool(), print, lighthouse="")
+        run.start_replica(0)
+        run.start_replica(1)
+        run.worker_ended(Exit(1, 1, "PartitionTimeout: no quorum for 120 s"))
         assert not run.lighthouse_lost and run.replicas[1].restart_at is not None

@@ -21,8 +21,8 @@ import torch
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.checkpoint import complete_checkpoints, step_of
-from hsdp.run.replicas import ElasticLaunch, check_lighthouse_reachable
-from hsdp.run.zygote import Exit
+from hsdp.run.pool import Exit
+from hsdp.run.replicas import ElasticRun, check_lighthouse_reachable
 from tests.helpers import REPO, SMALL, RunResult, run_train
 from tests.test_elastic import _finish, _last_step, _replicas, _start
 from tests.test_never_lose import files_under, flip_bytes, last_line
@@ -174,14 +174,19 @@ def test_a_malformed_or_unreachable_lighthouse_is_one_line(tmp_path: Path) -> No
         check_lighthouse_reachable(cfg)
 
 
-class _Workers:
-    """The launcher's workers as ElasticLaunch sees them (no processes)."""
+class _Pool:
+    """The pool as ElasticRun uses it (no processes): each start is one worker, numbered from 0."""
 
     def __init__(self) -> None:
         self.pids: dict[int, int] = {}
         self.killed: list[int] = []
 
-    def send_signal(self, sig: int, indices: list[int]) -> None:
+    def start(self, targets: list) -> list[int]:
+        i = len(self.pids)
+        self.pids[i] = 1000 + i
+        return [i]
+
+    def signal(self, sig: int, indices: list[int]) -> None:
         self.killed += list(indices)
 
 
@@ -191,20 +196,12 @@ def test_every_replica_down_ends_the_run_instead_of_restarting(tmp_path: Path) -
     cfg = load_config(str(REPO / "configs/tiny.yaml"), ["elastic.enabled=true", "mesh.sync=2", "mesh.shard=1"])
     cfg.run.out_dir, cfg.run.name = str(tmp_path), "both"
     (tmp_path / "both").mkdir()
-    workers = _Workers()
-    starts = iter(range(100))
-
-    def start_group(m: int, restarts: int) -> list[int]:
-        i = next(starts)
-        workers.pids[i] = 1000 + i
-        return [i]
-
-    run = ElasticLaunch(cfg, workers, start_group)
-    run.start(0)
-    run.start(1)
-    run.on_exit(Exit(0, -9))  # replica 0 killed: replica 1 is live, so replica 0 waits for its restart
+    run = ElasticRun(cfg, _Pool(), print, lighthouse="")
+    run.start_replica(0)
+    run.start_replica(1)
+    run.worker_ended(Exit(0, -9))  # replica 0 killed: replica 1 is live, so replica 0 waits for its restart
     assert run.replicas[0].restart_at is not None and not run.replicas[0].given_up
-    run.on_exit(Exit(1, -9))  # replica 1 killed too: nobody left to heal from
+    run.worker_ended(Exit(1, -9))  # replica 1 killed too: nobody left to heal from
     assert all(r.given_up and r.restart_at is None for r in run.replicas) and not run.running
     line = run.outcome()
     assert line.startswith("replicas 0, 1 given up; replica 0 failed 1 times (no live replica left to heal from)")

@@ -19,8 +19,8 @@ from hsdp.bench.report import sweep_table
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.engines.clock import CompileClock, graphs_captured
-from hsdp.run.launch import threads_per_rank
 from hsdp.run.metrics import StepMemoryProbe
+from hsdp.run.rank import threads_per_rank
 from tests.helpers import REPO, SMALL
 
 TINY = str(REPO / "configs" / "tiny.yaml")

@@ -498,7 +498,7 @@ def _policy_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from hsdp.comm.groups import Comm
-    from hsdp.run.launch import shutdown_process_group
+    from hsdp.run.rank import shutdown_process_group
 
     torch.set_num_threads(1)
     join_rendezvous(port, rank, world_size=2)

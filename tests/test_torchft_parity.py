@@ -138,7 +138,7 @@ def worker(replica: int, port: int, lighthouse: str, out: str) -> None:
 
     from hsdp.comm.groups import Comm
     from hsdp.comm.transport import GroupTransport
-    from hsdp.run.launch import shutdown_process_group
+    from hsdp.run.rank import shutdown_process_group
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=60)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hsdp.run.pool import Pool
 from hsdp.run.zygote import Zygote, can_fork_launcher
 
 
@@ -38,11 +39,11 @@ def test_zygote_forks_workers_and_holds_nothing_of_the_launcher(tmp_path: Path, 
         signal.signal(signal.SIGTERM, previous)
     try:
         out = tmp_path / "worker.json"
-        with zygote.workers() as workers:
-            workers.start([(report, (str(out),)), (fail, ())])
+        with Pool(zygote) as pool:
+            pool.start([(report, (str(out),)), (fail, ())])
             ended = {}
             while len(ended) < 2:
-                ended |= {e.index: e for e in workers.wait(60)}
+                ended |= {e.index: e for e in pool.poll(60)}
         assert ended[0].code == 0 and ended[1].code == 1 and "ValueError: a worker's error" in ended[1].traceback
         seen = json.loads(out.read_text())
         assert seen["ppid"] == zygote.proc.pid and seen["preloaded"]

@@ -3,7 +3,7 @@
     python tests/train_server.py        (started by tests/helpers.py; one per pytest process)
 
 It imports train.py (torch, hsdp) and starts the workers' zygote once
-(hsdp.run.launch.start_zygote). Each request (one JSON line on stdin: argv, cwd,
+(hsdp.run.pool.start_zygote). Each request (one JSON line on stdin: argv, cwd,
 env, output file) is served by a forked child that *is* the launcher of that
 run: it runs the script as `__main__` with that argv, environment and directory,
 its stdout/stderr going to the output file, and its `launch` finds the zygote
@@ -58,7 +58,7 @@ def main() -> None:
     from hsdp.config.loader import load_config
     from hsdp.data.tokens import load_tokens
     from hsdp.engines.registry import engine_modules
-    from hsdp.run.launch import start_zygote
+    from hsdp.run.pool import start_zygote
     from tests.helpers import SMALL
 
     # The test GPT's synthetic tokens: loaded here (hsdp.data.tokens keeps the chain per process) before the zygote

@@ -59,8 +59,8 @@ from hsdp.bench.records import LinkRun, Measured
 from hsdp.bench.report import link_tables, secs
 from hsdp.bench.spec import REPO, parse_only
 from hsdp.config.schema import ConfigError
-from hsdp.run.launch import Interrupted, StopSignals
 from hsdp.run.preflight import load_checked_config
+from hsdp.run.stop import Interrupted, StopSignals
 
 BASE_PORT = 29400
 

@@ -56,7 +56,7 @@ from hsdp.bench.records import RunRecord
 from hsdp.bench.report import sweep_table
 from hsdp.bench.spec import REPO
 from hsdp.config.schema import ConfigError
-from hsdp.run.launch import Interrupted, StopSignals
+from hsdp.run.stop import Interrupted, StopSignals
 from hsdp.run.zygote import die_with_parent
 
 STOP_WAIT_S = 30.0  # a run's launcher stops its workers within seconds; then it is killed

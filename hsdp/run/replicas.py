@@ -1,12 +1,13 @@
-"""Launch an elastic run: one torch.distributed world per replica, restarted alone when it fails.
+"""The elastic strategy: one torch.distributed world per replica on one pool, each restarted alone when it fails.
 
-(elastic.enabled, docs/design.md §9.) The launcher starts torchft's lighthouse in-process (unless
-`elastic.lighthouse` names one), then `mesh.sync` replica groups of `mesh.shard` local workers, each
-group with its own rendezvous port. When any worker of a replica ends badly, the launcher kills the
-rest of that replica and starts it again (up to `elastic.max_restarts` times); the new workers heal
-from a live replica at its next sync (hsdp/sync/elastic/) while the others train on. Each worker is
-handed its `ReplicaSeat` (replica index, restart count, lighthouse) as an argument. The run folder's
-`replicas.json` lists each replica's live pids and restarts, rewritten on every change.
+(elastic.enabled, docs/design.md §9.) `launch_elastic` starts torchft's lighthouse in-process (unless
+`elastic.lighthouse` names one), then `mesh.sync` replica groups of `mesh.shard` local workers on one pool
+(hsdp/run/pool.py), each group with its own rendezvous port. `ElasticRun` reads the pool's events: when any
+worker of a replica ends badly (or stalls), it kills the rest of that replica and starts it again (up to
+`elastic.max_restarts` times); the new workers heal from a live replica at its next sync (hsdp/sync/elastic/)
+while the others train on. Each worker is handed its `ReplicaSeat` (replica index, restart count,
+lighthouse) as an argument. The run folder's `replicas.json` lists each replica's live pids and restarts,
+rewritten on every change; `summary.json` merges the replicas' own (`merge_replica_summaries`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from typing import TYPE_CHECKING, Optional
 
 from hsdp.config.schema import Config, ConfigError
 from hsdp.core.atomic import write_json, write_text
+from hsdp.run.checkpoint import elastic_resume_note
 from hsdp.run.guard import ONE_LINE_ERRORS
-from hsdp.run.metrics import last_record, ledger_totals, merged_rates
-from hsdp.run.zygote import Exit, Workers
+from hsdp.run.metrics import last_record, ledger_totals, merged_rates, write_failure
+from hsdp.run.pool import Exit, Pool, WorkerError, start_zygote
+from hsdp.run.rank import Worker, forked_ranks, host_rendezvous_store, worker_env
+from hsdp.run.stop import StopSignals
 from hsdp.sync.elastic import clear_markers, in_words, lighthouse_unreachable
 from hsdp.sync.seam import ReplicaSeat
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
     from torchft.coordination import LighthouseServer
 
 
@@ -54,11 +59,6 @@ class Replica:
     def training(self) -> bool:
         """Its workers are running (a replica a restarted one can heal from)."""
         return not self.given_up and self.restart_at is None and 0 < len(self.workers) and not self.done
-
-
-def worker_env() -> dict[str, str]:
-    """What an elastic worker's environment adds: torchft's Rust side logs every quorum at info otherwise."""
-    return {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}
 
 
 def enter_torchrun_replica(cfg: Config) -> ReplicaSeat:
@@ -137,26 +137,81 @@ def start_lighthouse(cfg: Config) -> tuple[Optional[LighthouseServer], str]:
     return server, server.address()
 
 
-class ElasticLaunch:
-    """The replica groups of one elastic run, on one launcher's workers."""
+def launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
+    """An elastic run: the lighthouse, then one local world per replica on one pool, each restarted alone when it
+    fails. Raises WorkerError if a replica was given up (the others still finished)."""
+    note = elastic_resume_note(cfg)  # replicas resuming from different steps: say who heals from whom
+    if note:
+        print(note, file=sys.stderr)
+    try:
+        check_lighthouse_reachable(cfg)  # one line now, not a restart of every replica until max_restarts
+    except ConfigError as e:
+        raise WorkerError(str(e)) from None
+    server, address = start_lighthouse(cfg)  # before the zygote: torchft's runtime makes it a fresh interpreter
+    try:
+        with Pool(start_zygote(worker, cfg.compile.enabled), stall_after_s=cfg.mesh.timeout_s) as pool:
+            run = ElasticRun(cfg, pool, worker, address)
+            run.run(stop)
+        try:
+            run.write_summary()
+        except OSError as e:  # a full disk: one line naming the file and the bytes free
+            raise WorkerError(write_failure(cfg.run_dir / "summary.json", e)) from None
+        failed = run.outcome()
+        if failed:
+            raise WorkerError(failed)
+    finally:
+        if server is not None:
+            server.shutdown()
 
-    def __init__(self, cfg: Config, workers: Workers, start_group) -> None:
-        self.cfg, self.workers = cfg, workers
-        self.start_group = start_group  # (replica, restarts) -> worker indices
+
+class ElasticRun:
+    """The elastic strategy: the replica groups of one run on one pool of workers.
+
+    It reads the pool's events and decides: a worker that ended cleanly counts towards its replica's finish;
+    one that failed or stalled gets its replica's other workers killed, and the replica restarted after
+    elastic.restart_delay_s (up to elastic.max_restarts), or given up.
+    """
+
+    def __init__(self, cfg: Config, pool: Pool, worker: Worker, lighthouse: str) -> None:
+        self.cfg, self.pool, self.worker, self.lighthouse = cfg, pool, worker, lighthouse
         self.replicas = [Replica(m) for m in range(cfg.mesh.sync)]
         self.owner: dict[int, int] = {}  # worker index -> replica (current generation only)
+        self.stores: dict[int, dist.TCPStore] = {}  # each replica's rendezvous, kept while its workers run
         self.ended = False  # the launch is over (its workers stopped): no pid is live
         self.lighthouse_lost = False  # elastic.lighthouse stopped answering: every replica is given up
         clear_markers(cfg.run_dir)  # elastic.faults' markers of an earlier launch (lives count from 0 again)
 
-    def start(self, m: int) -> None:
-        r = self.replicas[m]
-        r.workers, r.finished = self.start_group(m, r.restarts), 0
+    def run(self, stop: StopSignals) -> None:
+        """Start every replica, then follow the pool's events until each replica finished or was given up."""
+        try:
+            with stop.guarding(self.pool):
+                for m in range(self.cfg.mesh.sync):
+                    self.start_replica(m)
+                stop.arm()
+                while self.running:
+                    for event in self.pool.poll(0.2):
+                        if event.stalled:
+                            self.worker_stalled(event)
+                        else:
+                            self.worker_ended(event)
+                    self.restart_due()
+        finally:
+            self.end()  # replicas.json: no live pids left
+
+    def start_replica(self, m: int) -> None:
+        """Start replica m's world: a fresh rendezvous (a restarted world must not see old keys), its ranks
+        numbered among all the launcher's workers, each handed the replica's seat."""
+        r, cfg = self.replicas[m], self.cfg
+        shard = cfg.mesh.replicate * cfg.mesh.shard  # a replica's (a site's) ranks
+        self.stores[m] = host_rendezvous_store(cfg.mesh.timeout_s)
+        seat = ReplicaSeat(m, r.restarts, self.lighthouse)
+        targets = forked_ranks(cfg, self.worker, self.stores[m].port, shard, m * shard, cfg.world_size, seat)
+        r.workers, r.finished = self.pool.start(targets), 0
         for i in r.workers:
             self.owner[i] = m
         self.write_replicas_json()
 
-    def on_exit(self, e: Exit) -> None:
+    def worker_ended(self, e: Exit) -> None:
         """A worker ended: count a clean finish, or restart (or give up on) its replica."""
         m = self.owner.pop(e.index, None)
         if m is None:
@@ -170,7 +225,7 @@ class ElasticLaunch:
         rest = [i for i in r.workers if i in self.owner]
         for i in rest:
             self.owner.pop(i)
-        self.workers.send_signal(signal.SIGKILL, rest)  # the replica's survivors would wait on it
+        self.pool.signal(signal.SIGKILL, rest)  # the replica's survivors would wait on it
         r.workers = []
         # A divergence (NaN/inf) or a failed save is not a lost process: the restarted replica would heal and
         # reach the same state again, so it is given up at once, naming the error, instead of restarted.
@@ -208,11 +263,13 @@ class ElasticLaunch:
             delay, limit = self.cfg.elastic.restart_delay_s, self.cfg.elastic.max_restarts
             print(f"{died}; restart {r.restarts} of {limit} in {delay:g} s", file=sys.stderr, flush=True)
 
-    def on_stalled(self, e: Exit) -> None:
-        """A worker stopped (SIGSTOP, a debugger) for longer than mesh.timeout_s: kill it and fail its replica
-        (restarted and healed like any failure, or given up), naming the pid."""
-        self.workers.send_signal(signal.SIGKILL, [e.index])
-        self.on_exit(Exit(e.index, None, f"a worker stopped answering: {e.traceback}", stalled=True))
+    def worker_stalled(self, e: Exit) -> None:
+        """A worker stopped (SIGSTOP, a debugger) for longer than mesh.timeout_s: a stopped worker neither exits
+        nor heartbeats, so its replica's peers may wait on it forever (a replica of one rank has none that would
+        time out). Kill it and fail its replica (restarted and healed like any failure, or given up), naming
+        the pid."""
+        self.pool.signal(signal.SIGKILL, [e.index])
+        self.worker_ended(Exit(e.index, None, f"a worker stopped answering: {e.traceback}", stalled=True))
 
     def end(self) -> None:
         """The launch is over and its workers are gone: replicas.json lists no live pid."""
@@ -224,7 +281,7 @@ class ElasticLaunch:
         for r in self.replicas:
             if r.restart_at is not None and time.monotonic() >= r.restart_at:
                 r.restart_at = None
-                self.start(r.index)
+                self.start_replica(r.index)
                 print(f"elastic: replica {r.index} restarted (start {r.restarts + 1})", file=sys.stderr, flush=True)
 
     @property
@@ -237,7 +294,7 @@ class ElasticLaunch:
             str(r.index): {
                 "pids": []
                 if r.given_up or self.ended
-                else [self.workers.pids[i] for i in r.workers if i in self.workers.pids],
+                else [self.pool.pids[i] for i in r.workers if i in self.pool.pids],
                 "restarts": r.restarts,
                 "given_up": r.given_up,
                 "ended": self.ended,
@@ -245,6 +302,12 @@ class ElasticLaunch:
             for r in self.replicas
         }
         write_json(self.cfg.run_dir / "replicas.json", state)
+
+    def write_summary(self) -> None:
+        """summary.json of this run (see `merge_replica_summaries`)."""
+        failures = {r.index: len(r.failures) for r in self.replicas}
+        given_up = {r.index for r in self.replicas if r.given_up}
+        merge_replica_summaries(self.cfg.run_dir, failures, {r.index: r.restarts for r in self.replicas}, given_up)
 
     def outcome(self) -> Optional[str]:
         """None if every replica finished; else the one line saying which replica was given up and why."""
@@ -271,13 +334,6 @@ class ElasticLaunch:
             why = "no live replica left to heal from"
         given_up = f"replicas {', '.join(str(x.index) for x in lost)} given up; " if len(lost) > 1 else ""
         return f"{given_up}replica {r.index} failed {len(r.failures)} times ({why}), last: {r.failures[-1]}{others}"
-
-
-def write_summary(cfg: Config, run: ElasticLaunch) -> None:
-    """summary.json of an elastic run launched here (see `merge_replica_summaries`)."""
-    failures = {r.index: len(r.failures) for r in run.replicas}
-    given_up = {r.index for r in run.replicas if r.given_up}
-    merge_replica_summaries(cfg.run_dir, failures, {r.index: r.restarts for r in run.replicas}, given_up)
 
 
 def _mean(values: list[Optional[float]]) -> Optional[float]:

@@ -1,17 +1,17 @@
 """A zygote: one process that imports torch and the worker's module once, then forks the local workers.
 
 The launcher starts it (`Zygote(preload)`) and asks it over a Unix socket to fork one worker
-per rank (`Workers.start`). The zygote is the launcher itself, forked, when that is as clean as a
-fresh interpreter: one Python thread, a torch built without CUDA and no torchft runtime
-(`can_fork_launcher`; the launcher has imported torch and the worker's module already, which
-saves 2.5-3 s of CPU per launch on a 2-core box). Otherwise (a CUDA build, whose driver state a
-fork would share; a launcher with threads; an elastic launcher running torchft's lighthouse) it
-is a fresh interpreter, so nothing of the launcher's threads or state is inherited.
-Everything is plain `os` / `socket` / `signal` (no multiprocessing
-internals). A spawn request carries, as passed file descriptors, the launcher's stdout and
-stderr (the worker writes where the launcher writes), the write end of a status pipe (the
-worker's traceback if it raises) and the read end of the launch's lifeline pipe. The zygote
-reaps its children and reports each exit status; it kills a worker on request.
+per rank (`Zygote.spawn`; a launch's `Pool`, hsdp/run/pool.py, keeps track of them). The zygote is
+the launcher itself, forked, when that is as clean as a fresh interpreter: one Python thread, a torch
+built without CUDA and no torchft runtime (`can_fork_launcher`; the launcher has imported torch and
+the worker's module already, which saves 2.5-3 s of CPU per launch on a 2-core box). Otherwise (a
+CUDA build, whose driver state a fork would share; a launcher with threads; an elastic launcher
+running torchft's lighthouse) it is a fresh interpreter, so nothing of the launcher's threads or
+state is inherited. Everything is plain `os` / `socket` / `signal` (no multiprocessing internals).
+A spawn request carries, as passed file descriptors, the launcher's stdout and stderr (the worker
+writes where the launcher writes), the write end of a status pipe (the worker's traceback if it
+raises) and the read end of the launch's lifeline pipe. The zygote reaps its children and reports
+each exit status; it kills a worker on request.
 
 Nothing is left behind when the launcher dies, even by `kill -9`:
 - the zygote exits (killing its workers) when its socket reaches EOF, i.e. when the launcher
@@ -46,9 +46,7 @@ import threading
 import time
 import traceback
 import types
-import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Optional, cast
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -134,22 +132,13 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-@dataclass
-class Exit:
-    """How worker `index` ended: `code` as os.waitstatus_to_exitcode (-N: killed by signal N), None if unknown."""
-
-    index: int
-    code: Optional[int]
-    traceback: str = ""  # what the worker's target raised, or why the code is unknown
-    stalled: bool = False  # not ended: the launcher gave up on it (stopped too long), and kills it
-
-
 class Zygote:
-    """The launcher's handle on its zygote process; `workers()` for one launch's workers.
+    """The launcher's handle on its zygote process: spawn and kill requests, and their replies.
 
-    The zygote preloads the modules `preload` and, if `main_path`, that script as `__main__`
-    (under the name `__mp_main__`, so its `if __name__ == "__main__"` block does not run).
-    A process forked from the starting one can use it too, one launch at a time.
+    It tracks no worker: a launch's `Pool` (hsdp/run/pool.py) does. The zygote preloads the modules
+    `preload` and, if `main_path`, that script as `__main__` (under the name `__mp_main__`, so its
+    `if __name__ == "__main__"` block does not run). A process forked from the starting one can use it
+    too, one launch at a time.
     """
 
     def __init__(self, preload: Sequence[str], main_path: Optional[str] = None, fork: Optional[bool] = None) -> None:
@@ -182,8 +171,46 @@ class Zygote:
         self.gone = any(events & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, events in poll.poll(0))
         return not self.gone
 
-    def workers(self) -> Workers:
-        return Workers(self)
+    def fileno(self) -> int:
+        """Our end of the socket, readable when a reply came (for `select`); -1 once closed."""
+        return self._channel.sock.fileno()
+
+    def spawn(self, spawn_id: str, function: Callable, args: tuple, status_fd: int, lifeline_fd: int) -> None:
+        """Ask for a worker running `function(*args)` in this process's directory, sys.path, argv and environment,
+        writing to our stdout/stderr; its traceback goes to `status_fd`, and it is killed when `lifeline_fd`'s
+        pipe reaches EOF. The reply (`receive`) says "spawned" with its pid, or "exited"."""
+        std = [fd if _is_open(fd) else os.open(os.devnull, os.O_WRONLY) for fd in (1, 2)]
+        try:
+            request = {"op": "spawn", "id": spawn_id, "payload": _payload(function, args)}
+            self._send(request, [status_fd, lifeline_fd, *std])
+        finally:
+            for ours, fd in zip((1, 2), std):
+                if fd != ours:
+                    os.close(fd)
+
+    def kill(self, spawn_id: str, sig: int) -> None:
+        """Send `sig` to that worker (the zygote has not reaped it yet, so its pid is still that worker's)."""
+        self._send({"op": "kill", "id": spawn_id, "sig": int(sig)})
+
+    def receive(self) -> list[dict]:
+        """The replies one read of the socket completes (call when `fileno()` is readable): {"op": "spawned",
+        "id", "pid"} or {"op": "exited", "id", "code", "why"?}; an empty list, with `gone` set, if the zygote
+        is gone."""
+        try:
+            messages = self._channel.receive()
+        except (EOFError, OSError):
+            self.gone = True
+            return []
+        for _, fds in messages:
+            for fd in fds:  # the zygote passes none; never leak one
+                os.close(fd)
+        return [msg for msg, _ in messages]
+
+    def _send(self, msg: dict, fds: Sequence[int] = ()) -> None:
+        try:
+            self._channel.send(msg, fds)
+        except ConnectionError:  # BrokenPipeError, ConnectionResetError: it is gone
+            self.gone = True
 
     def close(self, timeout: float = 5.0) -> None:
         """Close our end (the zygote exits, killing any worker left) and reap it; the starting process only."""
@@ -196,140 +223,6 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-class Workers:
-    """One launch's workers: started together, each reported once in `wait()` when it ends.
-
-    Use as a context manager: leaving it closes the lifeline (the zygote then kills any
-    worker still running) and the status pipes.
-    """
-
-    def __init__(self, zygote: Zygote) -> None:
-        self._zygote = zygote
-        self._channel = zygote._channel
-        self._lifeline_r, self._lifeline_w = os.pipe()
-        self._ids: dict[str, int] = {}  # spawn id -> worker index
-        self.pids: dict[int, int] = {}
-        self._status: dict[int, int] = {}  # status pipe read end -> worker index
-        self._tracebacks: dict[int, bytearray] = {}
-        self._exits: dict[int, Exit] = {}
-        self._new: list[Exit] = []  # exits not yet returned by wait()
-
-    def __enter__(self) -> Workers:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for fd in [fd for fd in (self._lifeline_w, self._lifeline_r, *self._status) if fd >= 0]:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._status.clear()
-        self._lifeline_w = self._lifeline_r = -1
-
-    def start(self, targets: Sequence[tuple[Callable, tuple]]) -> list[int]:
-        """Fork one worker per `(function, args)`; return their indices once all are forked.
-
-        The first call's workers are 0..n-1; a later call (an elastic run restarting a replica) numbers
-        its workers on from there.
-        """
-        first = len(self._tracebacks)
-        indices = list(range(first, first + len(targets)))
-        std = [fd if _is_open(fd) else os.open(os.devnull, os.O_WRONLY) for fd in (1, 2)]
-        try:
-            for index, (function, args) in zip(indices, targets):
-                spawn_id = uuid.uuid4().hex
-                payload = _payload(function, args)
-                status_r, status_w = os.pipe()
-                os.set_blocking(status_r, False)
-                self._status[status_r] = index
-                self._tracebacks[index] = bytearray()
-                self._ids[spawn_id] = index
-                try:
-                    self._send({"op": "spawn", "id": spawn_id, "payload": payload}, [status_w, self._lifeline_r, *std])
-                finally:
-                    os.close(status_w)
-        finally:
-            for ours, fd in zip((1, 2), std):
-                if fd != ours:
-                    os.close(fd)
-        while any(i not in self.pids and i not in self._exits for i in indices):
-            self._poll(None)
-        return indices
-
-    def running(self) -> list[int]:
-        return [i for i in self._ids.values() if i not in self._exits]
-
-    def wait(self, timeout: Optional[float]) -> list[Exit]:
-        """The workers that ended since the last call, waiting up to `timeout` seconds for one."""
-        if not self._new and self.running():
-            self._poll(timeout)
-        new, self._new = self._new, []
-        return new
-
-    def send_signal(self, sig: int, indices: Optional[Sequence[int]] = None) -> None:
-        """Send `sig` to every running worker, or to those of `indices` (through the zygote: a pid it has not
-        reaped yet is still that worker)."""
-        for spawn_id, index in self._ids.items():
-            if index not in self._exits and (indices is None or index in indices):
-                self._send({"op": "kill", "id": spawn_id, "sig": int(sig)})
-
-    def _send(self, msg: dict, fds: Sequence[int] = ()) -> None:
-        try:
-            self._channel.send(msg, fds)
-        except ConnectionError:  # BrokenPipeError, ConnectionResetError: it is gone
-            self._zygote_gone()
-
-    def _poll(self, timeout: Optional[float]) -> None:
-        if self._zygote.gone:
-            return self._zygote_gone()
-        sock = self._channel.sock.fileno()
-        readable, _, _ = select.select([sock, *self._status], [], [], timeout)
-        for fd in readable:
-            if fd in self._status:
-                self._read_status(fd)
-        if sock in readable:
-            try:
-                messages = self._channel.receive()
-            except (EOFError, OSError):
-                return self._zygote_gone()
-            for msg, fds in messages:
-                for fd in fds:  # the zygote passes none; never leak one
-                    os.close(fd)
-                self._handle(msg)
-
-    def _handle(self, msg: dict) -> None:
-        index = self._ids.get(msg.get("id", ""))
-        if index is None or index in self._exits:
-            return  # about an earlier launch's worker (its launcher was killed), or already reported
-        if msg["op"] == "spawned":
-            self.pids[index] = msg["pid"]
-        elif msg["op"] == "exited":
-            for fd in [fd for fd, i in self._status.items() if i == index]:
-                self._read_status(fd)
-            text = self._tracebacks[index].decode(errors="replace") or msg.get("why", "")
-            self._exit(Exit(index, msg["code"], text))
-
-    def _read_status(self, fd: int) -> None:
-        index = self._status[fd]
-        while True:
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                return
-            if not chunk:  # the worker (and anything it forked) closed it
-                del self._status[fd]
-                os.close(fd)
-                return
-            self._tracebacks[index] += chunk
-
-    def _exit(self, ended: Exit) -> None:
-        self._exits[ended.index] = ended
-        self._new.append(ended)
-
-    def _zygote_gone(self) -> None:
-        self._zygote.gone = True
-        for index in self.running():  # its workers die with it
-            self._exit(Exit(index, None, "the zygote process exited"))
 
 
 def _is_open(fd: int) -> bool:
