@@ -1,9 +1,10 @@
 """An independent single-process reference: plain torch training on the concatenated batch.
 
 No torch.distributed, no hsdp engine: just the model, AdamW/SGD with the same
-param groups (optim.name=muon: torch.optim.Muon for the blocks' matrices + torch.optim.AdamW, torch's own classes), the same LR schedule and the same global batches (the data
-module's contract: the concatenation of all ranks' batches is the batch of one
-process with batch_size·world).
+param groups (optim.name=muon: torch.optim.Muon for the blocks' matrices and
+torch.optim.AdamW for the rest, torch's own classes), the same LR schedule and
+the same global batches (the data module's contract: the concatenation of all
+ranks' batches is the batch of one process with batch_size·world).
 """
 
 from __future__ import annotations

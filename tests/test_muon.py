@@ -182,7 +182,8 @@ def reference_losses(world: int, extra: list[str]) -> list[float]:
 )
 def test_exact_hsdp_muon_equals_torch(sync: int, shard: int, engine: str, tmp_path: Path) -> None:
     extra = ["optim.muon_adjust_lr=match_rms_adamw"] if shard == 4 else []
-    run = run_train(tmp_path, "m", [*COMMON, *extra, f"mesh.sync={sync}", f"mesh.shard={shard}", f"mesh.engine={engine}"])
+    mesh = [f"mesh.sync={sync}", f"mesh.shard={shard}", f"mesh.engine={engine}"]
+    run = run_train(tmp_path, "m", [*COMMON, *extra, *mesh])
     ref = reference_losses(sync * shard, extra)
     gap = loss_gap(losses(run), ref)
     assert gap <= LOSS_TOLERANCE, f"{sync}x{shard} {engine}: {losses(run)} vs torch {ref} (gap {gap:.2e})"
