@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +24,9 @@ from hsdp.config.schema import OptimConfig
 from hsdp.models.muon import MuonAdamW, RowSharding, assign_owners
 from hsdp.models.optim import build_optimizer
 from tests.exactness import loss_gap, losses
-from tests.helpers import max_param_rel_err, run_train
+from tests.helpers import RunResult, max_param_rel_err, run_train
 from tests.reference import reference_run
+from tests.test_checkpoint import assert_same_run
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -199,3 +201,56 @@ def test_gather_exchange_trains_the_same_model(tmp_path: Path) -> None:
     assert losses(owner) == losses(gather)
     assert max_param_rel_err(owner.params(0), gather.params(0)) == 0.0
     assert "shard/all_to_all" not in gather.summary["comm"]
+
+
+# ---------------------------------------------------------------- checkpoints, the heal's state
+# (Compiled ≡ eager with Muon: tests/exactness.py draws optim.name=muon among its configurations.)
+@pytest.fixture(scope="module")
+def eager_2x2(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """6 Muon steps on 2x2, a checkpoint after steps 2 and 5: the reference of the runs below."""
+    out = tmp_path_factory.mktemp("muon")
+    return run_train(out, "eager", [*COMMON, *MESH_2X2, "run.checkpoint_every=3", "run.keep_checkpoints=5"])
+
+
+MESH_2X2 = ["mesh.sync=2", "mesh.shard=2"]
+
+
+def test_checkpoint_carries_the_momentum(eager_2x2: RunResult) -> None:
+    """Resumed after step 2 on the same mesh: bit for bit; on 2x1 (another shard size, the same global batch):
+    within the tolerance of a resharded run (the grads sum in another order)."""
+    out, step_2 = eager_2x2.run_dir.parent, eager_2x2.run_dir / "checkpoints" / "step_2"
+    same = run_train(out, "same", [*COMMON, *MESH_2X2, f"run.resume={step_2}"])
+    assert_same_run(same, eager_2x2, from_step=3)
+    other = run_train(out, "2x1", [*COMMON, "mesh.sync=2", "mesh.shard=1", "data.batch_size=4", f"run.resume={step_2}"])
+    assert loss_gap(losses(other), losses(eager_2x2)[3:]) <= LOSS_TOLERANCE
+
+
+def test_the_heal_state_carries_the_momentum() -> None:
+    """An elastic heal sends `optimizer.state_dict()` and the healed replica loads it (hsdp/sync/elastic/heal.py):
+    a fresh MuonAdamW loading a trained one's state continues it bit for bit."""
+    torch.manual_seed(0)
+    shapes = {"units.1.attn.qkv.weight": (12, 4), "units.1.ln1.weight": (4,), "units.2.lm_head.weight": (5, 4)}
+
+    def params() -> list[tuple[str, torch.nn.Parameter]]:
+        g = torch.Generator().manual_seed(1)
+        return [(n, torch.nn.Parameter(torch.randn(*s, generator=g))) for n, s in shapes.items()]
+
+    def step(opt: torch.optim.Optimizer, named: list[tuple[str, torch.nn.Parameter]], seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+    a, b = params(), params()
+    opt_a = build_optimizer(a, MUON)
+    for s in range(3):
+        step(opt_a, a, s)
+    assert "momentum_buffer" in opt_a.state[a[0][1]]
+    with torch.no_grad():
+        for (_, pa), (_, pb) in zip(a, b):
+            pb.copy_(pa)
+    opt_b = build_optimizer(b, MUON)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    step(opt_a, a, 7)
+    step(opt_b, b, 7)
+    assert all(torch.equal(pa, pb) for (_, pa), (_, pb) in zip(a, b))
