@@ -172,15 +172,15 @@ class Comm:
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: str
-    ) -> None:
+    ) -> TimedWork:
         """Rank r's inp split i goes to rank i; out split j is what rank j sent r (all_to_all_single, blocking)."""
         n = self.size(group)
         if n == 1:
             out.copy_(inp)
-            return
+            return TimedWork(None, self, (group, "all_to_all"))
         rank = dist.get_rank(self.groups[group])
         sent = (sum(in_splits) - in_splits[rank]) * inp.element_size()
-        self._run(
+        return self._run(
             group,
             "all_to_all",
             sent,
