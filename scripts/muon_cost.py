@@ -66,8 +66,8 @@ def worker(rank: int, world: int, port: int, config: str, overrides: list[str], 
             times.append(float(took))
         step_bytes = (mesh.comm.group_bytes("shard") - before) // reps
         w = build_workload(cfg)
-        planned = sum(m.nbytes for m in w.muon_messages())
-        rows.append((name, statistics.median(times) * 1e3, step_bytes, planned, w.muon_flops_per_step() / 1e9))
+        modelled = sum(m.nbytes for m in w.muon_messages())
+        rows.append((name, statistics.median(times) * 1e3, step_bytes, modelled, w.muon_flops_per_step() / 1e9))
     if rank == 0:
         Path(out).write_text(repr(rows))
     dist.destroy_process_group()
@@ -90,8 +90,8 @@ def main() -> int:
     print(f"{a.config} {' '.join(a.set)}: d_model {m.d_model}, {m.n_layer} layers, 1×{a.shard}, gloo, {a.reps} reps")
     print("| optimizer | step ms (slowest rank) | shard bytes/step/rank | planner bytes | planner NS GFLOP |")
     print("|---|---:|---:|---:|---:|")
-    for name, ms, nbytes, planned, gflop in rows:
-        print(f"| {name} | {ms:.1f} | {nbytes:,} | {planned:,} | {gflop:.3g} |")
+    for name, ms, nbytes, modelled, gflop in rows:
+        print(f"| {name} | {ms:.1f} | {nbytes:,} | {modelled:,} | {gflop:.3g} |")
     return 0
 
 

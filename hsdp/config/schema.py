@@ -90,11 +90,11 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     grad_accum: int = 1
     muon_lr: float = 0.02  # muon: the Muon group's peak LR (the schedule scales it as it scales optim.lr)
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5  # Newton–Schulz iterations
-    muon_adjust_lr: str = "original"  # original | match_rms_adamw (torch.optim.Muon's adjust_lr_fn)
-    muon_exchange: str = "owner"  # owner (one rank per matrix orthogonalizes it) | gather (every rank, all)
+    muon_momentum: float = 0.95  # muon: the momentum of its matrices' update
+    muon_nesterov: bool = True  # muon: Nesterov momentum (torch.optim.Muon's nesterov)
+    muon_ns_steps: int = 5  # muon: Newton–Schulz iterations
+    muon_adjust_lr: str = "original"  # muon: its per-shape LR scaling (torch.optim.Muon's adjust_lr_fn)
+    muon_exchange: str = "owner"  # muon: one rank per matrix runs Newton–Schulz (owner) or every rank all (gather)
 
 
 @dataclass

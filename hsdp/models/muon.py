@@ -1,4 +1,4 @@
-"""Muon for the block matrices, AdamW for the rest, on params whose rows are sharded (docs/design.md §8.2).
+"""Muon for the block matrices, AdamW for the rest, on params whose rows are sharded (docs/design.md §6.2).
 
 Muon (torch.optim.Muon's algorithm, torch's own Newton–Schulz and LR adjustment) needs each matrix whole,
 and a rank of a shard group holds only its dim-0 rows of it (hsdp/core/layout.py: rank r holds rows

@@ -346,7 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"intra (shard group): {plan.intra_used}")
         mesh = f"{w.M}×{w.R}×{w.S}" if w.R > 1 else f"{w.M}×{w.S}"  # sites × in-site replicas × shards
         print(f"params {w.params:.4g}, units {len(w.units)}, mesh {mesh}, {w.tokens_per_step} tokens/step")
-        if w.muon:  # optim.name=muon: what the optimizer step adds (docs/design.md §8.2)
+        if w.muon:  # optim.name=muon: what the optimizer step adds (docs/design.md §6.2)
             muon_bytes = sum(m.nbytes for m in w.muon_messages())
             print(
                 f"muon: {len(w.muon)} matrices, {w.muon_exchange} exchange {muon_bytes:,} shard-group bytes/step per "

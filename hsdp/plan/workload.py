@@ -64,7 +64,7 @@ class Workload:
     muon_exchange: str = "owner"  # optim.muon_exchange
     ns_steps: int = 5  # optim.muon_ns_steps
 
-    # -------------------------------------------------------- Muon's exchanges and Newton–Schulz (§8.2)
+    # -------------------------------------------------------- Muon's exchanges and Newton–Schulz (§6.2)
     def muon_messages(self) -> list[Message]:
         """The optimizer step's shard-group collectives (bf16 pieces, hsdp/models/muon.py), as rank 0 sends them:
         owner: its rows to each matrix's owner, then the rows it owns back (two all_to_all); gather: one all_gather
