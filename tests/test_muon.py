@@ -20,9 +20,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsdp.config.schema import OptimConfig
+from hsdp.config.schema import ConfigError, OptimConfig
 from hsdp.models.muon import MuonAdamW, RowSharding, assign_owners
 from hsdp.models.optim import build_optimizer
+from hsdp.run.preflight import load_checked_config
 from tests.exactness import loss_gap, losses
 from tests.helpers import RunResult, max_param_rel_err, run_train
 from tests.reference import reference_run
@@ -254,3 +255,20 @@ def test_the_heal_state_carries_the_momentum() -> None:
     step(opt_a, a, 7)
     step(opt_b, b, 7)
     assert all(torch.equal(pa, pb) for (_, pa), (_, pb) in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    "overrides,names",
+    [
+        (["optim.name=muon", "mesh.engine=fsdp2"], "optim.name: muon orthogonalizes whole matrices"),
+        (["optim.muon_lr=0.05"], "optim.muon_lr: only used by optim.name=muon"),
+        (["optim.muon_exchange=gather", "optim.name=sgd"], "optim.muon_exchange: only used by optim.name=muon"),
+        (["optim.name=muon", "optim.muon_momentum=1.0"], "optim.muon_momentum: expected a value in [0, 1)"),
+        (["optim.name=muon", "optim.muon_ns_steps=0"], "optim.muon_ns_steps: expected an integer >= 1"),
+        (["optim.name=muon", "optim.muon_adjust_lr=rms"], "optim.muon_adjust_lr: expected one of"),
+    ],
+)
+def test_what_does_not_apply_is_refused_in_one_line(overrides: list[str], names: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_checked_config(None, overrides)
+    assert str(e.value).startswith(names) and "\n" not in str(e.value), str(e.value)
