@@ -27,6 +27,7 @@ from hsdp.run.preflight import load_checked_config
 from tests.exactness import loss_gap, losses
 from tests.helpers import RunResult, max_param_rel_err, run_train
 from tests.reference import reference_run
+from tests.sync_reference import sync_reference_run
 from tests.test_checkpoint import assert_same_run
 
 pytestmark = pytest.mark.timeout(900)
@@ -272,3 +273,28 @@ def test_what_does_not_apply_is_refused_in_one_line(overrides: list[str], names:
     with pytest.raises(ConfigError) as e:
         load_checked_config(None, overrides)
     assert str(e.value).startswith(names) and "\n" not in str(e.value), str(e.value)
+
+
+def test_muloco_with_int4_error_feedback_and_streaming_equals_torch(tmp_path: Path) -> None:
+    """MuLoCo on 2x1: Muon inner, DiLoCo outer on two streamed fragments with int4 Δ and error feedback and a cosine
+    outer LR, against tests/sync_reference.py's plain-torch replicas (torch.optim.Muon + AdamW each). One rank per
+    replica: its grads are the reference's bit for bit, so a quantizer's level is never chosen the other way by a
+    bf16 rounding flip of the Newton–Schulz input (sharding's own exactness: the exact-HSDP tests above)."""
+    overrides = [
+        *COMMON,
+        "mesh.sync=2",
+        "mesh.shard=1",
+        "sync.warmup_steps=1",
+        "sync.method=diloco",
+        "sync.every=2",
+        "sync.fragments=2",
+        "sync.quantize=int4",
+        "sync.error_feedback=true",
+        "sync.outer_lr_schedule=cosine",
+        "sync.outer_lr_rounds=4",
+        "run.steps=9",
+    ]
+    run = run_train(tmp_path, "muloco", overrides)
+    ref = sync_reference_run(overrides, 2, 1)
+    gap = loss_gap(losses(run), ref.losses)
+    assert gap <= LOSS_TOLERANCE, f"{losses(run)} vs the reference's {ref.losses} (gap {gap:.2e})"
