@@ -2,9 +2,10 @@
 
     python scripts/muon_reference.py [--steps 16] [--out /tmp/muon-reference]
 
-Trains tests/test_muon.py's small model with optim.name=muon on 1×1, 2×2, 1×4, 4×1 (exact HSDP) and on ddp 2×1,
-each against tests/reference.py's one process of torch.optim.Muon + torch.optim.AdamW on the concatenated batch;
-prints a markdown row per mesh: the worst per-step relative loss difference and the step it is at.
+Trains tests/test_muon.py's small model with optim.name=muon on 1×1, 2×2, 1×4, 4×1 (exact HSDP), on ddp 2×1 and
+on fsdp2 2×2 and 1×4 (torch's math on DTensors), each against tests/reference.py's one process of
+torch.optim.Muon + torch.optim.AdamW on the concatenated batch; prints a markdown row per mesh: the worst
+per-step relative loss difference and the step it is at.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from tests.helpers import run_train  # noqa: E402
 from tests.reference import reference_run  # noqa: E402
 from tests.test_muon import COMMON  # noqa: E402
 
-MESHES = [(1, 1, "hsdp"), (2, 2, "hsdp"), (1, 4, "hsdp"), (4, 1, "hsdp"), (2, 1, "ddp")]
+MESHES = [
+    (1, 1, "hsdp"),
+    (2, 2, "hsdp"),
+    (1, 4, "hsdp"),
+    (4, 1, "hsdp"),
+    (2, 1, "ddp"),
+    (2, 2, "fsdp2"),
+    (1, 4, "fsdp2"),
+]
 
 
 def main() -> int:

@@ -184,8 +184,7 @@ def check_case(case: Case, out: Path, compiled: bool = True, record: Optional[Pa
         against("blocks", ["compile.enabled=true", "compile.scope=blocks"])
     if case.exact_hsdp:
         gaps["unsharded"] = reference_gap(eager, case)
-        if case.optim != "muon":  # whole-matrix Muon is not built on fsdp2's DTensor shards (a one-line refusal)
-            against("fsdp2", ["mesh.engine=fsdp2"])
+        against("fsdp2", ["mesh.engine=fsdp2"])
         against("ddp", ["mesh.engine=ddp"])
     else:  # periodic sync: tests/sync_reference.py's M plain-torch replicas, each on its shard group's rows
         gaps["unsharded"] = sync_reference_gap(eager, case)

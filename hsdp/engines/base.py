@@ -83,7 +83,6 @@ class Engine(ABC):
     supports_compile: ClassVar[bool] = False  # compile.enabled is allowed
     supports_periodic_sync: ClassVar[bool] = False  # sync.warmup_steps < run.steps is allowed
     supports_replicate: ClassVar[bool] = False  # mesh.replicate > 1: replicas inside a site (three-level mesh)
-    supports_muon: ClassVar[bool] = False  # optim.name=muon: whole-matrix Muon on the params it gives the optimizer
     sync_class: ClassVar[type[NoSync | SyncPolicy]] = NoSync  # the policy class whose checkpoint state it saves
     state_per_replica: ClassVar[bool] = False  # each replica's params/optimizer state are its own (hsdp)
     mesh: Mesh

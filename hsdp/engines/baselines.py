@@ -178,7 +178,6 @@ class DDPEngine(_TorchCheckpoint, Engine):
     """DistributedDataParallel over all ranks; its all-reduces are counted through Comm."""
 
     name = "ddp"
-    supports_muon = True  # every rank holds whole params: Muon is torch's, on each rank
     module: DistributedDataParallel
 
     def __init__(self, model: nn.Module, mesh: Mesh) -> None:

@@ -184,7 +184,6 @@ class HSDPEngine(Engine):
     supports_compile: ClassVar[bool] = True
     supports_periodic_sync: ClassVar[bool] = True
     supports_replicate: ClassVar[bool] = True
-    supports_muon: ClassVar[bool] = True
     sync_class: ClassVar[type[NoSync | SyncPolicy]] = SyncPolicy
 
     def __init__(

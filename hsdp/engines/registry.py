@@ -78,12 +78,6 @@ def check_engine_config(cfg: Config) -> None:
         able = " and ".join(n for n, c in ENGINES.items() if c.supports_compile)
         raise ConfigError(f"compile.enabled: the compiled path exists for mesh.engine {able}, got {cls.name}")
     check_compile_scope(cfg)
-    if cfg.optim.name == "muon" and not cls.supports_muon:
-        able = " or ".join(n for n, c in ENGINES.items() if c.supports_muon)
-        raise ConfigError(
-            f"optim.name: muon orthogonalizes whole matrices, built for mesh.engine {able} (torch's Muon on "
-            f"{cls.name}'s DTensor shards would orthogonalize each rank's rows alone), got {cls.name}"
-        )
     s = cfg.sync
     if cfg.mesh.replicate > 1 and not cls.supports_replicate:
         able = " or ".join(n for n, c in ENGINES.items() if c.supports_replicate)

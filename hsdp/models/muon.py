@@ -108,6 +108,13 @@ class MuonAdamW(torch.optim.AdamW):
             p: Matrix(shape, -(-shape[0] // S), owner) for p, shape, owner in zip(params, shapes, owners)
         }
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """load_state_dict's last step: Adam's reads every param's `step`, which a Muon matrix does not keep
+        (its state is torch.optim.Muon's, `momentum_buffer` alone): Adam's runs over the AdamW groups only."""
+        groups = state["param_groups"]
+        super().__setstate__({**state, "param_groups": [g for g in groups if not g.get("muon")]})
+        self.param_groups = groups
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """AdamW's groups as torch.optim.AdamW steps them; then every Muon matrix, orthogonalized whole."""
@@ -119,12 +126,15 @@ class MuonAdamW(torch.optim.AdamW):
         if not muon:
             return
         pieces = [pad_rows(momentum_update(p, self.state[p], g), self.matrices[p].rows) for p, g in muon]
-        if self.exchange == "owner":
+        if self.sharding.size == 1:  # whole matrices (one rank, ddp; fsdp2's DTensors: torch's DTensor math)
+            updates = [self._orthogonalize(piece, self.matrices[p], g) for piece, (p, g) in zip(pieces, muon)]
+        elif self.exchange == "owner":
             updates = self._orthogonalize_at_owners([self.matrices[p] for p, _ in muon], pieces, muon[0][1])
         else:
             updates = self._orthogonalize_everywhere([self.matrices[p] for p, _ in muon], pieces, muon[0][1])
         for (p, g), update in zip(muon, updates):
-            apply_update(p, update[: p.shape[0]], g, self.matrices[p].shape)
+            held = update if update.shape[0] == p.shape[0] else update[: p.shape[0]]  # a short last piece's rows
+            apply_update(p, held, g, self.matrices[p].shape)
 
     # ------------------------------------------------------------ the two exchanges
     def _orthogonalize_at_owners(
