@@ -65,7 +65,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     set_backend(cfg.kernels.backend)
     data = Data(cfg, mesh.rank, mesh.world)
     engine = build_engine(cfg, mesh)
-    optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
+    optimizer = build_optimizer(engine.named_parameters(), cfg.optim, engine.row_sharding())
     policy = engine.policy
     pacer = build_pacer(cfg, mesh)  # sync.every_s: rounds paced by wall time (None: by steps)
     # What a checkpoint carries besides the engine, the RNG and the loop's progress: this replica's round

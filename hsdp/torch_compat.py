@@ -93,6 +93,9 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch.autograd:Variable._execution_engine.queue_callback", "the end of backward: land pending reduces"),
     Api("torchft.process_group:ProcessGroupGloo._create_pg", "the elastic gloo group's connect vs op timeouts"),
     Api("torch.distributed:ProcessGroup._get_backend", "the elastic gloo group's op timeout, set after connect"),
+    Api("torch.optim._muon:_zeropower_via_newtonschulz", "Muon's orthogonalization, torch's own (bf16)"),
+    Api("torch.optim._muon:_adjust_lr", "Muon's per-shape LR adjustment, torch's own"),
+    Api("torch.optim.adam:Adam._init_group", "AdamW's state of one param group (MuonAdamW's AdamW groups)"),
     Api(
         "torchft.manager:Manager",
         "a failed quorum's future (re-raised by the next start_quorum unless dropped)",
@@ -369,6 +372,60 @@ def _dtensor_classes() -> tuple[type, type]:
 
 
 # ------------------------------------------------------------------ tensors and modules
+# ------------------------------------------------------------------ optimizers: torch's own Muon and AdamW math
+def muon_orthogonalize(
+    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """torch.optim.Muon's Newton–Schulz iteration of one whole matrix (bf16 in, bf16 out)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: torch.Size) -> float:
+    """torch.optim.Muon's LR for a matrix of `shape` (its full shape, whoever holds which rows)."""
+    from torch.optim._muon import _adjust_lr
+
+    return _adjust_lr(lr, adjust_lr_fn, shape)
+
+
+def adamw_group_step(optimizer: torch.optim.AdamW, group: dict[str, Any]) -> None:
+    """One torch.optim.AdamW step of one param group of `optimizer` (an AdamW subclass): Adam.step's body."""
+    from torch.optim.adam import adam
+
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    exp_avgs: list[torch.Tensor] = []
+    exp_avg_sqs: list[torch.Tensor] = []
+    max_exp_avg_sqs: list[torch.Tensor] = []
+    steps: list[torch.Tensor] = []
+    has_complex = optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+    beta1, beta2 = group["betas"]
+    adam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        steps,
+        amsgrad=group["amsgrad"],
+        has_complex=has_complex,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+        foreach=group["foreach"],
+        capturable=group["capturable"],
+        differentiable=group["differentiable"],
+        fused=group["fused"],
+        grad_scale=None,
+        found_inf=None,
+        decoupled_weight_decay=group["decoupled_weight_decay"],
+    )
+
+
 def chunk_cat(tensors: list[torch.Tensor], dim: int, num_chunks: int, out: torch.Tensor) -> torch.Tensor:
     """`torch._chunk_cat`: each tensor cut into `num_chunks` along `dim`, chunk i of all concatenated in row i."""
     return torch._chunk_cat(tensors, dim=dim, num_chunks=num_chunks, out=out)

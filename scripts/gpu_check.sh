@@ -7,6 +7,7 @@
 #       kernels.backend=triton vs torch, losses step by step: fp32 params without quantization (bound 1e-6,
 #       bitwise expected) and bf16 params with int8 quantization (bound 2^-6; see the note at the stage).
 #   (b) python -m kernels.bench --size 7b: each kernel's bandwidth against the device's measured copy.
+#   (e) scripts/muon_ns_bench.py: Muon's bf16 Newton–Schulz at gpu-124m's matrix shapes (ms per step).
 #   (c) configs/gpu-124m.yaml on one GPU, 30 steps of synthetic tokens: hsdp eager, hsdp compiled (the default
 #       compile.scope=blocks), FSDP2 compiled, then hsdp compile.scope=step if time is left; steady and
 #       whole-run MFU, compile_time_s and peak memory from each summary.json.
@@ -178,6 +179,14 @@ if [[ $CPU == 1 ]]; then
     stage bench 60 "$WORK/bench.md" "$PY" -m kernels.bench --size small --kernels pack,delta,quantize --device cpu
 else
     stage bench 100 "$WORK/bench.md" "$PY" -m kernels.bench --size 7b
+fi
+
+# (e) Muon's Newton–Schulz at gpu-124m's matrix shapes in bf16 (scripts/muon_ns_bench.py): the optimizer's
+# added compute per step (docs/design.md §6.2).
+if [[ $CPU == 1 ]]; then
+    stage muon-ns 60 - "$PY" scripts/muon_ns_bench.py --config configs/tiny.yaml --device cpu --reps 3
+else
+    stage muon-ns 60 - "$PY" scripts/muon_ns_bench.py --config configs/gpu-124m.yaml --device cuda
 fi
 
 # (c) gpu-124m on one GPU: the steady rate after compile and warm-up, against the eager step. Each run

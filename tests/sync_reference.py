@@ -77,7 +77,7 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import Config
 from hsdp.data.tokens import Data
 from hsdp.models.gpt import build_model, loss_fn
-from hsdp.models.optim import build_optimizer, lr_at, set_lr
+from tests.reference import set_torch_lr, torch_optimizers
 
 
 @dataclass
@@ -396,7 +396,7 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int, replicate: i
     plain_average = sc.method == "average" and codec is None and eta == 1.0 and mu == 0.0 and not overlapped
 
     models = [build_model(cfg.model, cfg.run.seed) for _ in range(M)]
-    opts = [build_optimizer(list(mdl.named_parameters()), cfg.optim) for mdl in models]
+    opts = [torch_optimizers(mdl, cfg) for mdl in models]  # optim.name=muon: torch.optim.Muon + AdamW
     params = [dict(mdl.named_parameters()) for mdl in models]
     names = list(params[0])
     # units → fragments (round-robin); each unit's param names in named_parameters order
@@ -463,10 +463,9 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int, replicate: i
         return out
 
     for step in range(cfg.run.steps):
-        lr = lr_at(step, cfg.optim, cfg.run.steps)
         replica_losses = []
         for m in range(M):
-            set_lr(opts[m], lr)
+            set_torch_lr(opts[m], cfg, step)
             total = 0.0
             for micro in range(accum):
                 x, y = data.train_batch(step, micro)
@@ -483,8 +482,9 @@ def sync_reference_run(overrides: list[str], sync: int, shard: int, replicate: i
         for m in range(M):
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(models[m].parameters(), cfg.optim.grad_clip)
-            opts[m].step()
-            opts[m].zero_grad(set_to_none=True)
+            for opt in opts[m]:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
         if warmup is not None and step == warmup - 1:
             theta_g = snapshot()  # every replica holds the same params here

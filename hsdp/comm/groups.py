@@ -5,6 +5,7 @@ Bytes are what one rank sends under the ring algorithm, for a group of n ranks:
     all_gather(out, inp)      (n − 1) · inp.nbytes
     reduce_scatter(out, inp)  (n − 1) · out.nbytes
     all_reduce(t)             2 · (n − 1) · t.nbytes // n
+    all_to_all(out, inp)      the bytes of inp's splits bound for the other ranks
 
 A collective on a group of one rank (or on a group the mesh does not have) is
 skipped and counts nothing. Counts are kept per (group name, op); `metrics.jsonl`
@@ -167,6 +168,24 @@ class Comm:
             ring_bytes("all_reduce", n, t),
             lambda a: _all_reduce(t, op=op, group=self.groups[group], async_op=a),
             async_op,
+        )
+
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: str
+    ) -> TimedWork:
+        """Rank r's inp split i goes to rank i; out split j is what rank j sent r (all_to_all_single, blocking)."""
+        n = self.size(group)
+        if n == 1:
+            out.copy_(inp)
+            return TimedWork(None, self, (group, "all_to_all"))
+        rank = dist.get_rank(self.groups[group])
+        sent = (sum(in_splits) - in_splits[rank]) * inp.element_size()
+        return self._run(
+            group,
+            "all_to_all",
+            sent,
+            lambda a: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.groups[group], async_op=a),
+            False,
         )
 
     def group_bytes(self, group: str) -> int:

@@ -78,7 +78,7 @@ class PrecisionConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | sgd
+    name: str = "adamw"  # adamw | sgd | muon (Muon for the blocks' matrices, AdamW for the rest)
     lr: float = 3e-3
     min_lr: float = 3e-4
     lr_warmup: int = 20  # linear LR warmup steps (not the sync warmup)
@@ -89,6 +89,12 @@ class OptimConfig:
     momentum: float = 0.0  # sgd only
     grad_clip: float = 1.0  # 0 disables clipping
     grad_accum: int = 1
+    muon_lr: float = 0.02  # muon: the Muon group's peak LR (the schedule scales it as it scales optim.lr)
+    muon_momentum: float = 0.95  # muon: the momentum of its matrices' update
+    muon_nesterov: bool = True  # muon: Nesterov momentum (torch.optim.Muon's nesterov)
+    muon_ns_steps: int = 5  # muon: Newton–Schulz iterations
+    muon_adjust_lr: str = "original"  # muon: its per-shape LR scaling (torch.optim.Muon's adjust_lr_fn)
+    muon_exchange: str = "owner"  # muon: one rank per matrix runs Newton–Schulz (owner) or every rank all (gather)
 
 
 @dataclass
@@ -193,7 +199,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "mesh.backend": ("auto", "gloo", "nccl", "fake"),
     "precision.param_dtype": DTYPES,
     "precision.reduce_dtype": DTYPES,
-    "optim.name": ("adamw", "sgd"),
+    "optim.name": ("adamw", "sgd", "muon"),
+    "optim.muon_adjust_lr": ("original", "match_rms_adamw"),
+    "optim.muon_exchange": ("owner", "gather"),
     "sync.method": ("average", "diloco"),
     "sync.quantize": ("none", "int8", "int4", "int2"),
     "sync.topk_mean": ("all", "chosen"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from hsdp.config.schema import CHOICES, Config, ConfigError
+from hsdp.config.schema import CHOICES, Config, ConfigError, OptimConfig
 from hsdp.faults.spec import FaultSpecError, parse_faults
 
 # Range rules by key: integers >= 1, values >= 0 (null allowed where the field is optional), values > 0.
@@ -27,6 +27,7 @@ AT_LEAST_ONE = [
     "mesh.replicate",
     "mesh.shard",
     "optim.grad_accum",
+    "optim.muon_ns_steps",
     "sync.every",
     "sync.fragments",
     "sync.quant_block",
@@ -61,6 +62,7 @@ NON_NEGATIVE = [
 POSITIVE = [
     "optim.lr",
     "optim.eps",
+    "optim.muon_lr",
     "mesh.timeout_s",
     "sync.outer_lr",
     "elastic.timeout_s",
@@ -101,6 +103,11 @@ def validate(cfg: Config) -> None:
         )
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr: expected a value <= optim.lr={cfg.optim.lr}, got {cfg.optim.min_lr}")
+    check_muon_keys(cfg)
+    if not 0 <= cfg.optim.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum: expected a value in [0, 1), got {cfg.optim.muon_momentum}")
+    if cfg.optim.muon_ns_steps >= 100:
+        raise ConfigError(f"optim.muon_ns_steps: expected fewer than 100 iterations, got {cfg.optim.muon_ns_steps}")
     if not 0 <= cfg.optim.beta1 < 1 or not 0 <= cfg.optim.beta2 < 1:
         raise ConfigError(f"optim.beta1/beta2: expected values in [0, 1), got {cfg.optim.beta1}, {cfg.optim.beta2}")
     if not 0 < cfg.data.val_fraction < 1:
@@ -282,6 +289,16 @@ def check_lighthouse(url: str) -> None:
 
 
 NAME_MAX = 255  # bytes in one file name on Linux and macOS file systems
+
+
+def check_muon_keys(cfg: Config) -> None:
+    """optim.muon_* set away from its default without optim.name=muon would do nothing: refused."""
+    if cfg.optim.name == "muon":
+        return
+    default = OptimConfig()
+    for key in ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr", "muon_exchange"):
+        if getattr(cfg.optim, key) != getattr(default, key):
+            raise ConfigError(f"optim.{key}: only used by optim.name=muon, got optim.name {cfg.optim.name}")
 
 
 def check_run_name(name: str) -> None:

@@ -3,7 +3,7 @@
 `train.py` drives any engine the same way (docs/design.md §13):
 
     engine = build_engine(cfg, mesh)              # model built, sharded/wrapped; syncs through mesh.sync_transport
-    optimizer = build_optimizer(engine.named_parameters(), cfg.optim)
+    optimizer = build_optimizer(engine.named_parameters(), cfg.optim, engine.row_sharding())
     for step ...:
         engine.begin_step(step)                   # the sync policy decides: grads across replicas?
         loss = engine.forward_backward(batches)   # micro-batches; grads reduced once, on the last
@@ -47,6 +47,7 @@ import torch.nn as nn
 from hsdp.comm.mesh import Mesh
 from hsdp.config.schema import Config
 from hsdp.models.gpt import loss_fn
+from hsdp.models.muon import RowSharding
 from hsdp.sync.policy import NoSync, Sync, SyncPolicy
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, targets)
@@ -114,6 +115,10 @@ class Engine(ABC):
     @abstractmethod
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """What the optimizer updates, under the model's own names (held shards for hsdp)."""
+
+    def row_sharding(self) -> Optional[RowSharding]:
+        """How the params of `named_parameters` split each matrix's rows over ranks (None: each is whole)."""
+        return None
 
     @abstractmethod
     def clip_grad_norm_(self, max_norm: float) -> float:

@@ -43,6 +43,7 @@ from hsdp.engines.collectives import (
 from hsdp.engines.dtensor import init_optimizer_state, shard_dtensor
 from hsdp.models.gpt import build_model
 from hsdp.models.init_from import initial_unit_initializer
+from hsdp.models.muon import RowSharding
 from hsdp.sync.policy import NoSync, Sync, SyncPolicy, build_sync
 from hsdp.torch_compat import queue_backward_callback, swap_parameter
 
@@ -255,6 +256,12 @@ class HSDPEngine(Engine):
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The held (sharded, fp32) params under the model's own names: what the optimizer updates."""
         return [(u.prefix + s.name, p) for u in self.units for s, p in zip(u.specs, u.held_params)]
+
+    def row_sharding(self) -> RowSharding:
+        """Each held param is its rows of the full param over the shard group (hsdp/core/layout.py)."""
+        m = self.mesh
+        shapes = {u.prefix + s.name: s.shape for u in self.units for s in u.specs}
+        return RowSharding(shapes, m.comm, "shard", m.shard_size, m.shard_rank)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]

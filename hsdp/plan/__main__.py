@@ -345,7 +345,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"compute: {compute.step_s:.4g} s/step + {compute.sync_s:.4g} s per param sync ({compute.source})")
         print(f"intra (shard group): {plan.intra_used}")
         mesh = f"{w.M}×{w.R}×{w.S}" if w.R > 1 else f"{w.M}×{w.S}"  # sites × in-site replicas × shards
-        print(f"params {w.params:.4g}, units {len(w.units)}, mesh {mesh}, {w.tokens_per_step} tokens/step\n")
+        print(f"params {w.params:.4g}, units {len(w.units)}, mesh {mesh}, {w.tokens_per_step} tokens/step")
+        if w.muon:  # optim.name=muon: what the optimizer step adds (docs/design.md §6.2)
+            muon_bytes = sum(m.nbytes for m in w.muon_messages())
+            print(
+                f"muon: {len(w.muon)} matrices, {w.muon_exchange} exchange {muon_bytes:,} shard-group bytes/step per "
+                f"rank, Newton–Schulz {w.muon_flops_per_step() / 1e9:.3g} GFLOP/step on the busiest rank"
+            )
+        print()
         print(table(predictions))
         notes = [latency_note(p, bound, args.latency) for p in predictions if (bound := bounds[p.rate_bps])]
         print("\n" + "\n".join(notes) if notes else "")

@@ -41,12 +41,15 @@ REPS = 10
 
 
 def distinct_messages(cfg: Config) -> list[tuple[Message, int]]:
-    """(message, held elements) of every distinct shard-group gather and reduce-scatter of the config's units."""
+    """(message, held elements) of every distinct shard-group gather and reduce-scatter of the config's units, and
+    Muon's exchanges (elements: bf16 values one rank sends)."""
     w = build_workload(cfg)
     seen: dict[Message, int] = {}
     for u, unit in enumerate(w.units):
         for m in (w.gather_messages(u), w.reduce_scatter_message(u)):
             seen.setdefault(m, unit.held)
+    for m in w.muon_messages():  # an all_to_all: bf16 values; Muon's all_gather: as many bytes in param dtype
+        seen.setdefault(m, m.nbytes // 2 if m.op == "all_to_all" else m.nbytes // (w.S - 1) // w.param_bytes)
     return list(seen.items())
 
 
@@ -81,7 +84,13 @@ def time_collectives_worker(out: str, reps: int, cfg: Config) -> None:
     param, reduce = DTYPES[cfg.precision.param_dtype], DTYPES[cfg.precision.reduce_dtype]
     rows = []
     for m, held in distinct_messages(cfg):
-        if m.op == "all_gather":
+        if m.op == "all_to_all":  # `held` bf16 values to the other ranks, evenly split
+            each = -(-held // (S - 1))
+            splits = [0 if r == mesh.shard_rank else each for r in range(S)]
+            inp = torch.ones(sum(splits), dtype=torch.bfloat16, device=device)
+            out_t = torch.empty(sum(splits), dtype=torch.bfloat16, device=device)
+            issue = functools.partial(comm.all_to_all, out_t, inp, splits, splits, "shard")
+        elif m.op == "all_gather":
             inp = torch.ones(held, dtype=param, device=device)
             out_t = torch.empty(S * held, dtype=param, device=device)
             issue = functools.partial(comm.all_gather, out_t, inp, "shard")

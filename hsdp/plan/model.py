@@ -154,6 +154,8 @@ class Timeline:
         for micro in range(self.w.A):
             self.forward()
             self.backward(grad_sync, last=micro == self.w.A - 1)
+        for m in self.w.muon_messages():  # the optimizer step's exchanges (blocking: the update waits)
+            self.t = self.intra(self.t, m)
         if s in self.landing:
             self.t = max(self.t, self.landing.pop(s))
         due = [] if grad_sync else fragments_due(s, self.w.sync)

@@ -40,6 +40,7 @@ def gpu_peak_flops(name: str) -> float:
 def projected_compute(w: Workload, peak_flops: float, mfu: float) -> Compute:
     """One step's compute on GPUs of `peak_flops` at `mfu` (the paper's T_comp per step)."""
     step_s = w.flops_per_token * w.tokens_per_step / (w.M * w.R * w.S * peak_flops * mfu)
+    step_s += w.muon_flops_per_step() / (peak_flops * mfu)  # Muon's Newton–Schulz (bf16 matmuls)
     return Compute(step_s=step_s, sync_s=0.0, source=f"{peak_flops / 1e12:g} TFLOP/s × MFU {mfu:g}")
 
 

@@ -18,6 +18,7 @@ from hsdp.comm.groups import ring_bytes_of
 from hsdp.config.schema import Config, SyncConfig
 from hsdp.core.layout import DTYPES, plan_layout
 from hsdp.models.gpt import GPT
+from hsdp.models.muon import assign_owners, is_muon_matrix
 from hsdp.sync.codec import DenseLowBitCodec, Fp32Codec, TopKCodec, build_codec
 from hsdp.sync.schedule import fragment_units
 
@@ -59,6 +60,35 @@ class Workload:
     flops_per_token: int
     params: int  # the model's parameters (unpadded)
     R: int = 1  # in-site replicas (mesh.replicate): each carries 1/R of its site's sync payloads (§4.1)
+    muon: tuple[tuple[int, int], ...] = ()  # optim.name=muon: the whole shapes of the matrices Muon updates
+    muon_exchange: str = "owner"  # optim.muon_exchange
+    ns_steps: int = 5  # optim.muon_ns_steps
+
+    # -------------------------------------------------------- Muon's exchanges and Newton–Schulz (§6.2)
+    def muon_messages(self) -> list[Message]:
+        """The optimizer step's shard-group collectives (bf16 pieces, hsdp/models/muon.py), as rank 0 sends them:
+        owner: its rows to each matrix's owner, then the rows it owns back (two all_to_all); gather: one all_gather
+        of its rows of every matrix. The busiest rank of owner's sends at most one matrix more than rank 0."""
+        if not self.muon or self.S == 1:
+            return []
+        pieces = [-(-d0 // self.S) * d1 * 2 for d0, d1 in self.muon]
+        if self.muon_exchange == "gather":
+            return [Message("all_gather", ring_bytes_of("all_gather", self.S, sum(pieces)))]
+        owners = assign_owners([torch.Size(s) for s in self.muon], self.S)
+        to_owner = sum(b for b, o in zip(pieces, owners) if o != 0)
+        from_owner = sum((self.S - 1) * b for b, o in zip(pieces, owners) if o == 0)
+        return [Message("all_to_all", to_owner), Message("all_to_all", from_owner)]
+
+    def muon_flops_per_step(self) -> float:
+        """Newton–Schulz FLOPs one rank runs per step (owner: the matrices it owns; gather: all of them). Per
+        iteration on a p×q matrix (p ≤ q): X·Xᵀ 2p²q, the quintic's A² 2p³, its product with X 2p²q."""
+        if not self.muon:
+            return 0.0
+        cost = [self.ns_steps * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in self.muon]
+        if self.muon_exchange == "gather" or self.S == 1:
+            return float(sum(cost))
+        owners = assign_owners([torch.Size(s) for s in self.muon], self.S)
+        return float(max(sum(c for c, o in zip(cost, owners) if o == r) for r in range(self.S)))
 
     # -------------------------------------------------------- the shard group (per rank, per step)
     def gather_messages(self, u: int) -> Message:
@@ -70,14 +100,16 @@ class Workload:
         )
 
     def shard_bytes_per_step(self) -> int:
-        """§4.2: forward gathers and backward re-gathers per micro-step, one reduce-scatter, the grad norm."""
+        """§4.2: forward gathers and backward re-gathers per micro-step, one reduce-scatter, the grad norm (and
+        Muon's exchanges)."""
         if self.S == 1:
             return 0
         gathers = sum(
             self.gather_messages(u).nbytes * (1 if unit.embedding else 2) for u, unit in enumerate(self.units)
         )
         scatters = sum(self.reduce_scatter_message(u).nbytes for u in range(len(self.units)))
-        return self.A * gathers + scatters + ring_bytes_of("all_reduce", self.S, 4)
+        muon = sum(m.nbytes for m in self.muon_messages())
+        return self.A * gathers + scatters + ring_bytes_of("all_reduce", self.S, 4) + muon
 
     # -------------------------------------------------------- the sync group (per rank)
     def grad_sync_message(self, u: int) -> Message:
@@ -192,6 +224,11 @@ def build_workload(cfg: Config, params: int | None = None) -> Workload:
         for i, (unit, f) in enumerate(zip(model.units, flops))
     )
     per_token = model.flops_per_token() if params is None else 6 * params
+    muon = tuple(
+        (round(p.shape[0] * scale**0.5), round(p.shape[1] * scale**0.5))
+        for n, p in model.named_parameters()
+        if cfg.optim.name == "muon" and is_muon_matrix(n, p.dim())
+    )
     return Workload(
         units=units,
         M=M,
@@ -205,10 +242,16 @@ def build_workload(cfg: Config, params: int | None = None) -> Workload:
         tokens_per_step=M * R * S * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum,
         flops_per_token=per_token,
         params=total if params is None else params,
+        muon=muon,
+        muon_exchange=cfg.optim.muon_exchange,
+        ns_steps=cfg.optim.muon_ns_steps,
     )
 
 
 def state_bytes_per_rank(w: Workload) -> int:
     """What a healing replica fetches per rank (docs/design.md §9): its held params (fp32), AdamW's two
-    moments and, for DiLoCo, the outer momentum; θ_g equals the params after a sync and is not sent twice."""
-    return sum(u.held for u in w.units) * (4 + 8 + (4 if w.sync.method == "diloco" else 0))
+    moments (Muon's matrices: one momentum) and, for DiLoCo, the outer momentum; θ_g equals the params after a
+    sync and is not sent twice."""
+    held = sum(u.held for u in w.units)
+    muon = sum(-(-d0 // w.S) * d1 for d0, d1 in w.muon)
+    return held * (4 + 8 + (4 if w.sync.method == "diloco" else 0)) - 4 * muon
