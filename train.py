@@ -36,6 +36,7 @@ from hsdp.models.optim import build_optimizer, lr_at, set_lr
 from hsdp.run.checkpoint import (
     Checkpoints,
     Part,
+    Progress,
     ResumePlan,
     choose_resume,
     free_bytes,
@@ -50,8 +51,8 @@ from hsdp.run.lock import hold_run_lock
 from hsdp.run.metrics import MetricsLogger, StepMemoryProbe
 from hsdp.run.preflight import config_notes, load_checked_config, resume_line, resume_schedule_note
 from hsdp.run.rundir import clear_finished, finished_line, owns_run_dir, prepare_run_dir, write_finished
-from hsdp.sync.membership import build_membership
-from hsdp.sync.pace import build_pacer
+from hsdp.sync.membership import Membership, build_membership
+from hsdp.sync.pace import Pacer, build_pacer
 from hsdp.sync.schedule import steps_after_last_sync
 from hsdp.sync.seam import ReplicaPolicy, ReplicaSeat, ReplicaState
 from kernels.backend import set_backend
@@ -94,6 +95,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
 
     last_trained_s: Optional[float] = None
     compute_s: Optional[float] = None  # the last trained step's time without its sync
+    own_replica = pacer is not None  # a paced replica logs its own loss (it must not wait for the others)
     for step in members.steps(run.start_step, cfg.run.steps):  # batches and LR are functions of the step
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, cfg.run.steps)
@@ -103,11 +105,11 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         cut = members.cut(step, last_trained_s) or (pacer is not None and pacer.cut(step, compute_s))
         compute_s = None
         if not cut:
-            position = step if pacer is None else pacer.position(step)  # the data stream's: steps trained
+            batches = micro_batches(data, step if pacer is None else pacer.position(step), cfg, mesh.device)
             set_lr(optimizer, lr)
             engine.begin_step(step)  # the sync policy: are grads averaged across replicas this step?
             with memory.step(step):  # one step's forward+backward is profiled for its tensor memory
-                step_loss = engine.forward_backward(micro_batches(data, position, cfg.optim.grad_accum, mesh.device))
+                step_loss = engine.forward_backward(batches)
             update = engine.commit_grads()  # False: the step's grad round across replicas failed; dropped whole
             grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
             check_finite(step, float(step_loss), float(grad_norm), mesh.rank, checkpoints.last_good)  # or Diverged
@@ -117,31 +119,11 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
             engine.zero_grad()
             spell.after_step(step, time.perf_counter() - t0)  # run.slowdown: fault injection (benchmarks, tests)
             compute_s = time.perf_counter() - t0  # the step without its sync: what a paced window estimates
-        members.before_sync(step)  # what a peer healing at this step's sync gets
-        synced = engine.end_step(step)  # the sync policy's param sync, if due after this step
-        last = step == cfg.run.steps - 1
-        if last:
-            engine.finish()  # a param sync still in flight lands before the final eval
-        members.after_sync(step)  # serve a peer that healed from this replica its state, once the round closed
-        if pacer is not None:
-            pacer.met(step)  # a round began after this step: the next period's window starts now
-        if mesh.device.type == "cuda":
-            torch.cuda.synchronize(mesh.device)
+        synced = sync_params(step, cfg, engine, members, pacer)
         step_s = time.perf_counter() - t0
         ledger.after_step(step, step_s, trained=not cut)
         last_trained_s = None if cut else step_s
-
-        eval_now = last or (cfg.run.eval_every > 0 and (step + 1) % cfg.run.eval_every == 0)
-        if eval_now or step % cfg.run.log_every == 0:
-            loss = world_mean(mesh, step_loss, own_replica=pacer is not None)
-            record = ledger.record(step, loss, lr, synced)
-            if eval_now:
-                record["val_loss"] = run.val_loss = world_mean(
-                    mesh, evaluate(engine, data, cfg.run.eval_batches, mesh.device), own_replica=pacer is not None
-                )
-            run.loss = record["loss"]
-            logger.log(record)
-            logger.progress(step, run.loss, record["tokens_per_s"])
+        log_step(step, step_loss, lr, synced, cfg, engine, data, ledger, logger, run, own_replica)
         if checkpoints.due(step):  # every run.checkpoint_every steps, after the update, sync and log
             checkpoints.save(step, run)
 
@@ -182,10 +164,54 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         save_replicas(cfg, engine, mesh)
 
 
-def micro_batches(data: Data, step: int, accum: int, device: torch.device) -> list[Batch]:
-    """This rank's micro-batches of `step`, on the device."""
-    batches = (data.train_batch(step, micro) for micro in range(accum))
+def micro_batches(data: Data, position: int, cfg: Config, device: torch.device) -> list[Batch]:
+    """This rank's optim.grad_accum micro-batches at the data stream's `position` (steps trained), on the device."""
+    batches = (data.train_batch(position, micro) for micro in range(cfg.optim.grad_accum))
     return [(x.to(device), y.to(device)) for x, y in batches]
+
+
+def sync_params(step: int, cfg: Config, engine: Engine, members: Membership, pacer: Optional[Pacer]) -> bool:
+    """After `step`'s update: the sync policy's param sync if one is due (True if one happened), with what the
+    replicas' membership does around it; at the last step a sync still in flight lands (before the final eval)."""
+    members.before_sync(step)  # what a peer healing at this step's sync gets
+    synced = engine.end_step(step)
+    if step == cfg.run.steps - 1:
+        engine.finish()
+    members.after_sync(step)  # serve a peer that healed from this replica its state, once the round closed
+    if pacer is not None:
+        pacer.met(step)  # a round began after this step: the next period's window starts now
+    if engine.mesh.device.type == "cuda":
+        torch.cuda.synchronize(engine.mesh.device)
+    return synced
+
+
+def log_step(
+    step: int,
+    step_loss: torch.Tensor,
+    lr: float,
+    synced: bool,
+    cfg: Config,
+    engine: Engine,
+    data: Data,
+    ledger: StepLedger,
+    logger: MetricsLogger,
+    run: Progress,
+    own_replica: bool,
+) -> None:
+    """Every run.log_every steps a metrics record (and the progress bar); every run.eval_every and at the end,
+    with the val loss. Losses are world means (a paced run's: its own replica's, `world_mean`)."""
+    last = step == cfg.run.steps - 1
+    eval_now = last or (cfg.run.eval_every > 0 and (step + 1) % cfg.run.eval_every == 0)
+    if not eval_now and step % cfg.run.log_every != 0:
+        return
+    mesh = engine.mesh
+    record = ledger.record(step, world_mean(mesh, step_loss, own_replica), lr, synced)
+    if eval_now:
+        val = evaluate(engine, data, cfg.run.eval_batches, mesh.device)
+        record["val_loss"] = run.val_loss = world_mean(mesh, val, own_replica)
+    run.loss = record["loss"]
+    logger.log(record)
+    logger.progress(step, run.loss, record["tokens_per_s"])
 
 
 def world_mean(mesh: Mesh, value: torch.Tensor, own_replica: bool = False) -> float:
