@@ -381,7 +381,8 @@ class ElasticReplica(PhaseLog):
             error = manager.errored()
             if heal.stage is Heal.LOADED or transport.size < 2 or error is None:
                 raise RuntimeError(
-                    f"replica {self.replica} lost the replica it was healing from and found no other to heal from"
+                    f"replica {self.replica} lost the replica it was healing from and found no other to heal from "
+                    "out of band"
                 )
             transport.commit_round()  # the round its heal failed in (dropped)
             why = str(error.original_exception).splitlines()[0][:200]
