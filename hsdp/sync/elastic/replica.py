@@ -536,7 +536,7 @@ class ElasticReplica(PhaseLog):
             "heal_fetch_s": round(heal.fetch_s, 3),
             "spectated_rounds": self.spectated,
             # healed out of band: the steps of that period it did not train, the step whose round it first
-            # counted in, and how often its heal began again (the serving peer died before the fetch)
+            # counted in, and how often its heal began again (its source lost before the load)
             "heal_skipped_steps": self.skipped,
             "heal_contributes_from": self.contributes_from,
             "heal_retries": self.retries,
