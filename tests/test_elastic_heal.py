@@ -4,6 +4,9 @@ Three replicas of the small model, one rank each, DiLoCo with int8 Δ and error 
 round every 2 steps). tests/elastic_heal_train.py orders, by events, a kill on each side of a heal: replica
 1 dies, its restart heals and dies at its first step after the heal; its next restart heals from a replica
 that dies at the step after it published the state (before the fetch), so it heals again from the third.
+
+Three more runs place a source lost mid-heal by elastic.faults (dead before serving, dead or frozen in the
+middle of the transfer), and the source's answers are checked on real snapshot servers without processes.
 """
 
 from __future__ import annotations
