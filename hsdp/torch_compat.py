@@ -104,7 +104,8 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torchft.manager:Manager", "its bound on one quorum (a retry waits <= it)", instance_attr="_quorum_timeout"),
     Api(
         "torchft.checkpointing.http_transport:HTTPTransport",
-        "the heal server's port (the address a replica advertises) and its request handler (access log)",
+        "the heal server's port (the address a replica advertises) and its request handler (access log, "
+        "the during_serve fault point)",
         instance_attr="_server",
     ),
 )
@@ -467,6 +468,34 @@ def silence_http_access_log(transport: Any) -> None:
     changes only that server; refused requests (`log_error`) are still printed.
     """
     transport._server.RequestHandlerClass.log_request = lambda *args, **kwargs: None
+
+
+def watch_http_transfers(transport: Any, sending: Callable[[], None]) -> None:
+    """Call `sending()` once per answer of torchft's HTTP checkpoint transport's server that has a body of more
+    than one write (a state, not an error page), on the server's thread, once part of that body is out: after
+    the headers and the body's first write (torchft's streaming save: the list of its records), before the
+    next. Where the heal's during_serve fault point sits: a fault there cuts a transfer in the middle."""
+    handler = transport._server.RequestHandlerClass
+
+    class Writer:
+        def __init__(self, raw: Any) -> None:
+            self.raw, self.writes = raw, 0
+
+        def write(self, data: Any) -> Any:
+            self.writes += 1
+            if self.writes == 3:  # 1: the status line and headers; 2: the body's first part
+                sending()
+            return self.raw.write(data)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.raw, name)
+
+    class Watched(handler):  # type: ignore[misc, valid-type]
+        def setup(self) -> None:
+            super().setup()
+            self.wfile: Any = Writer(self.wfile)
+
+    transport._server.RequestHandlerClass = Watched
 
 
 _LAZY: tuple[tuple[tuple[str, ...], Callable[[], tuple[Any, ...]]], ...] = (

@@ -101,10 +101,10 @@ def heal_worker(kill_step: int, markers: Path, cfg: Config, seat: ReplicaSeat) -
         if published and (markers / "third_start_up").exists() and not (markers / "server_dead").exists():
             dying["next_step"] = True
 
-    def fetch_after_the_server_died(self: HealState, url: str, step: int, wait_s: float, timeout):
+    def fetch_after_the_server_died(self: HealState, offer, step: int, wait_s: float, timeout):
         if self.fetches == 0:
             _wait_for((markers / "server_dead").exists, "the serving replica's death")
-        return fetch(self, url, step, wait_s, timeout)
+        return fetch(self, offer, step, wait_s, timeout)
 
     def save_state(self: ElasticReplica) -> None:
         policy = self.heal.seam.policy.state_dict()["buffers"]

@@ -4,12 +4,16 @@ Three replicas of the small model, one rank each, DiLoCo with int8 Δ and error 
 round every 2 steps). tests/elastic_heal_train.py orders, by events, a kill on each side of a heal: replica
 1 dies, its restart heals and dies at its first step after the heal; its next restart heals from a replica
 that dies at the step after it published the state (before the fetch), so it heals again from the third.
+
+Three more runs place a source lost mid-heal by elastic.faults (dead before serving, dead or frozen in the
+middle of the transfer), and the source's answers are checked on real snapshot servers without processes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +178,154 @@ def test_a_replica_healed_again_mid_training_finishes_the_heal_in_place() -> Non
     replica.after_sync(11)
     assert calls == ["finish", ("catch_up", True)] and replica.rejoins == 1
     assert next(steps) == 30 and next(steps) == 31
+
+
+# ---------------------------------------------------------------- a source lost mid-heal, placed by elastic.faults
+# The stopped source (frozen mid-transfer, heartbeats too) is replica 0: torchft 0.2.0 names the lowest-numbered
+# replica at the quorum's step. It is held at its next round until the healing replica has healed elsewhere and
+# reached its first round, and the third replica holds its round at step 19 until the source is back, so that
+# the source, healed in place, still trains the run's last steps.
+LOST_SOURCE = {
+    "dies before serving": ("0@3:before_serve:die", "2@3:before_serve:die"),  # only the source reaches the point
+    "dies mid-transfer": ("0@3:during_serve:die", "2@3:during_serve:die"),
+    "stops mid-transfer": (
+        "0@3:during_serve:stop=10",
+        "0@4:before_quorum:wait=1.1@1:before_quorum",
+        "2@5:before_quorum:wait=0@4:before_quorum",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LOST_SOURCE))
+def test_a_heal_whose_source_is_lost_heals_from_the_third_replica(tmp_path: Path, case: str) -> None:
+    """Three replicas, one rank each (tests/test_elastic.py's kill case): replica 1 dies before its round 2, its
+    restart heals out of band in round 3, and its source (the replica serving it) dies before publishing its
+    state, dies in the middle of sending it, or is frozen there (SIGSTOP, 10 s). The healing replica gives up
+    on it (refused, a cut transfer, no answer within elastic.timeout_s), asks the quorum again and heals from
+    the third replica: its summary names both sources, in order. A dead source's restart heals; a stopped one
+    comes back and heals in place. Exit 0, every replica's metrics to the last step, the final models bitwise
+    equal."""
+    from tests.test_elastic import ELASTIC, KILL, KILL_RUN_STEPS, _finish, _params, _replicas, _start, kill_faults
+
+    run_dir = tmp_path / case.replace(" ", "-")
+    mesh = ["mesh.sync=3", "mesh.shard=1", f"run.steps={KILL_RUN_STEPS}"]
+    proc = _start(run_dir, ELASTIC + KILL + mesh + kill_faults(3, 2, LOST_SOURCE[case]))
+    code, err = _finish(proc, timeout=240)  # the hang guard: each run takes 20-35 s on a 2-core box at load 10
+    assert code == 0, err[-3000:]
+    replicas = _replicas(run_dir)
+    died = "stops" not in case
+    source = _server(replicas) if died else 0
+    third = 2 - source
+    assert replicas["1"]["restarts"] == 1 and replicas[str(third)]["restarts"] == 0, replicas
+    assert replicas[str(source)]["restarts"] == int(died), replicas
+    healed = _summary(run_dir, 1)
+    assert (healed["heal_sources"], healed["heal_source"]) == ([source, third], third), healed
+    assert (healed["heal_retries"], healed["heal_fetches"], healed["spectated_rounds"]) == (1, 1, 2), healed
+    assert f"elastic: replica 1: its source, replica {source}, " in err, err[-3000:]
+    if not died:  # frozen: no answer within elastic.timeout_s; back, behind the others, healed in place
+        assert "did not answer within 2 s (elastic.timeout_s)" in err and _summary(run_dir, source)["rejoins"] == 1
+    print(f"{case}: from the source lost to the third's state loaded: {healed['heal_lost_s']} s")
+    for m in range(3):
+        steps = [r["step"] for r in _records(run_dir, m)]
+        assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == KILL_RUN_STEPS - 1, (m, steps)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["replica_failures"] == 1 + int(died) and summary["finished_replicas"] == [0, 1, 2], summary
+    reference = _params(run_dir, 0)
+    for m in (1, 2):
+        got = _params(run_dir, m)
+        assert all(torch.equal(got[k], reference[k]) for k in reference), m
+
+
+# ---------------------------------------------------------------- a source's answers, on real snapshot servers
+@pytest.fixture
+def serving():
+    """(a source's snapshot server, a healing rank's HealState with its own) on loopback: torchft's HTTP
+    transport as manager.py builds it, elastic.timeout_s = 0.5 s."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from hsdp.sync.elastic.heal import HealState
+    from hsdp.sync.elastic.manager import _http_transport
+
+    timeout = timedelta(seconds=0.5)
+    source = _http_transport(timeout, "127.0.0.1")
+    heal = HealState(SimpleNamespace(phase=None, has_trained=True, enter=lambda phase, why: None), replica=1)
+    heal.snapshots = _http_transport(timeout, "127.0.0.1")
+    yield source, heal, timeout
+    source.shutdown(wait=False)
+    heal.snapshots.shutdown(wait=False)
+
+
+def _offer(source, step: int = 9):
+    from hsdp.sync.elastic.heal import Offer
+
+    return Offer(source.address(), step, 0.1, 0)
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # torchft's load (manager.py says)
+def test_a_promised_state_is_waited_for_and_fetched_whole(serving) -> None:
+    """Between its offer and its round's close the source's server answers with its promise: the healing rank
+    waits, then loads the state it publishes (its END tensor last)."""
+    import threading
+
+    from hsdp.sync.elastic.heal import END, promise
+
+    source, heal, timeout = serving
+    source.send_checkpoint([], promise(9), {}, timeout)
+    state = {"held": [torch.arange(4.0)], "step": 10, END: torch.ones(1)}
+    later = threading.Timer(0.4, lambda: source.send_checkpoint([], 10, state, timeout))
+    later.start()
+    got = heal.fetch(_offer(source), 10, 30.0, timeout)
+    later.join()
+    assert torch.equal(got["held"][0], torch.arange(4.0)) and heal.fetches == 1 and heal.fetch_s >= 0.3
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the server thread's death
+@pytest.mark.parametrize("case", ["dropped", "gone", "stopped", "cut mid-transfer", "promise kept too long"])
+def test_a_source_that_stops_serving_is_lost_within_elastic_timeout(serving, case: str) -> None:
+    """Its copy dropped (−1) or another step served: lost at once; its server gone (refused): at once; no
+    answer (a stopped process: its socket listens, nobody reads): after elastic.timeout_s; dead in the middle
+    of sending its state (the during_serve point): at once, the cut transfer never loaded; a promise kept past
+    mesh.timeout_s (the wait given here): lost then. Never a RuntimeError that would end the replica."""
+    import socket
+    import time
+
+    from hsdp import torch_compat
+    from hsdp.sync.elastic.heal import END, SourceLost, promise
+
+    source, heal, timeout = serving
+    offer, wait_s = _offer(source), 30.0
+    if case == "dropped":
+        source.send_checkpoint([], -1, {}, timeout)
+        why, within = "serves this heal no more (HTTP 400", 0.5
+    elif case == "gone":
+        offer = offer._replace(url=f"http://127.0.0.1:{_closed_port()}/checkpoint/")
+        why, within = "is gone (its server refuses connections)", 0.5
+    elif case == "stopped":
+        listener = socket.create_server(("127.0.0.1", 0))  # accepts connections (the kernel does), never answers
+        offer = offer._replace(url=f"http://127.0.0.1:{listener.getsockname()[1]}/checkpoint/")
+        why, within = "did not answer within 0.5 s (elastic.timeout_s)", 2.0
+    elif case == "cut mid-transfer":
+
+        def die() -> None:  # as a SIGKILL would: this answer's socket closed, part of the state sent
+            raise SystemExit
+
+        torch_compat.watch_http_transfers(source, die)
+        source.send_checkpoint([], 10, {"held": [torch.zeros(1000)] * 3, "step": 10, END: torch.ones(1)}, timeout)
+        why, within = "broke the transfer", 0.5
+    else:
+        source.send_checkpoint([], promise(9), {}, timeout)
+        why, within, wait_s = "did not serve its promised state within 0.3 s (mesh.timeout_s)", 1.0, 0.3
+    t0 = time.perf_counter()
+    with pytest.raises(SourceLost, match=re.escape(f"its source, replica 0, {why}")):
+        heal.fetch(offer, 10, wait_s, timeout)
+    assert time.perf_counter() - t0 < within + wait_s * (case == "promise kept too long")
+    assert heal.fetches == 0
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

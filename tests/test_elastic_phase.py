@@ -199,9 +199,10 @@ def test_a_transports_rounds_walk_the_round_table() -> None:
         t.closing = False
 
 
-def test_a_heals_offer_is_taken_once_and_a_lost_server_asks_again() -> None:
-    """none → offered (a peer's offer) → fetching (taken) → none (its server died) → offered again; a second
-    take of the same offer is refused, naming both states."""
+def test_a_heals_offer_is_taken_once_and_a_lost_source_asks_again() -> None:
+    """none → offered (a peer's offer) → fetching (taken) → source lost (it died, stopped, or serves no more) →
+    offered again, by another replica; a second take of the same offer is refused, naming both states; the
+    sources tried are kept in order, and the one whose state was loaded."""
     from types import SimpleNamespace
 
     from hsdp.sync.elastic.heal import HealState
@@ -209,15 +210,19 @@ def test_a_heals_offer_is_taken_once_and_a_lost_server_asks_again() -> None:
     life = SimpleNamespace(phase=Phase.TRAINING, has_trained=True, enter=lambda phase, why: None)
     heal = HealState(life)
     assert heal.stage is Heal.NONE and heal.offer is None and heal.healed_to is None
-    heal.load_state_dict({"snapshot": "http://peer/checkpoint/", "step": 9, "step_s": 0.2})
-    assert heal.stage is Heal.OFFERED and heal.offer == ("http://peer/checkpoint/", 9, 0.2) and heal.healed_to == 9
+    heal.load_state_dict({"snapshot": "http://peer/checkpoint/", "step": 9, "step_s": 0.2, "replica": 0})
+    assert heal.stage is Heal.OFFERED and heal.offer == ("http://peer/checkpoint/", 9, 0.2, 0) and heal.healed_to == 9
     assert heal.take_offer().step == 9 and heal.stage is Heal.FETCHING and heal.offer is None
     with pytest.raises(BadTransition, match="elastic heal: fetching → fetching"):
         heal.take_offer()
-    heal.peer_gone()
-    assert heal.stage is Heal.NONE and heal.healed_to is None
-    heal.load_state_dict({"snapshot": "http://other/checkpoint/", "step": 11})
-    assert heal.offer == ("http://other/checkpoint/", 11, None) and not heal.final and not heal.peer_joining
+    heal.source_lost("its source, replica 0, is gone")
+    assert heal.stage is Heal.LOST and heal.healed_to is None
+    with pytest.raises(BadTransition, match="elastic heal: source lost → fetching"):
+        heal.take_offer()
+    heal.load_state_dict({"snapshot": "http://other/checkpoint/", "step": 11, "replica": 2})
+    assert heal.offer == ("http://other/checkpoint/", 11, None, 2) and not heal.final and not heal.peer_joining
+    heal.take_offer()
+    assert heal.tried == [0, 2] and heal.source_replica is None
 
 
 def test_fault_specs_parse_and_name_their_places() -> None:

@@ -35,6 +35,7 @@ FORMS = [  # each form of WHO, WHEN and ACTION, as written, and the Fault it mea
     ("1@2:before_quorum:die", Fault(Place(1, 0, 2, "before_quorum"), "die")),
     ("0@3:after_quorum:exit", Fault(Place(0, 0, 3, "after_quorum"), "exit")),
     ("0@2:before_serve:stall=5", Fault(Place(0, 0, 2, "before_serve"), "stall", seconds=5.0)),
+    ("2@3:during_serve:die", Fault(Place(2, 0, 3, "during_serve"), "die")),
     ("1@1:after_send:stop=2.5", Fault(Place(1, 0, 1, "after_send"), "stop", seconds=2.5)),
     (
         "1.1@0:start:wait=0@2:before_commit",
@@ -120,7 +121,8 @@ def faults(draw: st.DrawFn) -> Fault:
         return Fault(Place(None, at_s=draw(non_negative)), "kill", seconds=draw(st.just(0.0) | positive))
     if when == "point":
         life, rank = draw(st.integers(0, 50)), draw(st.none() | st.integers(0, 512))
-        at, action = draw(points(replica, life)), draw(st.sampled_from(AT_POINT))
+        at = draw(points(replica, life))
+        action = draw(st.sampled_from([a for a in AT_POINT if (at.point, a) != ("during_serve", "exit")]))
         if action in ("die", "exit"):
             return Fault(at, action, rank=rank)
         if action == "wait":
@@ -165,6 +167,7 @@ MALFORMED = [  # (text, why)
     ("1@2:nowhere:die", "unknown point 'nowhere'"),
     ("1@2:start:die", "`start` is round 0"),
     ("1@2:asked_quorum:die", "`asked_quorum` can only be waited for"),
+    ("0@2:during_serve:exit", "`during_serve` is passed on the snapshot server's thread"),
     ("1@2:before_quorum:die=3", "die takes no argument"),
     ("1@2:before_quorum:stall", "stall=SECONDS expects a number"),
     ("1@2:before_quorum:stall=0", "stall=SECONDS must be > 0"),

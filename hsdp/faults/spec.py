@@ -24,7 +24,8 @@
 
 POINTS, in a round's order: start (round 0, before its manager), before_quorum, asked_quorum (its request registered
 at the lighthouse: only waited for), after_quorum, after_send (its first payload collective done), before_commit; and
-around an out-of-band heal before_fetch (the healing replica) and before_serve (the peer serving it). No replica is
+around an out-of-band heal before_fetch (the healing replica), before_serve and during_serve (the peer serving it:
+part of its state sent, on its server's thread; no exit there). No replica is
 special here: whom a fault may hit is its applier's rule (the slow-link benchmark never kills or cuts replica 0, whose
 node holds the lighthouse).
 
@@ -67,6 +68,7 @@ POINTS = (
     "before_commit",
     "before_fetch",
     "before_serve",
+    "during_serve",
 )
 ACTIONS = ("die", "exit", "stall", "stop", "wait", "kill", "partition", "slow")
 AT_POINT = ("die", "exit", "stall", "stop", "wait")  # what a replica does itself, at a point of its round
@@ -280,6 +282,8 @@ def _check(r: _Reader, f: Fault) -> None:
     at = f.at
     if at.point == "asked_quorum":  # passed on a watcher thread while the training thread waits in the quorum
         r.fail("`asked_quorum` can only be waited for (wait=...@N:asked_quorum)")
+    if at.point == "during_serve" and f.action == "exit":  # on the server's thread: it would fail the transfer only
+        r.fail("`during_serve` is passed on the snapshot server's thread: die, stall, stop or wait there, not exit")
     if at.replica is None and (at.when != "time" or f.action != "kill"):
         r.fail(f"the lighthouse has no steps or rounds and is only killed: {LIGHTHOUSE}@tSECONDS:kill=SECONDS")
     if (at.life or f.rank is not None) and at.when != "point":

@@ -96,9 +96,11 @@ class FaultPoints:
         elif fault.action == "stall":
             time.sleep(fault.seconds)
         elif fault.action == "stop":
-            # a stopped process cannot wake itself: a child sends SIGCONT after the spell
+            # a stopped process cannot wake itself: a child sends SIGCONT after the spell. The signal goes to this
+            # thread, which stops the process at once: sent to the process, another thread may take it while
+            # this one goes on (a snapshot server's thread, at during_serve, would finish its transfer first).
             subprocess.Popen(["sh", "-c", f"sleep {fault.seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         elif fault.action == "wait":
             assert fault.wait_for is not None
             marker, t0 = self._marker(fault.wait_for), time.monotonic()

@@ -6,16 +6,29 @@ round) and the training step. The LR and the data stream are functions of the st
 own rank, so both are right once the step is.
 
 The heal's own state (`stage`, phase.py's heal table): none → offered (a peer's offer, out of band) →
-fetching (the offer taken) → loaded, or none again (the serving peer died); none or loaded → loaded (a
-state inside the round); loaded → offered (healed again).
+fetching (the offer taken) → loaded, or source lost (it died, stopped, broke the transfer or serves no more)
+→ offered again (another live peer's, from the next quorum; or loaded, whole, from one closing the run); none
+or loaded → loaded (a state inside the round); loaded → offered (healed again).
+
+What a source's snapshot server answers, and what the healing rank makes of it (`fetch`):
+
+    the state of the step asked for           loaded (a transfer cut short fails to load: `END` is last)
+    "serving −2 − t" (`promise`)              published at its offer (t: the offer's step), until its round
+                                              has closed: wait, up to mesh.timeout_s (slowness)
+    another step (−1: its copy dropped)       it serves this heal no more: lost
+    refused; no answer within elastic.        dead; stopped or cut off; died or failed mid-transfer: lost
+    timeout_s; a broken transfer
 """
 
 from __future__ import annotations
 
 import copy
 import enum
+import re
+import socket
 import statistics
 import time
+import urllib.error
 from collections import deque
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
@@ -31,12 +44,22 @@ if TYPE_CHECKING:
     from hsdp.sync.elastic.transport import FTTransport
 
 
+END = "end"  # the published state's last key: a tensor of its own, so its bytes come last in the transfer
+
+
 class Offer(NamedTuple):
     """A peer's offer to serve its state out of band (what torchft's quorum carries at a param sync)."""
 
     url: str  # its snapshot server's address
     step: int  # the step its round began after
     pace: Optional[float]  # its median step time (None before two steps)
+    replica: Optional[int] = None  # the serving peer (its replica index)
+
+
+def promise(step: int) -> int:
+    """The step a source's server says it serves between its offer (after its `step`) and the state: −2 − step
+    (−1 is torchft's "nothing", a dropped copy): the healing rank waits while it reads this."""
+    return -2 - step
 
 
 class Source(enum.Enum):
@@ -58,8 +81,8 @@ class HealState:
     (replica.py). An offer moves the replica's life to healing (`life`, the phase's one owner).
     """
 
-    def __init__(self, life: Life, faults: Optional[FaultPoints] = None) -> None:
-        self.life, self.faults = life, faults
+    def __init__(self, life: Life, faults: Optional[FaultPoints] = None, replica: Optional[int] = None) -> None:
+        self.life, self.faults, self.replica = life, faults, replica
         self.state: Optional[ReplicaState] = None  # the engine's seam, attached at the join
         # this rank's server of its state for a peer healing out of band, and its client (manager.py)
         self.snapshots: Optional[Snapshots] = None
@@ -70,9 +93,14 @@ class HealState:
         self.source: Optional[Source] = None  # whose state was loaded last
         self.asked_at: Optional[int] = None  # a peer healed from this rank in the round begun after this step
         self.served_round: Optional[int] = None  # the round after which the served state was published
+        self._serving_fault_round: Optional[int] = None  # that round's number for the during_serve point
         self.heals = 0
         self.fetches = 0  # peers' states fetched out of band
         self.fetch_s = 0.0  # wall time fetching them
+        self.tried: list[Optional[int]] = []  # the sources whose offers this rank took, in order (replica indices)
+        self.source_replica: Optional[int] = None  # the replica whose state was loaded last
+        self.lost_s = 0.0  # wall time from giving up on a source to loading another's state
+        self._lost_at: Optional[float] = None
         self._step_clock: deque[float] = deque(maxlen=9)  # when the last steps reached their sync (pace)
         # The run's close (replica.py `_close`): this replica closes (a peer behind gets its whole state inside
         # the round); whether its state holds the run's last param round (it committed it, or loaded a state
@@ -100,16 +128,19 @@ class HealState:
         """offered → fetching: the catch-up takes the offer (spectates its round, then fetches the state)."""
         assert self._offer is not None, "an offer is taken only once one came"
         self._stage.enter(Heal.FETCHING, f"the offer after the peer's step {self._offer.step} taken")
+        self.tried.append(self._offer.replica)
         return self._offer
 
-    def peer_gone(self) -> None:
-        """fetching → none: the serving peer died before its state was fetched; the next quorum heals again."""
-        self._stage.enter(Heal.NONE, "the serving peer is gone: healed again at the next round")
+    def source_lost(self, why: str) -> None:
+        """fetching → source lost: the source died, stopped, broke the transfer or serves this heal no more (`why`);
+        the next quorum heals this replica again, from another live peer."""
+        self._stage.enter(Heal.LOST, why)
+        self._lost_at = self._lost_at if self._lost_at is not None else time.perf_counter()
 
     @property
     def healed_to(self) -> Optional[int]:
         """The step of the peer's offer or state this rank healed to (None: no heal, or one begun again)."""
-        return None if self.stage is Heal.NONE else self._healed_to
+        return None if self.stage in (Heal.NONE, Heal.LOST) else self._healed_to
 
     @property
     def peer_joining(self) -> bool:
@@ -163,7 +194,11 @@ class HealState:
             # step is one): the state crosses inside the round.
             return self.full_state()
         self.asked_at = self.step
-        return {"step": self.step, "snapshot": self.snapshots.address(), "step_s": self.pace()}
+        # Until its state is published, its server says so (a healing peer waits for it, and gives up on any
+        # other answer): this replaces an earlier copy, whose peer has caught up (this quorum waited for it).
+        self.snapshots.send_checkpoint(dst_ranks=[], step=promise(self.step), state_dict={}, timeout=timedelta())
+        offer = {"step": self.step, "snapshot": self.snapshots.address(), "step_s": self.pace()}
+        return {**offer, "replica": self.replica}
 
     def full_state(self) -> dict[str, Any]:
         # Copies: they are sent from another thread while this replica trains on.
@@ -184,12 +219,13 @@ class HealState:
             "step": self.step,
             "joining": not self.training,  # the round the state crosses in is this rank's join round
             "applied": self.applied_last,  # it holds the run's last param round (the close asks)
+            "replica": self.replica,  # whose state it is
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A peer's state, or its offer to serve it (torchft calls this on the training thread, in begin_round)."""
         if "snapshot" in state:
-            self._offer = Offer(state["snapshot"], int(state["step"]), state.get("step_s"))
+            self._offer = Offer(state["snapshot"], int(state["step"]), state.get("step_s"), state.get("replica"))
             self._healed_to = self._offer.step
             self._stage.enter(Heal.OFFERED, f"a peer offers its state after its step {self._healed_to}")
             self.life.enter(Phase.HEALING, f"a peer offers its state after its step {self._healed_to}")
@@ -214,7 +250,11 @@ class HealState:
         final, joining = bool(state.get("final", False)), bool(state.get("joining", False))
         self.source = Source.CLOSING if final else Source.JOINING if joining else Source.TRAINING
         self.applied_last = bool(state.get("applied", True))
+        self.source_replica = state.get("replica")
         self.heals += 1
+        if self._lost_at is not None:  # a source was lost on the way: what that cost
+            self.lost_s += time.perf_counter() - self._lost_at
+            self._lost_at = None
 
     def serve(self, step: int, transport: FTTransport, timeout: timedelta) -> None:
         """After `step`'s sync, once `transport` has no round open: publish this rank's state to a peer that
@@ -224,42 +264,81 @@ class HealState:
             return
         rounds = transport.rounds
         if self.asked_at is not None and step >= self.asked_at:
+            self._serving_fault_round = transport.fault_round(rounds)
             if self.faults is not None:
-                self.faults.at("before_serve", transport.fault_round(rounds))
-            self._server().send_checkpoint(dst_ranks=[], step=step, state_dict=self.full_state(), timeout=timeout)
+                self.faults.at("before_serve", self._serving_fault_round)
+            state = {**self.full_state(), END: torch.ones(1)}  # END's bytes last: a cut transfer fails to load
+            self._server().send_checkpoint(dst_ranks=[], step=step, state_dict=state, timeout=timeout)
             self.asked_at, self.served_round = None, rounds
         elif self.served_round is not None and rounds > self.served_round:
             self._server().send_checkpoint(dst_ranks=[], step=-1, state_dict={}, timeout=timeout)
             self.served_round = None
 
-    def fetch(self, url: str, step: int, wait_s: float, timeout: timedelta) -> dict[str, Any]:
-        """A peer's state after `step`, once it serves it (it publishes when its round has closed)."""
+    def sending(self) -> None:
+        """This rank's snapshot server has sent part of its published state to a healing peer (called on the
+        server's thread, once per transfer): the during_serve fault point."""
+        if self.faults is not None and self._serving_fault_round is not None:
+            self.faults.at("during_serve", self._serving_fault_round)
+
+    def fetch(self, offer: Offer, step: int, wait_s: float, timeout: timedelta) -> dict[str, Any]:
+        """The state `offer`'s source publishes after `step` once its round has closed. Waits while its server
+        says it is promised (up to `wait_s`, mesh.timeout_s: a slow source is no failure); SourceLost at once
+        when the server refuses, answers another step or breaks the transfer, and when one request has no
+        answer within `timeout` (elastic.timeout_s: a stopped or cut-off source)."""
         t0 = time.perf_counter()
         while True:
             try:
-                state = self._server().recv_checkpoint(src_rank=0, metadata=url, step=step, timeout=timeout)
+                state = self._server().recv_checkpoint(src_rank=0, metadata=offer.url, step=step, timeout=timeout)
                 self.fetch_s += time.perf_counter() - t0
                 self.fetches += 1
                 return state
-            except Exception as e:  # 400: still serving an older state; a refused or cut connection
-                if _refused(e):  # its server listened from its start: refused means the peer is gone
-                    raise PeerGone(f"the replica serving its state at {url} is gone ({e})") from e
-                if time.perf_counter() - t0 > wait_s:
-                    raise RuntimeError(f"no state of step {step} from {url} within {wait_s:g} s: {e}") from e
+            except Exception as e:
+                waited = time.perf_counter() - t0
+                why = _lost(e, promise(offer.step), timeout)
+                if why is None and waited > wait_s:
+                    why = f"did not serve its promised state within {wait_s:g} s (mesh.timeout_s)"
+                if why is not None:
+                    self.fetch_s += waited
+                    source = f"replica {offer.replica}" if offer.replica is not None else offer.url
+                    raise SourceLost(f"its source, {source}, {why} ({waited:.1f} s into the fetch)") from e
                 time.sleep(0.05)
 
 
-class PeerGone(RuntimeError):
-    """The peer a replica was healing from died before its state was fetched (replica.py heals again)."""
+class SourceLost(RuntimeError):
+    """The peer a replica was healing from died, stopped, broke the transfer or serves that heal no more
+    (replica.py heals again, from another live peer)."""
+
+
+def _lost(e: BaseException, promised: int, timeout: timedelta) -> Optional[str]:
+    """Why a failed request for a source's state means that source is lost (None: its server answered that the
+    state is promised, or an answer this rank cannot read: wait on)."""
+    if _refused(e):  # its server listened from its start: refused means the process is gone
+        return "is gone (its server refuses connections)"
+    if isinstance(e, urllib.error.HTTPError):
+        served = re.search(r"serving (-?\d+)", str(e.reason))  # torchft's answer to another step
+        if e.code == 400 and (served is None or int(served[1]) == promised):
+            return None  # promised (or an answer not understood: waited on, up to mesh.timeout_s)
+        return f"serves this heal no more (HTTP {e.code}: {e.reason})"
+    if _timed_out(e):
+        return f"did not answer within {timeout.total_seconds():g} s (elastic.timeout_s): stopped or cut off"
+    return f"broke the transfer ({type(e).__name__}: {str(e)[:120]})"
+
+
+def _chain(e: Optional[BaseException]) -> list[BaseException]:
+    """`e`, the error it wraps (urllib's URLError keeps the socket's in `reason`), and its causes."""
+    seen: list[BaseException] = []
+    while e is not None and all(e is not s for s in seen):
+        seen.append(e)
+        reason = getattr(e, "reason", None)
+        e = reason if isinstance(reason, BaseException) else (e.__cause__ or e.__context__)
+    return seen
 
 
 def _refused(e: Optional[BaseException]) -> bool:
-    """Whether `e` (urllib's URLError wraps the socket's error in `reason`) is a refused connection."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, ConnectionRefusedError):
-            return True
-        reason = getattr(e, "reason", None)
-        e = reason if isinstance(reason, BaseException) else (e.__cause__ or e.__context__)
-    return False
+    """Whether `e` is a refused connection."""
+    return any(isinstance(c, ConnectionRefusedError) for c in _chain(e))
+
+
+def _timed_out(e: Optional[BaseException]) -> bool:
+    """Whether `e` is a request that got no answer in time (connecting, or reading the answer)."""
+    return any(isinstance(c, (TimeoutError, socket.timeout)) for c in _chain(e))

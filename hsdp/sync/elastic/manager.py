@@ -58,6 +58,7 @@ def build_manager(
         heartbeat_interval=timedelta(milliseconds=100),
     )
     heal.snapshots = _http_transport(timeout, host)  # this rank's state, for a peer healing out of band
+    torch_compat.watch_http_transfers(heal.snapshots, heal.sending)  # the during_serve fault point
     return manager, pg
 
 

@@ -10,8 +10,8 @@ same rounds). `ElasticReplica` (replica.py) owns the phase; every other object o
                  finds live ones to heal from (a restart)                  grad-sync round), healing (a peer's
                                                                            offer at a param sync)
     healing      a peer's state crosses out of band: spectates the round   training (state loaded, caught up),
-                 it was healed in (its part does not count), fetches the   healing (the serving peer died: heal
-                 state, skips the steps the peers trained meanwhile        again at the next round)
+                 it was healed in (its part does not count), fetches the   healing (its source lost: healed again
+                 state, skips the steps the peers trained meanwhile        from another at the next quorum)
     training     counts in every round                                     cut off (no quorum), healing (a round
                                                                            healed it: it fell behind), leaving
     cut off      no quorum answers (its link or the lighthouse is down):   training (a quorum again, nothing
@@ -42,10 +42,13 @@ One rank's heal (heal.py owns it; a peer's state, or its offer, comes in a quoru
 
     heal         the rank's state                                          → next states (why)
     -----------  -------------------------------------------------------  ----------------------------------------
-    none         no peer's state taken (or the server died: asked again)   offered (out of band), loaded (inside
+    none         no peer's state taken                                     offered (out of band), loaded (inside
                                                                            the round)
     offered      a peer offers its state out of band: spectating           fetching (the offer taken)
-    fetching     its round spectated, the state being fetched              loaded, none (the serving peer died)
+    fetching     its round spectated, the state being fetched              loaded, source lost (it died, stopped,
+                                                                           broke the transfer or serves no more)
+    source lost  asking the quorum again, for another live peer            offered (another's offer), loaded (whole,
+                                                                           from a peer closing the run)
     loaded       a peer's state loaded (from a training, joining or        offered, loaded (healed again: cut off,
                  closing peer)                                             behind, or whole at the close)
 """
@@ -146,13 +149,15 @@ class Heal(enum.Enum):
     NONE = "none"
     OFFERED = "offered"
     FETCHING = "fetching"
+    LOST = "source lost"
     LOADED = "loaded"
 
 
 HEAL_TRANSITIONS: dict[Heal, frozenset[Heal]] = {
     Heal.NONE: frozenset({Heal.OFFERED, Heal.LOADED}),
     Heal.OFFERED: frozenset({Heal.FETCHING}),
-    Heal.FETCHING: frozenset({Heal.LOADED, Heal.NONE}),
+    Heal.FETCHING: frozenset({Heal.LOADED, Heal.LOST}),
+    Heal.LOST: frozenset({Heal.OFFERED, Heal.LOADED}),
     Heal.LOADED: frozenset({Heal.OFFERED, Heal.LOADED}),
 }
 

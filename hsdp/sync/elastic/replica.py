@@ -19,7 +19,7 @@ the state there and joins the round; at a param-sync round it heals out of band 
    steps the peers trained while the state crossed (the fetch's time over the peer's pace, sent with its
    offer) are skipped, so the peers do not wait for this replica at that round.
 
-If the serving peer died before its state was fetched, the replica heals again at the next round. A
+If its source is lost before its state is loaded (heal.py), it heals again from another live peer. A
 replica cut off mid-run (its link, the lighthouse) pauses at its sync (quorum.py); when a quorum answers
 and the peers went on without it, that quorum heals it, and the same catch-up follows after the round it
 began as its own sync (docs/design.md §9).
@@ -49,7 +49,7 @@ from hsdp.comm.mesh import Mesh, build_elastic_mesh
 from hsdp.config.schema import Config
 from hsdp.sync.elastic.closing import Records, RunClose, closes_level
 from hsdp.sync.elastic.faults import FaultPoints
-from hsdp.sync.elastic.heal import HealState, PeerGone
+from hsdp.sync.elastic.heal import HealState, SourceLost
 from hsdp.sync.elastic.lighthouse import lighthouse_unreachable, quorum_status
 from hsdp.sync.elastic.manager import build_manager
 from hsdp.sync.elastic.phase import Heal, Phase, PhaseLog
@@ -116,7 +116,7 @@ class ElasticReplica(PhaseLog):
         self.spectated = 0  # rounds this replica took part in without counting (catching up after a heal)
         self.skipped = 0  # steps of the heal's period not trained (the peers trained them while the state crossed)
         self.contributes_from: Optional[int] = None  # the step whose round a healed replica first counts in
-        self.retries = 0  # heals begun again because the serving peer died before its state was fetched
+        self.retries = 0  # heals begun again because the source was lost before its state was loaded
         self.joined_s = 0.0
         # rejoins after a cut
         self.resume_at: Optional[int] = None  # the step to train next, after a rejoin
@@ -171,7 +171,7 @@ class ElasticReplica(PhaseLog):
         self._faults = faults
         self._records = Records(cfg.run_dir, self.replica, site_rank)
         self._records.forget_own()  # an earlier launch's: this life has not closed
-        self._heal = HealState(self, faults)
+        self._heal = HealState(self, faults, self.replica)
         site = cfg.mesh.replicate * cfg.mesh.shard  # the replica's (a site's) own world: its manager's group
         manager, pg = build_manager(cfg, self.replica, site_rank, site, self.lighthouse, self._heal)
         settings = RoundSettings(
@@ -304,26 +304,37 @@ class ElasticReplica(PhaseLog):
         last = cfg.run.steps - 1
         policy.start_global_copy()  # a θ_g for the first round's Δ (not counted, and replaced by the fetch)
         assert heal.stage is Heal.OFFERED, "a catch-up begins at a peer's offer"
-        while heal.stage is Heal.OFFERED:  # offered → fetching → loaded, or none → offered again (heal again)
-            url, t, pace = heal.take_offer()
+        while heal.stage is Heal.OFFERED:  # offered → fetching → loaded, or source lost → offered (another source)
+            offer = heal.take_offer()
+            t, pace = offer.step, offer.pace
             if not spectated:
                 self._spectate(t)
             spectated = False
             at = min(t + cfg.sync.delay, last)  # the round lands τ steps after it began (or at the end)
             closed = time.perf_counter()
-            gone: Optional[PeerGone] = None
+            lost: Optional[SourceLost] = None
             self.faults.at("before_fetch", self.transport.fault_round(self.transport.rounds))
             try:
-                state = heal.fetch(url, at, cfg.mesh.timeout_s, self.timeout)
-            except PeerGone as e:
-                gone = e
+                state = heal.fetch(offer, at, cfg.mesh.timeout_s, self.timeout)
+            except SourceLost as e:
+                lost = e
             # The replica's ranks heal again together, or none does (the peer may have died between their fetches).
-            if self._replica_max(gone is not None):
-                why = gone or "the replica serving another of its ranks is gone"
-                print(f"elastic: replica {self.replica}: {why}; healing again at the next round", file=sys.stderr)
+            if self._replica_max(lost is not None):
+                why = str(lost or "the source of another of its ranks was lost")
+                print(
+                    f"elastic: replica {self.replica}: {why}; asking the quorum for another",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                heal.source_lost(why)
                 self._heal_again()
             else:
                 heal.load_full(state)
+        if heal.final:  # its source lost, the quorum asked again met peers closing the run: their final state
+            self.transport.commit_round()  # that round (its members disagreed on closing: dropped everywhere)
+            self.closing_heals += 1
+            self.enter(Phase.TRAINING, "healed again, from a replica closing the run: its final state")
+            return cfg.run.steps
         self.enter(Phase.TRAINING, f"caught up: the state after the peers' step {at} loaded")
         following = next((s for s in range(at + 1, cfg.run.steps) if fragments_due(s, cfg.sync)), None)
         if following is None:  # the peers sync no more: train on alone to the end, as they do
@@ -356,16 +367,31 @@ class ElasticReplica(PhaseLog):
         return int(t.item())
 
     def _heal_again(self) -> None:
-        """The peer serving this replica's state died: set its torchft step back, so the next round's quorum
-        heals it again from a live peer (begun here; its offer is what _catch_up continues with)."""
-        manager = self.transport.manager
-        manager.load_state_dict({**manager.state_dict(), "step": 0})
-        self.heal.peer_gone()
-        self.transport.begin_round()
-        self.retries += 1
-        if self.heal.stage is not Heal.OFFERED:
-            raise RuntimeError(
-                f"replica {self.replica} lost the replica it was healing from and found no other to heal from"
+        """Its source lost (heal.py): set its torchft step back, so the quorum asked now heals it again from a live
+        peer (its offer is what _catch_up continues with; or, from peers closing the run, their final state
+        whole). A quorum whose heal failed in torchft (it named the lost source again, its death not yet seen by
+        the lighthouse: dropped) is asked again, up to mesh.timeout_s; one with no other replica: one line."""
+        manager, transport, heal = self.transport.manager, self.transport, self.heal
+        self.retries, t0 = self.retries + 1, time.perf_counter()
+        while True:
+            manager.load_state_dict({**manager.state_dict(), "step": 0})
+            transport.begin_round()
+            if heal.stage is Heal.OFFERED or (heal.stage is Heal.LOADED and heal.final):
+                return
+            error = manager.errored()
+            if heal.stage is Heal.LOADED or transport.size < 2 or error is None:
+                raise RuntimeError(
+                    f"replica {self.replica} lost the replica it was healing from and found no other to heal from "
+                    "out of band"
+                )
+            transport.commit_round()  # the round its heal failed in (dropped)
+            why = str(error.original_exception).splitlines()[0][:200]
+            if time.perf_counter() - t0 > self.cfg.mesh.timeout_s:
+                raise RuntimeError(
+                    f"replica {self.replica}: no heal within mesh.timeout_s after its source was lost: {why}"
+                )
+            print(
+                f"elastic: replica {self.replica}: the heal failed ({why}); asking again", file=sys.stderr, flush=True
             )
 
     # ------------------------------------------------------------ training: the loop's duties
@@ -510,10 +536,14 @@ class ElasticReplica(PhaseLog):
             "heal_fetch_s": round(heal.fetch_s, 3),
             "spectated_rounds": self.spectated,
             # healed out of band: the steps of that period it did not train, the step whose round it first
-            # counted in, and how often its heal began again (the serving peer died before the fetch)
+            # counted in, and how often its heal began again (its source lost before the load)
             "heal_skipped_steps": self.skipped,
             "heal_contributes_from": self.contributes_from,
             "heal_retries": self.retries,
+            # whose state it loaded last, the sources its heals tried in order, the time from a lost one to a load
+            "heal_source": heal.source_replica,
+            "heal_sources": heal.tried,
+            "heal_lost_s": round(heal.lost_s, 3),
             # the rounds held after this life's join; the join's meetings (a fresh replica meets alone until its
             # peers start, a restarted one heals in the peers' round) vary with start-up times and are apart
             "sync_rounds": t.rounds - (t.joined_at or 0) - (self.closer.rounds if self.closer else 0),
