@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,13 @@ from hsdp.config.schema import ConfigError, OptimConfig
 from hsdp.models.muon import MuonAdamW, RowSharding, assign_owners
 from hsdp.models.optim import build_optimizer
 from hsdp.run.preflight import load_checked_config
+from tests.exactness import COMMON as EXACTNESS_COMMON
 from tests.exactness import loss_gap, losses
 from tests.helpers import RunResult, max_param_rel_err, run_train
 from tests.reference import reference_run
 from tests.sync_reference import sync_reference_run
 from tests.test_checkpoint import assert_same_run
+from tests.test_outer_options import in_threads
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -67,25 +69,6 @@ class ThreadGroup:
                 group.barrier.wait()
 
         return RankComm()
-
-
-def run_ranks(size: int, work: Callable[[int], None]) -> None:
-    errors: list[BaseException] = []
-
-    def target(rank: int) -> None:
-        try:
-            work(rank)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-            threading.Thread(target=lambda: None).start()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
 
 
 MUON = OptimConfig(name="muon", lr=3e-3, muon_lr=0.02)
@@ -137,7 +120,7 @@ def test_sharded_rows_equal_torch_muon(
             opt.step()
         held[r] = [p.detach() for p in params]
 
-    run_ranks(size, rank_work)
+    in_threads([functools.partial(rank_work, r) for r in range(size)])
     for i, p in enumerate(ref):
         assert torch.equal(torch.cat([held[r][i] for r in range(size)]), p.detach()), f"matrix {i} {shapes[i]}"
 
@@ -157,13 +140,7 @@ def test_owners_spread_the_iterations() -> None:
 
 # ---------------------------------------------------------------- whole runs against torch's own optimizers
 COMMON = [
-    "data.source=synthetic",
-    "run.log_every=1",
-    "run.eval_every=0",
-    "run.eval_batches=1",
-    "run.checkpoint_every=0",
-    "run.save_model=true",
-    "wandb.mode=disabled",
+    *EXACTNESS_COMMON,  # synthetic data, a record every step, the final params saved
     "model.n_layer=2",
     "model.d_model=32",
     "model.n_head=2",
