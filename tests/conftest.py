@@ -5,6 +5,12 @@ import sys
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # torch.compile in tests: one compile worker per rank (2 cores), so ranks do not fight over the CPU.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# OpenMP's idle threads sleep instead of spinning. The suite runs 3 workers and their ranks on 2 cores, so a
+# process with 2 threads (a one-worker run, a test computing in process) nearly always shares its cores: an idle
+# thread spinning for its next parallel region takes the CPU its own or another test's work needed (a one-worker
+# tiny-bpe run: 12.8 CPU s spinning, 4.7 sleeping, beside other tests). The threads compute the same either way.
+# Read when libgomp loads (with torch): set before any test module imports torch; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Inductor's caches in one fresh folder per suite run (set here, before xdist starts its workers, who
 # inherit it): a compile is cold unless an earlier run in this suite compiled the same graph or kernels
 # (tests of warm compiles rely on that), whatever the machine's own cache holds.
