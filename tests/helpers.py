@@ -110,7 +110,7 @@ def run_train(
     args = list(script[1:])
     if config:
         args += ["--config", str(REPO / config)]
-    for o in [*overrides, f"run.out_dir={out_dir}", f"run.name={name}", "mesh.timeout_s=60"]:
+    for o in ["mesh.timeout_s=60", *overrides, f"run.out_dir={out_dir}", f"run.name={name}"]:  # a test may raise it
         args += ["--set", o]
     full_env = {**os.environ, **QUIET_ENV, **(env or {})}
     if env:

@@ -54,6 +54,10 @@ FORMS = [  # each form of WHO, WHEN and ACTION, as written, and the Fault it mea
     ("1@0:slow=3", Fault(Place(1, step=0), "slow", factor=3.0)),
     ("1@0.3:slow=2x60", Fault(Place(1, step=0.3), "slow", seconds=60.0, factor=2.0)),
     ("2@t41.7:stop=5.2", Fault(Place(2, at_s=41.7), "stop", seconds=5.2)),
+    (
+        "0@3:during_serve:stop=1.1@1:before_quorum",
+        Fault(Place(0, 0, 3, "during_serve"), "stop", wait_for=Place(1, 1, 1, "before_quorum")),
+    ),
     ("1@t12.5:partition=8", Fault(Place(1, at_s=12.5), "partition", seconds=8.0)),
     ("0@t3:slow=3x15.25", Fault(Place(0, at_s=3.0), "slow", seconds=15.25, factor=3.0)),
     ("lighthouse@t40:kill=3", Fault(Place(None, at_s=40.0), "kill", seconds=3.0)),
@@ -125,7 +129,7 @@ def faults(draw: st.DrawFn) -> Fault:
         action = draw(st.sampled_from([a for a in AT_POINT if (at.point, a) != ("during_serve", "exit")]))
         if action in ("die", "exit"):
             return Fault(at, action, rank=rank)
-        if action == "wait":
+        if action == "wait" or (action == "stop" and draw(st.booleans())):  # wait=PLACE, stop=PLACE
             other = draw(st.tuples(st.integers(0, 10**4), st.integers(0, 50)).filter(lambda o: o != (replica, life)))
             return Fault(at, action, wait_for=draw(points(*other, waited_for=True)), rank=rank)
         return Fault(at, action, seconds=draw(positive), rank=rank)
@@ -177,6 +181,10 @@ MALFORMED = [  # (text, why)
     ("1@2:before_quorum:wait=0@3:nowhere", "unknown point 'nowhere'"),
     ("1@0.3:die", "die is done by the replica itself"),
     ("1@t3:wait=0@0:start", "wait is done by the replica itself"),
+    ("1@t3:stop=0@0:start", "stop=PLACE is done by the replica itself"),
+    ("1@0.5:stop=0@0:start", "stop=PLACE is done by the replica itself"),
+    ("1@2:before_quorum:stop=1@3:after_send", "cannot wait for its own life"),
+    ("1@2:before_quorum:stop=0@3", "stop=PLACE expects REPLICA[.LIFE]@ROUND:POINT"),
     ("1@2:before_quorum:kill", "kill is done to a replica from outside"),
     ("1@2:before_quorum:slow=2", "slow is done to a replica from outside"),
     ("1@0.3:kill=", "kill=SECONDS expects a number"),

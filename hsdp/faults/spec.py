@@ -7,14 +7,17 @@
     WHEN   := ROUND ":" POINT                 a fault point of its ROUND-th sync round in that life (0: its join's)
             | STEP                            once it logged step STEP (a fraction of run.steps when < 1)
             | "t" SECONDS                     SECONDS into the run (from when every replica logged a step)
-    ACTION := die | exit | stall=S | wait=REPLICA[.LIFE]@ROUND:POINT    done by the replica itself, at a ROUND:POINT
+    ACTION := die | exit | stall=S | wait=PLACE | stop=PLACE           done by the replica itself, at a ROUND:POINT
             | kill[=S] | partition=S | slow=FACTOR[xS]                 done to it from outside, at a STEP or a time
             | stop=S                                                   either
+    PLACE  := REPLICA[.LIFE]@ROUND:POINT
 
     die           SIGKILL of every rank reaching the point (a lost machine)
     exit          an error: exit 1 with one line
     stall=S       sleep S s on the training thread; heartbeats go on (a straggler)
     stop=S        SIGSTOP for S s: the whole process frozen, heartbeats too
+    stop=PLACE    SIGSTOP until the same shard rank of another replica passed PLACE (bounded by mesh.timeout_s): a
+                  freeze that outlasts what it must on any box, loaded or not
     wait=PLACE    until the same shard rank of another replica (or another life of it) passed PLACE, bounded by
                   mesh.timeout_s: faults ordered by events, never by the clock
     kill[=S]      the replica's node SIGKILLed, a replacement started S s later (default: elastic.restart_delay_s);
@@ -73,14 +76,14 @@ POINTS = (
 ACTIONS = ("die", "exit", "stall", "stop", "wait", "kill", "partition", "slow")
 AT_POINT = ("die", "exit", "stall", "stop", "wait")  # what a replica does itself, at a point of its round
 AT_MOMENT = ("stop", "kill", "partition", "slow")  # what is done to it from outside, at a step or a time
-ACTION_FORMS = "die, exit, stall=S, stop=S, wait=PLACE, kill[=S], partition=S, slow=FACTOR[xS]"
+ACTION_FORMS = "die, exit, stall=S, stop=S, stop=PLACE, wait=PLACE, kill[=S], partition=S, slow=FACTOR[xS]"
 LIGHTHOUSE = "lighthouse"
 FORM, EXAMPLE = "WHO@WHEN:ACTION", "1@2:before_quorum:die"
 
 _NUMBER = r"\d+(?:\.\d*)?(?:[eE][-+]?\d+)?"
 _WHO = re.compile(rf"(?P<replica>\d+)(?:\.(?P<life>\d+))?(?:/(?P<rank>\d+))?|{LIGHTHOUSE}")
 _AT_POINT = re.compile(r"(\d+):([A-Za-z_]\w*):(.*)", re.S)  # ROUND:POINT:ACTION (a point is a name, an action too)
-_PLACE = re.compile(r"(\d+)(?:\.(\d+))?@(\d+):(\w+)")  # wait's REPLICA[.LIFE]@ROUND:POINT
+_PLACE = re.compile(r"(\d+)(?:\.(\d+))?@(\d+):(\w+)")  # wait's and stop's REPLICA[.LIFE]@ROUND:POINT
 
 
 class FaultSpecError(ValueError):
@@ -155,7 +158,7 @@ class Fault:
 
     def __str__(self) -> str:
         arg = ""
-        if self.action == "wait":
+        if self.wait_for is not None:  # wait=PLACE, stop=PLACE
             arg = f"={self.wait_for}"
         elif self.action == "slow":
             arg = f"={number(self.factor)}" + (f"x{number(self.seconds)}" if self.seconds else "")
@@ -262,10 +265,10 @@ def _action(r: _Reader, at: Place, text: str, rank: Optional[int]) -> Fault:
         if eq:
             r.fail(f"{name} takes no argument")
         return Fault(at, name, rank=rank)
-    if name == "wait":
+    if name == "wait" or (name == "stop" and "@" in arg):
         m = _PLACE.fullmatch(arg)
         if not m:
-            r.fail(f"wait=PLACE expects REPLICA[.LIFE]@ROUND:POINT, got {arg!r}")
+            r.fail(f"{name}=PLACE expects REPLICA[.LIFE]@ROUND:POINT, got {arg!r}")
         return Fault(at, name, wait_for=_point(r, int(m[1]), int(m[2] or 0), int(m[3]), m[4]), rank=rank)
     if name == "slow":
         factor, x, seconds = arg.partition("x")
@@ -292,6 +295,8 @@ def _check(r: _Reader, f: Fault) -> None:
         r.fail(f"{f.action} is done to a replica from outside: at a STEP or a time tSECONDS, not at a point")
     if at.when != "point" and f.action not in AT_MOMENT:
         r.fail(f"{f.action} is done by the replica itself: at a ROUND:POINT")
+    if f.wait_for is not None and at.when != "point":
+        r.fail(f"{f.action}=PLACE is done by the replica itself: at a ROUND:POINT (from outside: {f.action}=SECONDS)")
     if f.wait_for is not None and (f.wait_for.replica, f.wait_for.life) == (at.replica, at.life):
         r.fail("a replica cannot wait for its own life")
 

@@ -8,6 +8,7 @@ has passed it, so a `wait` is ordered by events, never by the clock.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -96,10 +97,11 @@ class FaultPoints:
         elif fault.action == "stall":
             time.sleep(fault.seconds)
         elif fault.action == "stop":
-            # a stopped process cannot wake itself: a child sends SIGCONT after the spell. The signal goes to this
-            # thread, which stops the process at once: sent to the process, another thread may take it while
-            # this one goes on (a snapshot server's thread, at during_serve, would finish its transfer first).
-            subprocess.Popen(["sh", "-c", f"sleep {fault.seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
+            # a stopped process cannot wake itself: a child sends SIGCONT after the spell (S seconds, or once the
+            # PLACE's marker exists, at most mesh.timeout_s). The signal goes to this thread, which stops the
+            # process at once: sent to the process, another thread may take it while this one goes on (a snapshot
+            # server's thread, at during_serve, would finish its transfer first).
+            subprocess.Popen(["sh", "-c", f"{self._until(fault)}; kill -CONT {os.getpid()}"], start_new_session=True)
             signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         elif fault.action == "wait":
             assert fault.wait_for is not None
@@ -108,6 +110,14 @@ class FaultPoints:
                 if time.monotonic() - t0 > self.wait_s:
                     raise RuntimeError(f"fault {fault}: {fault.wait_for} not reached within {self.wait_s:g} s")
                 time.sleep(POLL_S)
+
+    def _until(self, fault: Fault) -> str:
+        """The shell that a stop's waker runs before its SIGCONT: `sleep S`, or a poll for stop=PLACE's marker."""
+        if fault.wait_for is None:
+            return f"sleep {fault.seconds}"
+        polls = max(1, round(self.wait_s / POLL_S))
+        marker = shlex.quote(str(self._marker(fault.wait_for)))
+        return f"i=0; while [ ! -e {marker} ] && [ $i -lt {polls} ]; do sleep {POLL_S}; i=$((i+1)); done"
 
 
 def clear_markers(run_dir: Path) -> None:
