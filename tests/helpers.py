@@ -134,6 +134,7 @@ class TrainServer:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.pending = b""  # reply bytes read but not yet consumed (read unbuffered, so select() is exact)
+        self.served: ServedRun | None = None  # the run `popen` started, until it ended
 
     def start(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
@@ -150,14 +151,8 @@ class TrainServer:
 
     def run(self, script: str, argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
         """One run: (exit code, its stdout+stderr). On a hang: SIGTERM the run, then kill everything."""
-        proc = self.start()
-        fd, output = tempfile.mkstemp(prefix="hsdp-run-", suffix=".log")
-        os.close(fd)
+        output, pid = self._request(script, argv, env)
         try:
-            request = {"script": script, "argv": argv, "cwd": str(REPO), "env": env, "output": output}
-            proc.stdin.write((json.dumps(request) + "\n").encode())
-            proc.stdin.flush()
-            pid = self._reply(30)["pid"]
             try:
                 returncode = self._reply(timeout)["returncode"]
             except subprocess.TimeoutExpired:
@@ -170,6 +165,23 @@ class TrainServer:
             return returncode, Path(output).read_text(errors="replace")
         finally:
             os.unlink(output)
+
+    def _request(self, script: str, argv: list[str], env: dict[str, str]) -> tuple[str, int]:
+        """Send one run to the server: (its output file, the served launcher's pid)."""
+        assert self.served is None or self.served.returncode is not None, "the train server is serving a run"
+        proc = self.start()
+        fd, output = tempfile.mkstemp(prefix="hsdp-run-", suffix=".log")
+        os.close(fd)
+        request = {"script": script, "argv": argv, "cwd": str(REPO), "env": env, "output": output}
+        proc.stdin.write((json.dumps(request) + "\n").encode())
+        proc.stdin.flush()
+        return output, self._reply(30)["pid"]
+
+    def popen(self, script: str, argv: list[str], env: dict[str, str]) -> ServedRun:
+        """A run that goes on while the test watches it (a Popen's poll/communicate/kill, its output as stderr)."""
+        output, pid = self._request(script, argv, env)
+        self.served = ServedRun(self, output, pid)
+        return self.served
 
     def _reply(self, timeout: float) -> dict:
         """The server's next JSON line, waiting at most `timeout` seconds for it."""
@@ -196,8 +208,60 @@ class TrainServer:
             self.proc, self.pending = None, b""
 
 
+class _Output:
+    """A served run's output file, read as a Popen's stderr pipe would be (`read()`: all of it so far)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def read(self) -> str:
+        return Path(self.path).read_text(errors="replace")
+
+
+class ServedRun:
+    """`python train.py ...` forked by the train server, watched like a subprocess.Popen: `pid` (the launcher),
+    `poll()`, `communicate(timeout)` → (None, its stdout+stderr), `kill()`, `returncode`, `stderr.read()`. Elastic
+    tests start theirs this way: the same launcher without ~3.5 CPU s of a fresh interpreter's imports."""
+
+    def __init__(self, server: TrainServer, output: str, pid: int) -> None:
+        self.server, self.pid, self.stderr = server, pid, _Output(output)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.returncode = self.server._reply(0)["returncode"]
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+        if self.returncode is None:
+            try:
+                self.returncode = self.server._reply(3600 if timeout is None else timeout)["returncode"]
+            except RuntimeError:  # the server died under the run
+                self.returncode = -signal.SIGKILL
+        text = self.stderr.read()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.stderr.path)
+        return None, text
+
+    def kill(self) -> None:
+        """SIGKILL the launcher (its workers die with it); a server that then does not answer is killed too."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        try:
+            self.returncode = self.server._reply(30)["returncode"]
+        except (subprocess.TimeoutExpired, RuntimeError):
+            self.server.stop()
+            self.returncode = -signal.SIGKILL
+
+
 _SERVER = TrainServer()
 atexit.register(_SERVER.stop)
+
+
+def serve_train(script: str, argv: list[str], env: dict[str, str]) -> ServedRun:
+    """`python <script> <argv>` launched by this pytest process's warm launcher, watched as it runs."""
+    return _SERVER.popen(script, argv, env)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

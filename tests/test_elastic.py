@@ -25,7 +25,7 @@ from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.checkpoint import complete_checkpoints, step_of
 from hsdp.sync.elastic.transport import Done, FTTransport
-from tests.helpers import QUIET_ENV, REPO, SMALL, SMALLER, STEP_SCOPE, run_train
+from tests.helpers import QUIET_ENV, REPO, SMALL, SMALLER, STEP_SCOPE, ServedRun, run_train, serve_train
 
 # The tiny CPU job's elastic settings (2x2, DiLoCo every 8, no warmup); `_start` runs them on SMALLER.
 ELASTIC = [
@@ -62,14 +62,17 @@ def kill_faults(replicas: int, kill_round: int, also: tuple[str, ...] = ()) -> l
     return ["elastic.faults=" + ",".join(faults)]
 
 
-def _start(run_dir: Path, overrides: list[str], script: Optional[list[str]] = None) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO / "train.py")] if script is None else [sys.executable, *script]
-    cmd += ["--config", str(REPO / "configs/tiny.yaml")]
+def _start(run_dir: Path, overrides: list[str], script: Optional[list[str]] = None) -> subprocess.Popen | ServedRun:
+    """An elastic run that goes on while the test watches it: `python train.py` served by the warm launcher
+    (tests/train_server.py: its stdout and stderr in one), or `script` in a fresh interpreter (stderr only)."""
+    args = ["--config", str(REPO / "configs/tiny.yaml")]
     for o in [*SMALLER, *overrides, f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}"]:
-        cmd += ["--set", o]
-    return subprocess.Popen(
-        cmd, cwd=REPO, env={**os.environ, **QUIET_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+        args += ["--set", o]
+    env = {**os.environ, **QUIET_ENV}
+    if script is None:
+        return serve_train(str(REPO / "train.py"), args, env)
+    out, err = subprocess.DEVNULL, subprocess.PIPE
+    return subprocess.Popen([sys.executable, *script, *args], cwd=REPO, env=env, stdout=out, stderr=err, text=True)
 
 
 def _last_step(path: Path) -> int:
@@ -84,7 +87,7 @@ def _replicas(run_dir: Path) -> dict:
     return json.loads((run_dir / "replicas.json").read_text())
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+def _finish(proc: subprocess.Popen | ServedRun, timeout: float = 300) -> tuple[int, str]:
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

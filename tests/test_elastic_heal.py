@@ -199,12 +199,12 @@ LOST_SOURCE = {
 @pytest.mark.parametrize("case", list(LOST_SOURCE))
 def test_a_heal_whose_source_is_lost_heals_from_the_third_replica(tmp_path: Path, case: str) -> None:
     """Three replicas, one rank each (tests/test_elastic.py's kill case): replica 1 dies before its round 2, its
-    restart heals out of band in round 3, and its source (the replica serving it) dies before publishing its
-    state, dies in the middle of sending it, or is frozen there (SIGSTOP until the healing replica healed elsewhere). The healing replica gives up
-    on it (refused, a cut transfer, no answer within elastic.timeout_s), asks the quorum again and heals from
-    the third replica: its summary names both sources, in order. A dead source's restart heals; a stopped one
-    comes back and heals in place. Exit 0, every replica's metrics to the last step, the final models bitwise
-    equal."""
+    restart heals out of band in round 3, and its source (the replica serving it) dies before publishing its state,
+    dies in the middle of sending it, or is frozen there (SIGSTOP until the healing replica healed elsewhere). The
+    healing replica gives up on it (refused, a cut transfer, no answer within elastic.timeout_s), asks the quorum
+    again and heals from the third replica: its summary names both sources, in order. A dead source's restart heals;
+    a stopped one comes back and heals in place. Exit 0, every replica's metrics to the last step, the final models
+    bitwise equal."""
     from tests.test_elastic import ELASTIC, KILL, KILL_RUN_STEPS, _finish, _params, _replicas, _start, kill_faults
 
     run_dir = tmp_path / case.replace(" ", "-")
