@@ -26,7 +26,8 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.core.atomic import write_json, write_text
 from hsdp.run.checkpoint import elastic_resume_note
 from hsdp.run.guard import ONE_LINE_ERRORS
-from hsdp.run.metrics import last_record, ledger_totals, merged_rates, write_failure
+from hsdp.run.lives import given_up_entry
+from hsdp.run.metrics import last_record, ledger_totals, merged_rates, read_records, write_failure
 from hsdp.run.pool import Exit, Pool, WorkerError, start_zygote
 from hsdp.run.rank import Worker, forked_ranks, host_rendezvous_store, worker_env
 from hsdp.run.stop import StopSignals
@@ -351,7 +352,10 @@ def merge_replica_summaries(
     final_loss, final_val_loss   the mean over the replicas that finished (as a plain run's world mean:
                                  the replicas are of equal size); `finished_replicas` lists them
     tokens                       Σ over replicas of the tokens each trained (a given-up replica's up to its
-                                 last metrics record; a restarted one's every life once)
+                                 last metrics record; a restarted one's every life once, a dead life's up to
+                                 its last record): Σ of `replica_ledger`'s trained_tokens
+    replica_ledger               per replica over all its lives (hsdp/run/lives.py): trained and merged tokens,
+                                 restarts, `lives`; a given-up replica's from its metrics file
     train_time_s, wall_time_s    the longest replica's (they train side by side)
     tokens_per_s, mfu            the steady rate: the first finished replica's (the run's tokens per step
                                  over its median step, as a plain run's)
@@ -411,7 +415,10 @@ def merge_replica_summaries(
         ),
     }
     ledger = {k: v for s in summaries.values() for k, v in (s.get("replica_ledger") or {}).items()}
-    if ledger:  # each replica's own; goodput and the most any replica waited over all of them
+    if ledger:  # each replica's own over its lives; goodput and the most any replica waited over all of them
+        for m in failures:  # a replica without a summary (given up): its lives from its metrics file
+            if m not in summaries:
+                ledger[str(m)] = given_up_entry(read_records(run_dir / f"metrics.replica{m}.jsonl"), restarts[m])
         merged.update(ledger_totals(ledger))
     # atomic: a failed write (a full disk) leaves the old one or none
     write_text(run_dir / "summary.json", json.dumps(merged, indent=1, allow_nan=False))
