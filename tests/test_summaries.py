@@ -203,6 +203,11 @@ def test_a_given_up_replicas_lives_are_in_the_merged_ledger(tmp_path: Path) -> N
     assert gone["sync_wait_s"] == 1.0 and gone["wait_fraction"] == 0.05 and gone["skipped_steps"] == 1
     assert s["tokens"] == 2400 + 1000 == sum(e["trained_tokens"] for e in s["replica_ledger"].values())
     assert s["goodput"] == round((2400 + 400) / 3400, 4)
+    # a finished replica whose counter falls short of its lives (resumed, then healed past its checkpoint): the
+    # run's tokens are Σ over the lives, as its ledger says
+    _write(tmp_path / "summary.replica0.json", {**base, "trained_tokens": 2000, "replica_ledger": {"0": own}})
+    merge_replica_summaries(tmp_path, {0: 0, 1: 2}, {0: 0, 1: 1}, given_up={1})
+    assert json.loads((tmp_path / "summary.json").read_text())["tokens"] == 2400 + 1000
     # its third start (restart 2) died before it logged: the last life that logged was restarted, not given up
     merge_replica_summaries(tmp_path, {0: 0, 1: 3}, {0: 0, 1: 2}, given_up={1})
     gone = json.loads((tmp_path / "summary.json").read_text())["replica_ledger"]["1"]

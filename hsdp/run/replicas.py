@@ -351,9 +351,9 @@ def merge_replica_summaries(
 
     final_loss, final_val_loss   the mean over the replicas that finished (as a plain run's world mean:
                                  the replicas are of equal size); `finished_replicas` lists them
-    tokens                       Σ over replicas of the tokens each trained (a given-up replica's up to its
-                                 last metrics record; a restarted one's every life once, a dead life's up to
-                                 its last record): Σ of `replica_ledger`'s trained_tokens
+    tokens                       Σ of `replica_ledger`'s trained_tokens: what each replica trained in all
+                                 its lives, a dead life's up to its last record (without a ledger: each
+                                 replica's trained_tokens, a given-up one's from its last metrics record)
     replica_ledger               per replica over all its lives (hsdp/run/lives.py): trained and merged tokens,
                                  restarts, `lives`; a given-up replica's from its metrics file
     train_time_s, wall_time_s    the longest replica's (they train side by side)
@@ -378,10 +378,19 @@ def merge_replica_summaries(
     def survived(m: int, s: dict) -> bool:
         return not failures[m] and not s.get("rejoins")
 
+    # each replica's ledger over its lives (a given-up replica's from its metrics file, hsdp/run/lives.py)
+    ledger = {k: v for s in summaries.values() for k, v in (s.get("replica_ledger") or {}).items()}
+    for m in failures:
+        if ledger and m not in summaries:
+            ledger[str(m)] = given_up_entry(read_records(run_dir / f"metrics.replica{m}.jsonl"), restarts[m])
     trained = 0
     for m in failures:  # a replica without a summary (given up) trained what its last record says
         own = summaries[m] if m in summaries else (last_record(run_dir / f"metrics.replica{m}.jsonl") or {})
         trained += own.get("trained_tokens") or 0
+    if len(ledger) == len(failures):
+        # Σ over every replica's lives: its counter can fall short of them (a resumed replica that healed past
+        # its checkpoint counts from the checkpoint, not the earlier launch's steps its records keep)
+        trained = sum(e["trained_tokens"] for e in ledger.values())
     train_time = max((s.get("train_time_s") or 0.0) for s in summaries.values())
     merged = {
         **first,
@@ -414,11 +423,7 @@ def merge_replica_summaries(
             default=None,
         ),
     }
-    ledger = {k: v for s in summaries.values() for k, v in (s.get("replica_ledger") or {}).items()}
-    if ledger:  # each replica's own over its lives; goodput and the most any replica waited over all of them
-        for m in failures:  # a replica without a summary (given up): its lives from its metrics file
-            if m not in summaries:
-                ledger[str(m)] = given_up_entry(read_records(run_dir / f"metrics.replica{m}.jsonl"), restarts[m])
+    if ledger:  # goodput and the most any replica waited, over every replica
         merged.update(ledger_totals(ledger))
     # atomic: a failed write (a full disk) leaves the old one or none
     write_text(run_dir / "summary.json", json.dumps(merged, indent=1, allow_nan=False))
