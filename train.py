@@ -134,7 +134,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     # the nominal steps it skipped: a paced period's rest, or a straggler bound's cut (elastic.round_timeout_s)
     skipped = pacer.cut_steps if pacer is not None else int(member_stats.get("cut_steps", 0))
     # per replica: tokens trained and merged (an elastic replica's over its lives), waits; goodput (§8.12)
-    totals = ledger.replica_totals(skipped, logger.records())
+    totals = ledger.replica_totals(skipped, logger.records() if ledger.own_files else [])  # its lives: an elastic one's
     counts = ledger.summary()  # the same counts as the last record: tokens, rates, times, bytes (docs/design.md §12)
     logger.summary(
         {
