@@ -14,6 +14,9 @@ One definition each, used by the metrics records, the progress bar, summary.json
                        tokens over the time their steps take at the median pace (leaves out the compile
                        and rare slow syncs; a plain run's is tokens per step / median step)
     wall_tokens_per_s  tokens / train_time_s: every step's time counted
+
+An elastic replica's records also carry its life's own counts, and its `replica_ledger` entry sums them over its
+lives (hsdp/run/lives.py has those definitions).
 """
 
 from __future__ import annotations
