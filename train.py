@@ -90,7 +90,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     )
     # The run's counts and rates, one definition each (hsdp/run/ledger.py); a replica restarted within the run
     # (healed, not resumed) continues its previous life's counters, so none goes backwards in its metrics.
-    ledger = StepLedger(cfg, mesh, members, policy, pacer, run, logger.previous, replica, t_start)
+    restart = seat.restart if seat is not None else 0  # which start of this replica (its lives, hsdp/run/lives.py)
+    ledger = StepLedger(cfg, mesh, members, policy, pacer, run, logger.previous, replica, restart, t_start)
     memory = StepMemoryProbe(mesh.device, at=min(run.start_step + 2, cfg.run.steps - 1))  # past compile and warm-up
 
     last_trained_s: Optional[float] = None
@@ -132,7 +133,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     member_stats = members.stats(run.step_times)
     # the nominal steps it skipped: a paced period's rest, or a straggler bound's cut (elastic.round_timeout_s)
     skipped = pacer.cut_steps if pacer is not None else int(member_stats.get("cut_steps", 0))
-    totals = ledger.replica_totals(skipped)  # per replica: tokens trained and merged, waits; goodput (§8.12)
+    # per replica: tokens trained and merged (an elastic replica's over its lives), waits; goodput (§8.12)
+    totals = ledger.replica_totals(skipped, logger.records() if ledger.own_files else [])  # its lives: an elastic one's
     counts = ledger.summary()  # the same counts as the last record: tokens, rates, times, bytes (docs/design.md §12)
     logger.summary(
         {

@@ -1,5 +1,6 @@
 """One definition per count and rate (hsdp/run/ledger.py): summary.json, metrics.jsonl's last record and the
-closing line count the same tokens (trained, not nominal), for a plain, a paced and an elastic run."""
+closing line count the same tokens (trained, not nominal), for a plain, a paced and an elastic run; an elastic
+replica's ledger is the sum over its lives (hsdp/run/lives.py; a killed replica's lives: tests/test_elastic.py)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,14 @@ def test_an_elastic_run_counts_each_replicas_own_and_the_sum(tmp_path: Path) -> 
 
         mine = json.loads((run.run_dir / f"summary.replica{m}.json").read_text())
         assert mine["tokens"] == last["tokens"] and mine["trained_tokens"] == last["trained_tokens"]
-        assert s["replica_ledger"][str(m)]["trained_tokens"] == mine["trained_tokens"]  # one replica's share
+        entry = s["replica_ledger"][str(m)]
+        assert entry["trained_tokens"] == mine["trained_tokens"]  # one replica's share
+        # one life (no restart), which trained every step and is the whole replica's
+        assert entry["restarts"] == 0 and [x["life"] for x in entry["lives"]] == [0], entry
+        life = entry["lives"][0]
+        assert (life["first_step"], life["last_step"], life["ended"]) == (0, 19, "finished")
+        assert (life["trained_tokens"], life["merged_tokens"]) == (entry["trained_tokens"], entry["merged_tokens"])
+        assert last["life_trained_tokens"] == last["trained_tokens"] == life["trained_tokens"]
         own.append(mine["trained_tokens"])
     assert s["tokens"] == sum(own) == 20 * s["tokens_per_step"]
+    assert s["tokens"] == sum(e["trained_tokens"] for e in s["replica_ledger"].values())

@@ -152,6 +152,7 @@ def test_a_killed_replica_heals_and_the_run_finishes(
     merged = json.loads((run_dir / "summary.json").read_text())["replica_ledger"]["1"]
     last = _records(run_dir, 1)[-1]
     assert (merged["trained_tokens"], merged["merged_tokens"]) == (last["trained_tokens"], last["merged_tokens"])
+    _assert_lives_are_the_records(run_dir, [*SMALLER, *ELASTIC, *KILL, *mesh, *extra, f"run.steps={KILL_RUN_STEPS}"])
     survivor = [r["replicas"] for r in _records(run_dir, 0)]
     first_short = survivor.index(n - 1)  # a sync without replica 1 ...
     assert n in survivor[first_short:]  # ... and later with it again
@@ -190,6 +191,57 @@ def test_a_killed_replica_heals_and_the_run_finishes(
     assert summary["survivor_touched_rounds"] == 2, (summary["survivor_touched_rounds"], quorums, err[-3000:])
 
 
+def _assert_lives_are_the_records(run_dir: Path, overrides: list[str], given_up: Optional[int] = None) -> None:
+    """summary.json's per-life ledger against a count of the metrics files made without it: with run.log_every=1
+    a life logs every step it finishes and dies in a step it does not log, so a replica's lives are its file's
+    runs of consecutive steps. Each life trained one replica's tokens per step it logged, and merged those of
+    its steps up to the last param sync that landed within it (every step, on grad-sync steps throughout; a
+    sync in flight at the last step lands then). Σ over lives is the replica's total, in summary.json and in its
+    own summary (`given_up`: a replica that wrote none, its last life given up); Σ over replicas is the run's
+    tokens. (The step a life died in was trained but is in no record: counted nowhere, here as in the ledger.)"""
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), overrides)
+    assert cfg.run.log_every == 1
+    share = cfg.mesh.replicate * cfg.mesh.shard * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for m in range(cfg.mesh.sync):
+        records, restarts = _records(run_dir, m), _replicas(run_dir)[str(m)]["restarts"]
+        runs: list[list[dict]] = [[records[0]]]
+        for r in records[1:]:
+            if r["step"] == runs[-1][-1]["step"] + 1:
+                runs[-1].append(r)
+            else:  # a gap: the step its life died in, and those its restart skipped to heal
+                runs.append([r])
+        expected = []
+        for i, life in enumerate(runs):
+            steps = [r["step"] for r in life]
+            if cfg.sync.warmup_steps is not None and cfg.sync.warmup_steps >= cfg.run.steps:
+                merged = len(steps)  # a grad-sync step's grads reach every replica in its own round
+            else:
+                # a sync started after step s lands after step s + sync.delay, or at the run's last step
+                end = steps[-1] + (cfg.sync.delay if steps[-1] == cfg.run.steps - 1 else 0)
+                landed = [r["step"] for r in life if r["synced"] and r["step"] + cfg.sync.delay <= end]
+                merged = sum(s <= max(landed) for s in steps) if landed else 0
+            ended = "restarted" if i < len(runs) - 1 else "given_up" if m == given_up else "finished"
+            if m == given_up and i == len(runs) - 1 and len(runs) - 1 < restarts:
+                ended = "restarted"  # its last start died before it logged a step: no entry, in `restarts` only
+            expected.append((i, steps[0], steps[-1], len(steps) * share, merged * share, ended))
+        entry = summary["replica_ledger"][str(m)]
+        got = [tuple(x[k] for k in ("life", "first_step", "last_step", "trained_tokens", "merged_tokens", "ended"))
+               for x in entry["lives"]]  # fmt: skip
+        assert got == expected, (m, got, expected)
+        assert entry["restarts"] == restarts, entry
+        assert len(runs) - 1 == restarts if m != given_up else len(runs) - 1 <= restarts, (runs, restarts)
+        assert entry["trained_tokens"] == sum(e[3] for e in expected), entry
+        assert entry["merged_tokens"] == sum(e[4] for e in expected), entry
+        assert entry["trained_tokens"] == records[-1]["trained_tokens"]  # the counter it carried over its lives
+        if m != given_up:
+            own = json.loads((run_dir / f"summary.replica{m}.json").read_text())
+            assert own["trained_tokens"] == entry["trained_tokens"]
+    ledger = summary["replica_ledger"].values()
+    assert summary["tokens"] == sum(e["trained_tokens"] for e in ledger)
+    assert summary["goodput"] == round(sum(e["merged_tokens"] for e in ledger) / summary["tokens"], 4)
+
+
 def _assert_data_is_indexed_by_step(overrides: list[str], replica: int) -> None:
     """A replica's batch at step s depends on (its ranks, s) only: a fresh Data (a restarted replica's)
     gives, at a late step, exactly what one that has served every earlier step gives."""
@@ -223,6 +275,12 @@ def test_a_replica_that_keeps_dying_is_given_up_and_the_others_finish(tmp_path: 
     assert _replicas(run_dir)["1"]["given_up"] is True
     assert _records(run_dir, 0)[-1]["step"] == 47
     assert "elastic: fault 1.1@1:before_quorum:die" in err
+    # it wrote no summary, yet summary.json's ledger has it, from its metrics file: its first life, restarted,
+    # and its restart's, given up (unless the restart died before it logged a step: then in `restarts` only)
+    assert not (run_dir / "summary.replica1.json").exists()
+    gone = json.loads((run_dir / "summary.json").read_text())["replica_ledger"]["1"]
+    assert gone["restarts"] == 1 and gone["lives"][0]["ended"] == "restarted", gone
+    _assert_lives_are_the_records(run_dir, [*SMALLER, *overrides, "run.steps=48"], given_up=1)
 
 
 def test_elastic_without_failures_computes_the_plain_run(tmp_path: Path):

@@ -101,6 +101,18 @@ def test_replicas_that_disagree_resume_each_from_its_own_newest(
         assert len(got) == len(set(got)) and got == sorted(got) and got[-1] == steps - 1, m
     assert [r["step"] for r in records(run, ahead)] == list(range(steps))  # its work kept, none repeated
     assert json.loads((run / "summary.json").read_text())["heals"] == 1
+    # Each replica's ledger is over its lives (the first launch's, kept up to where it resumed or healed, and
+    # this one's): one replica's tokens per step its metrics file holds, counted without the ledger code; the
+    # run's tokens are their sum (the one behind counts from its checkpoint: its own counter falls short)
+    cfg = load_config(str(run / "config.yaml"))
+    assert cfg.run.log_every == 1
+    share = cfg.mesh.replicate * cfg.mesh.shard * cfg.data.batch_size * cfg.model.seq_len * cfg.optim.grad_accum
+    summary = json.loads((run / "summary.json").read_text())
+    for m in (0, 1):
+        entry = summary["replica_ledger"][str(m)]
+        assert entry["trained_tokens"] == share * len(records(run, m)), (m, entry)
+        assert [x["ended"] for x in entry["lives"]] == ["restarted", "finished"], (m, entry)
+    assert summary["tokens"] == sum(e["trained_tokens"] for e in summary["replica_ledger"].values())
     if steps % 4 == 0:  # the run ends on a sync: the replicas agree
         a, b = (torch.load(run / f"model.replica{m}.pt") for m in (0, 1))
         assert all(torch.equal(a[k], b[k]) for k in a)

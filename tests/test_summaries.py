@@ -14,7 +14,8 @@ import pytest
 from hsdp.config.loader import load_config, save_config
 from hsdp.models.optim import lr_at
 from hsdp.run.checkpoint import COMPLETE, FORMAT
-from hsdp.run.metrics import carried_counters, last_record
+from hsdp.run.lives import life_index, lives_of, over_lives
+from hsdp.run.metrics import carried_counters, last_record, read_records
 from hsdp.run.preflight import config_notes, resume_schedule_note
 from hsdp.run.replicas import merge_replica_summaries
 from hsdp.sync.elastic.transport import lost_in_touched_steps
@@ -105,6 +106,8 @@ def test_a_restarted_replica_continues_its_counters_from_its_last_record(tmp_pat
             "trained_tokens": 48,
             "merged_tokens": 32,
             "train_time_s": 1.5,
+            "sync_wait_s": 0.75,
+            "skipped_steps": 2,
         },
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 6, "elap')
@@ -118,9 +121,97 @@ def test_a_restarted_replica_continues_its_counters_from_its_last_record(tmp_pat
         "tokens": 96,
         "trained_tokens": 48,
         "merged_tokens": 32,
+        "sync_wait_s": 0.75,
+        "skipped_steps": 2,
     }
     assert set(carried_counters(None).values()) == {0}
     assert last_record(tmp_path / "none.jsonl") is None
+
+
+def _life(life: int, steps: range, share: int, merged_steps: int, base: dict[str, int]) -> list[dict]:
+    """A life's records, one per step: its own counts (`life_*`) from 0, the cumulative ones from `base` (the
+    counters it continues), merged_steps of its steps merged by its last record."""
+    out = []
+    for i, step in enumerate(steps):
+        trained, merged = (i + 1) * share, min(i + 1, merged_steps) * share
+        out.append(
+            {
+                "step": step,
+                "life": life,
+                "life_trained_tokens": trained,
+                "life_merged_tokens": merged,
+                "trained_tokens": base["trained"] + trained,
+                "merged_tokens": base["merged"] + merged,
+                "sync_wait_s": 0.5 * (life + 1),
+                "elapsed_s": 10.0 * (life + 1),
+                "skipped_steps": life,
+            }
+        )
+    return out
+
+
+def test_a_replicas_lives_sum_to_its_ledger() -> None:
+    """Synthetic lives (no processes): life 0 trains steps 0..6 and merges 4 of them before it dies; life 1
+    (healed, continuing its counters) trains 12..23, all merged. Each life's entry is its own counts; the
+    replica's are the sums (what its last record's cumulative counters say); restarts counts every start."""
+    share = 128
+    life0 = _life(0, range(0, 7), share, 4, {"trained": 0, "merged": 0})
+    life1 = _life(1, range(12, 24), share, 12, {"trained": 7 * share, "merged": 4 * share})
+    lives = lives_of([{"step": -1, "loss": 1.0}, *life0, *life1], 1)  # a record from before lives: skipped
+    assert lives == [
+        {"life": 0, "first_step": 0, "last_step": 6, "trained_tokens": 7 * share, "merged_tokens": 4 * share,
+         "ended": "restarted"},
+        {"life": 1, "first_step": 12, "last_step": 23, "trained_tokens": 12 * share, "merged_tokens": 12 * share,
+         "ended": "finished"},
+    ]  # fmt: skip
+    entry = over_lives({"sync_wait_s": 1.0, "skipped_steps": 0}, lives, restarts=1)
+    last = life1[-1]
+    assert (entry["trained_tokens"], entry["merged_tokens"]) == (last["trained_tokens"], last["merged_tokens"])
+    assert entry["trained_tokens"] == 19 * share and entry["restarts"] == 1 and entry["sync_wait_s"] == 1.0
+    # a third start that logged nothing (healed at the close): life 1 was restarted too
+    assert [x["ended"] for x in lives_of([*life0, *life1], 2)] == ["restarted", "restarted"]
+    # a life's index: the launcher's start count, after the life whose records it continues (a resumed launch
+    # counts the launcher's starts from 0 again), never below the launcher's (a life that logged nothing)
+    assert life_index(0, None) == 0 and life_index(2, None) == 2
+    assert life_index(1, life0[-1]) == 1 and life_index(0, life1[-1]) == 2 and life_index(3, life0[-1]) == 3
+    assert life_index(0, {"step": 5, "loss": 1.0}) == 0  # a record from before lives were logged
+
+
+def test_a_given_up_replicas_lives_are_in_the_merged_ledger(tmp_path: Path) -> None:
+    """Replica 1 died twice and was given up (no summary): the merged `replica_ledger` still has it, from its
+    metrics file (a torn last line skipped), its last life `given_up`; Σ of the ledger's trained tokens is the
+    run's `tokens`, and goodput counts the tokens its lives trained and never merged."""
+    share = 100
+    own = {"trained_tokens": 2400, "merged_tokens": 2400, "sync_wait_s": 1.0, "wait_fraction": 0.1}
+    life = {"life": 0, "first_step": 0, "last_step": 23, "trained_tokens": 2400, "merged_tokens": 2400}
+    own.update(skipped_steps=0, restarts=0, lives=[{**life, "ended": "finished"}])
+    base = {"final_loss": 2.0, "trained_tokens": 2400, "train_time_s": 8.0, "wall_time_s": 9.0}
+    _write(tmp_path / "summary.replica0.json", {**base, "replica_ledger": {"0": own}})
+    life0 = _life(0, range(0, 7), share, 4, {"trained": 0, "merged": 0})
+    life1 = _life(1, range(12, 15), share, 0, {"trained": 700, "merged": 400})
+    text = "".join(json.dumps(r) + "\n" for r in [*life0, *life1])
+    (tmp_path / "metrics.replica1.jsonl").write_text(text + '{"step": 15, "li')
+    assert [r["step"] for r in read_records(tmp_path / "metrics.replica1.jsonl")] == [*range(7), *range(12, 15)]
+    merge_replica_summaries(tmp_path, {0: 0, 1: 2}, {0: 0, 1: 1}, given_up={1})
+    s = json.loads((tmp_path / "summary.json").read_text())
+    gone = s["replica_ledger"]["1"]
+    assert [(x["life"], x["first_step"], x["last_step"], x["ended"]) for x in gone["lives"]] == [
+        (0, 0, 6, "restarted"),
+        (1, 12, 14, "given_up"),
+    ]
+    assert (gone["trained_tokens"], gone["merged_tokens"], gone["restarts"]) == (1000, 400, 1)
+    assert gone["sync_wait_s"] == 1.0 and gone["wait_fraction"] == 0.05 and gone["skipped_steps"] == 1
+    assert s["tokens"] == 2400 + 1000 == sum(e["trained_tokens"] for e in s["replica_ledger"].values())
+    assert s["goodput"] == round((2400 + 400) / 3400, 4)
+    # a finished replica whose counter falls short of its lives (resumed, then healed past its checkpoint): the
+    # run's tokens are Σ over the lives, as its ledger says
+    _write(tmp_path / "summary.replica0.json", {**base, "trained_tokens": 2000, "replica_ledger": {"0": own}})
+    merge_replica_summaries(tmp_path, {0: 0, 1: 2}, {0: 0, 1: 1}, given_up={1})
+    assert json.loads((tmp_path / "summary.json").read_text())["tokens"] == 2400 + 1000
+    # its third start (restart 2) died before it logged: the last life that logged was restarted, not given up
+    merge_replica_summaries(tmp_path, {0: 0, 1: 3}, {0: 0, 1: 2}, given_up={1})
+    gone = json.loads((tmp_path / "summary.json").read_text())["replica_ledger"]["1"]
+    assert [x["ended"] for x in gone["lives"]] == ["restarted", "restarted"] and gone["restarts"] == 2
 
 
 @pytest.mark.parametrize(

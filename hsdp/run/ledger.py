@@ -14,6 +14,9 @@ One definition each, used by the metrics records, the progress bar, summary.json
                        tokens over the time their steps take at the median pace (leaves out the compile
                        and rare slow syncs; a plain run's is tokens per step / median step)
     wall_tokens_per_s  tokens / train_time_s: every step's time counted
+
+An elastic replica's records also carry its life's own counts, and its `replica_ledger` entry sums them over its
+lives (hsdp/run/lives.py has those definitions).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from hsdp.comm.mesh import Mesh
 from hsdp.config.schema import Config
 from hsdp.run.checkpoint import Progress
+from hsdp.run.lives import life_index, lives_of, over_lives
 from hsdp.run.metrics import (
     RunningMedian,
     carried_counters,
@@ -54,11 +58,13 @@ class StepLedger:
         run: Progress,
         previous: Optional[dict[str, Any]],
         replica: int,
+        restart: int,
         t_start: float,
     ) -> None:
-        """`run`: the loop's progress (a resumed run's counts restored); `previous`: the last metrics record of
-        this replica's earlier life when it was restarted within the run (healed, not resumed), whose counters
-        it continues so none goes backwards."""
+        """`run`: the loop's progress (a resumed run's counts restored); `previous`: the last metrics record kept
+        from before this process: a replica restarted within the run (healed, not resumed) continues its earlier
+        life's counters from it, so none goes backwards; `restart`: the launcher's start count of this replica
+        (an elastic replica's lives, hsdp/run/lives.py)."""
         self.cfg, self.mesh, self.members, self.policy, self.pacer, self.run = cfg, mesh, members, policy, pacer, run
         self.replica, self.t_start = replica, t_start
         # Every rank's tokens in one nominal step (an elastic replica's mesh counts the whole run's ranks too)
@@ -78,6 +84,10 @@ class StepLedger:
         self.median = RunningMedian(run.trained_times)  # the steady rate's step time so far
         # A paced run: the steps that every replica trains (warmup rounds, the tail), counted at once.
         self.lockstep = 0 if pacer is None else sum(pacer.every_replica_trains(s) for s in range(run.start_step))
+        # This life's index and its counts at its start (restored or carried): a life's own counts are the
+        # difference, so each life's records say what it trained and merged, a resumed one's too.
+        self.life = life_index(restart, previous)
+        self.trained_at_start, self.merged_at_start = run.trained_tokens or 0, self.merged_tokens()
 
     # ------------------------------------------------------------ each step
     def after_step(self, step: int, step_s: float, trained: bool) -> None:
@@ -143,8 +153,31 @@ class StepLedger:
             "synced": synced,
             "elapsed_s": self.elapsed_s(),  # wall-clock, for time-to-loss
             **self.members.step_record(),  # e.g. the replicas counted in the last sync
-            **({"merged_tokens": self.merged_tokens()} if self.own_files else {}),
+            **(self.own_counts() if self.own_files else {}),
         }
+
+    def own_counts(self) -> dict[str, Any]:
+        """An elastic replica's own record fields: tokens merged, waits and skips over its lives, and this life's
+        index and counts (hsdp/run/lives.py reads its lives from them)."""
+        merged = self.merged_tokens()
+        return {
+            "merged_tokens": merged,
+            "sync_wait_s": self.carried["sync_wait_s"] + self.wait_s(),
+            "skipped_steps": int(self.carried["skipped_steps"]) + self.skipped(),
+            "life": self.life,
+            "life_trained_tokens": (self.run.trained_tokens or 0) - self.trained_at_start,
+            "life_merged_tokens": merged - self.merged_at_start,
+        }
+
+    def wait_s(self) -> float:
+        """This process's seconds waiting at syncs: its quorums' and its policy's weight exchange's."""
+        return self.members.sync_wait_s() + float(self.policy.ledger().get("wait_s") or 0.0)
+
+    def skipped(self) -> int:
+        """The nominal steps this process skipped: a paced period's rest, or a straggler bound's cut."""
+        if self.pacer is not None:
+            return self.pacer.cut_steps
+        return int(self.members.step_record().get("cut_steps", 0))
 
     @property
     def own_files(self) -> bool:
@@ -157,15 +190,20 @@ class StepLedger:
         return round(merged + self.carried["merged_tokens"])
 
     # ------------------------------------------------------------ the end
-    def replica_totals(self, skipped_steps: int) -> dict[str, Any]:
-        """Every replica's ledger (tokens trained and merged, waits; goodput), gathered from every rank."""
-        waited = self.members.sync_wait_s()  # an elastic run's quorums; the policy adds its weight exchange's
+    def replica_totals(self, skipped_steps: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Every replica's ledger (tokens trained and merged, waits; goodput), gathered from every rank.
+        `records`: this process's metrics file's (an elastic replica's logging rank: every life's)."""
+        # an elastic run's quorums (the policy adds its weight exchange's), earlier lives' included
+        waited = self.members.sync_wait_s() + self.carried["sync_wait_s"]
         own = {
             # a restarted replica's earlier lives: what its metrics carried over (its policy counts this life's)
             **ledger_entry(self.policy.ledger(), self.replica_tokens, self.elapsed_s(), waited, self.earlier()),
             **(self.pacer.stats() if self.pacer else {}),
-            "skipped_steps": skipped_steps,  # a paced period's rest, or a straggler bound's cut
+            # a paced period's rest, or a straggler bound's cut
+            "skipped_steps": skipped_steps + int(self.carried["skipped_steps"]),
         }
+        if self.own_files and records:  # its logging rank: its trained and merged tokens are Σ over its lives
+            own = over_lives(own, lives_of(records, self.life), self.life)
         ledgers: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ledgers, (str(self.replica), own))
         first: dict[str, Any] = {}

@@ -287,13 +287,30 @@ CARRIED = (
     "train_time_s",
     "tokens",
     "trained_tokens",
-    "merged_tokens",  # an elastic replica's own (hsdp/run/ledger.py)
+    "merged_tokens",  # an elastic replica's own (hsdp/run/ledger.py), and so are these two
+    "sync_wait_s",
+    "skipped_steps",
 )
 
 
 def carried_counters(previous: Optional[dict[str, Any]]) -> dict[str, float]:
     """The CARRIED counters of `previous` (a metrics record; missing or null fields 0), or all 0."""
     return {k: (previous or {}).get(k) or 0 for k in CARRIED}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every whole record of a metrics file, in order (a torn line, a killed writer's, is skipped); [] if none."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
 
 
 def last_record(path: Path) -> Optional[dict[str, Any]]:
@@ -468,6 +485,13 @@ class MetricsLogger:
         finally:
             temp_name(path).unlink(missing_ok=True)  # what a failed write left under its temp name
         self._to_wandb("summary", lambda run: run.summary.update(summary))
+
+    def records(self) -> list[dict[str, Any]]:
+        """The records of metrics<suffix>.jsonl so far (earlier lives' and this process's); [] if it writes none."""
+        if not self.enabled:
+            return []
+        self._file.flush()
+        return read_records(self._path)
 
     def close(self) -> None:
         if not self.enabled:

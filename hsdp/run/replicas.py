@@ -26,7 +26,8 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.core.atomic import write_json, write_text
 from hsdp.run.checkpoint import elastic_resume_note
 from hsdp.run.guard import ONE_LINE_ERRORS
-from hsdp.run.metrics import last_record, ledger_totals, merged_rates, write_failure
+from hsdp.run.lives import given_up_entry
+from hsdp.run.metrics import last_record, ledger_totals, merged_rates, read_records, write_failure
 from hsdp.run.pool import Exit, Pool, WorkerError, start_zygote
 from hsdp.run.rank import Worker, forked_ranks, host_rendezvous_store, worker_env
 from hsdp.run.stop import StopSignals
@@ -350,8 +351,11 @@ def merge_replica_summaries(
 
     final_loss, final_val_loss   the mean over the replicas that finished (as a plain run's world mean:
                                  the replicas are of equal size); `finished_replicas` lists them
-    tokens                       Σ over replicas of the tokens each trained (a given-up replica's up to its
-                                 last metrics record; a restarted one's every life once)
+    tokens                       Σ of `replica_ledger`'s trained_tokens: what each replica trained in all
+                                 its lives, a dead life's up to its last record (without a ledger: each
+                                 replica's trained_tokens, a given-up one's from its last metrics record)
+    replica_ledger               per replica over all its lives (hsdp/run/lives.py): trained and merged tokens,
+                                 restarts, `lives`; a given-up replica's from its metrics file
     train_time_s, wall_time_s    the longest replica's (they train side by side)
     tokens_per_s, mfu            the steady rate: the first finished replica's (the run's tokens per step
                                  over its median step, as a plain run's)
@@ -374,10 +378,19 @@ def merge_replica_summaries(
     def survived(m: int, s: dict) -> bool:
         return not failures[m] and not s.get("rejoins")
 
+    # each replica's ledger over its lives (a given-up replica's from its metrics file, hsdp/run/lives.py)
+    ledger = {k: v for s in summaries.values() for k, v in (s.get("replica_ledger") or {}).items()}
+    for m in failures:
+        if ledger and m not in summaries:
+            ledger[str(m)] = given_up_entry(read_records(run_dir / f"metrics.replica{m}.jsonl"), restarts[m])
     trained = 0
     for m in failures:  # a replica without a summary (given up) trained what its last record says
         own = summaries[m] if m in summaries else (last_record(run_dir / f"metrics.replica{m}.jsonl") or {})
         trained += own.get("trained_tokens") or 0
+    if len(ledger) == len(failures):
+        # Σ over every replica's lives: its counter can fall short of them (a resumed replica that healed past
+        # its checkpoint counts from the checkpoint, not the earlier launch's steps its records keep)
+        trained = sum(e["trained_tokens"] for e in ledger.values())
     train_time = max((s.get("train_time_s") or 0.0) for s in summaries.values())
     merged = {
         **first,
@@ -410,8 +423,7 @@ def merge_replica_summaries(
             default=None,
         ),
     }
-    ledger = {k: v for s in summaries.values() for k, v in (s.get("replica_ledger") or {}).items()}
-    if ledger:  # each replica's own; goodput and the most any replica waited over all of them
+    if ledger:  # goodput and the most any replica waited, over every replica
         merged.update(ledger_totals(ledger))
     # atomic: a failed write (a full disk) leaves the old one or none
     write_text(run_dir / "summary.json", json.dumps(merged, indent=1, allow_nan=False))
