@@ -215,7 +215,10 @@ class _Output:
         self.path = path
 
     def read(self) -> str:
-        return Path(self.path).read_text(errors="replace")
+        try:
+            return Path(self.path).read_text(errors="replace")
+        except FileNotFoundError:  # communicate() read it and removed it
+            return ""
 
 
 class ServedRun:

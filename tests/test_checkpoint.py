@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,17 @@ from hsdp.config.schema import ConfigError
 from hsdp.export import main as export_main
 from hsdp.models.gpt import GPT
 from hsdp.run.checkpoint import check_resume, latest_checkpoint, prune, read_meta
-from tests.helpers import _SERVER, QUIET_ENV, REPO, SMALL, RunResult, max_param_rel_err, rel_err, run_train
+from tests.helpers import (
+    QUIET_ENV,
+    REPO,
+    SMALL,
+    RunResult,
+    ServedRun,
+    max_param_rel_err,
+    rel_err,
+    run_train,
+    serve_train,
+)
 
 MESH = ["mesh.sync=2", "mesh.shard=2"]
 EXACT = SMALL + MESH + ["run.steps=20"]  # exact HSDP (grads averaged every step)
@@ -71,14 +80,11 @@ def train_cmd(script: list[str], out: Path, name: str, overrides: list[str]) -> 
 ENV = {**os.environ, **QUIET_ENV}
 
 
-def start_served(cmd: list[str], timeout: float = 240) -> Future:
-    """Run `cmd` (train_cmd's) on the suite's warm train server (tests/helpers.py) in a thread; the future gives
-    (exit code, stdout+stderr). For a test that acts on a run's workers while it runs: its launcher is a fork of
-    the server, so a test that signals the launcher itself needs a fresh process instead."""
-    pool = ThreadPoolExecutor(1)
-    future = pool.submit(_SERVER.run, cmd[1], cmd[2:], ENV, timeout)
-    pool.shutdown(wait=False)
-    return future
+def start_served(cmd: list[str]) -> ServedRun:
+    """Run `cmd` (train_cmd's) on the suite's warm train server (tests/helpers.py), watched while it runs. For a
+    test that acts on a run's workers: its launcher is a fork of the server, so a test that signals the launcher
+    itself needs a fresh process instead."""
+    return serve_train(cmd[1], cmd[2:], ENV)
 
 
 def torchrun(out: Path, name: str, overrides: list[str], timeout: float = 240) -> RunResult:
@@ -130,7 +136,7 @@ def alive(pid: int) -> bool:
 
 
 def signal_held_rank(
-    run: Future, pid_dir: Path, rank: int, sig: int, reached: Callable[[], bool], timeout: float
+    run: ServedRun, pid_dir: Path, rank: int, sig: int, reached: Callable[[], bool], timeout: float
 ) -> tuple[int, str, float, list[int]]:
     """A run of tests/checkpoint_train.py held by `pid_dir/hold`: once `reached()`, send `sig` to `rank`'s worker,
     release the hold and wait (≤ `timeout` s) for the run's end. (exit code, output, seconds from the signal to
@@ -139,20 +145,29 @@ def signal_held_rank(
     try:
         deadline = time.monotonic() + 180
         while not reached():
-            assert not run.done() and time.monotonic() < deadline, "the run did not reach the point to act at"
+            assert run.poll() is None and time.monotonic() < deadline, "the run did not reach the point to act at"
             time.sleep(0.05)
         pids = [int((pid_dir / f"rank{r}.pid").read_text()) for r in range(4)]
         os.kill(pids[rank], sig)
         t0 = time.monotonic()
         hold.unlink()
-        returncode, output = run.result(timeout=timeout)
-        return returncode, output, time.monotonic() - t0, pids
+        try:
+            _, output = run.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            raise AssertionError(f"the run did not end within {timeout:g} s of the signal") from None
+        assert run.returncode is not None
+        return run.returncode, output, time.monotonic() - t0, pids
     finally:
         hold.unlink(missing_ok=True)
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        run.exception(timeout=300)  # the run has ended (the server's own timeout bounds it)
+        if run.poll() is None:  # its workers are gone: the launcher ends, or is killed after a minute
+            try:
+                run.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                run.kill()
 
 
 def left_behind(pids: list[int], grace_s: float = 10) -> list[int]:
