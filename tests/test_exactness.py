@@ -42,10 +42,13 @@ REPORTED = Case(
 # The suite draws its one compiled case (the simplest draw: 2x2, two blocks, vocab = tokens per rank, the same size
 # coincidence as the report); the sweep runs the report's own shape first, then its draws.
 PHASES = [Phase.generate] if COMPILED_EXAMPLES <= 1 else [Phase.explicit, Phase.generate]
+# The suite's draw compiles the step scope (whose nested region trained another model; the blocks scope has its own
+# module, tests/test_compile_blocks.py, and an elastic pair); the sweep compiles both scopes for every draw.
+SCOPES = ("step",) if COMPILED_EXAMPLES <= 1 else ("step", "blocks")
 
 
 @settings(max_examples=COMPILED_EXAMPLES, deadline=None, suppress_health_check=SLOW, database=None, phases=PHASES)
 @example(case=REPORTED)
 @given(case=cases())
 def test_compiled_equals_eager_at_generated_shapes(case: Case, tmp_path_factory: pytest.TempPathFactory) -> None:
-    check_case(case, tmp_path_factory.mktemp("compiled"), compiled=True, record=RECORD)
+    check_case(case, tmp_path_factory.mktemp("compiled"), compiled=True, record=RECORD, scopes=SCOPES)
