@@ -22,7 +22,7 @@ from typing import Optional
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
 from hsdp.run.lighthouse import LighthouseError, LighthouseProcess
-from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
+from hsdp.sync.elastic import in_words, lighthouse_unreachable
 
 DEFAULT_PORT = 29510
 

@@ -15,7 +15,7 @@ import torch
 
 from hsdp.config.loader import load_config
 from hsdp.run.lighthouse import LighthouseProcess, free_port
-from hsdp.sync.elastic.lighthouse import lighthouse_unreachable
+from hsdp.sync.elastic import lighthouse_unreachable
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,6 @@ that the replicas do not send again: their heartbeats and their next quorum requ
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import IO, Optional, Union
 
 from hsdp.config.schema import Config
-from hsdp.sync.elastic.lighthouse import lighthouse_unreachable
+from hsdp.sync.elastic import lighthouse_unreachable
 
 START_TIMEOUT_S = 30.0  # how long a started lighthouse may take to accept connections
 SUPERVISE_EVERY_S = 0.2  # how often the launcher's supervisor looks at its lighthouse
@@ -71,11 +70,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+try:  # looked up here, not in the forked child (where a lock another thread held at the fork would hang it)
+    _PRCTL: Optional[Callable[..., int]] = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the process that started it dies (a launcher killed with -9 must
-    not leave a lighthouse behind). Linux only; elsewhere the launcher's `close` is the only stop."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    """In the child before exec: SIGKILL when the thread that started it ends (a launcher killed with -9 must not
+    leave a lighthouse behind; `close` stops it first anyway). Linux only; elsewhere `close` is the only stop."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class LighthouseProcess:
