@@ -120,3 +120,37 @@ def test_the_slurm_script_runs_an_elastic_run_across_three_hosts(tmp_path: Path)
         assert json.loads((run_dir / f"summary.replica{m}.json").read_text())["sync_rounds"] >= STEPS // 8 - 1
     a, b = torch.load(run_dir / "model.replica0.pt"), torch.load(run_dir / "model.replica1.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_replica_under_torchrun_refuses_a_run_folder_not_prepared_for_its_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An elastic replica under torchrun prepares nothing (no replica is special): it refuses, in one line, a folder
+    without config.yaml or one prepared for another config; a replica's own keys (its slowdown, elastic.replica, the
+    lighthouse) may differ. `train.py --prepare` writes the folder and exits without training."""
+    import train
+    from hsdp.config.loader import load_config
+    from hsdp.config.schema import ConfigError
+    from hsdp.run.rundir import prepare_run_dir
+    from hsdp.sync.seam import ReplicaSeat
+
+    sets = [*RUN, f"run.out_dir={tmp_path}", "run.name=prep"]
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), sets)
+    seat = ReplicaSeat(0, 0, "http://127.0.0.1:1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match=r"is not prepared \(no config.yaml\).*--prepare") as e:
+        prepare_run_dir(cfg, seat)
+    assert "\n" not in str(e.value) and not (tmp_path / "prep").exists()
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    argv = ["--config", str(REPO / "configs" / "tiny.yaml"), *[a for s in sets for a in ("--set", s)], "--prepare"]
+    assert train.main(argv) == 0
+    assert (tmp_path / "prep" / "config.yaml").is_file() and not list((tmp_path / "prep").glob("metrics*"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    mine = load_config(str(REPO / "configs" / "tiny.yaml"), [*sets, "run.slowdown=3", "elastic.replica=1"])
+    prepare_run_dir(mine, seat)  # its own keys differ: accepted
+    other = load_config(str(REPO / "configs" / "tiny.yaml"), [*sets, "sync.every=16"])
+    with pytest.raises(ConfigError, match="sync.every: .* was prepared with 8, this replica's config has 16"):
+        prepare_run_dir(other, seat)
