@@ -282,10 +282,10 @@ def test_two_torchrun_agents_as_two_machines(tmp_path: Path) -> None:
     common = ["--config", str(REPO / "configs/tiny.yaml")]
     for o in [*overrides, f"run.out_dir={tmp_path}", "run.name=torchrun"]:
         common += ["--set", o]
-    prepared = subprocess.run([sys.executable, str(REPO / "train.py"), *common, "--prepare"], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert prepared.returncode == 0 and (run_dir / "config.yaml").is_file(), prepared.stderr[-2000:]
     try:
+        prepared = subprocess.run([sys.executable, str(REPO / "train.py"), *common, "--prepare"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert prepared.returncode == 0 and (run_dir / "config.yaml").is_file(), prepared.stderr[-2000:]
         for m in (0, 1):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
             cmd += [str(REPO / "train.py"), "--config", str(REPO / "configs/tiny.yaml")]
