@@ -65,9 +65,14 @@ def lighthouse_command(cfg: Config, port: int, binary: Optional[Path] = None) ->
 
 def free_port() -> int:
     """A TCP port free on this host now (the lighthouse binds it a moment later; it keeps it across restarts)."""
-    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+    for family in (socket.AF_INET6, socket.AF_INET):  # the lighthouse binds [::]; a host without IPv6: 0.0.0.0
+        try:
+            with socket.socket(family) as s:
+                s.bind(("", 0))
+                return int(s.getsockname()[1])
+        except OSError:
+            continue
+    raise LighthouseError("no free TCP port on this host for the lighthouse")
 
 
 try:  # looked up here, not in the forked child (where a lock another thread held at the fork would hang it)
@@ -115,8 +120,8 @@ class LighthouseProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self, wait_s: float = START_TIMEOUT_S) -> LighthouseProcess:
-        """Start it (unless it runs) and wait until it accepts connections at `port` on this host's side of its
-        command (or `wait_s` passes: LighthouseError naming the exit or the wait)."""
+        """Start it (unless it runs) and wait up to `wait_s` until it accepts connections (`answers`); LighthouseError
+        naming its exit code, or the wait, if it does not."""
         with self._lock:
             self.held = False
             if not self.alive:

@@ -1,14 +1,13 @@
 """The elastic strategy: one torch.distributed world per replica on one pool, each restarted alone when it fails.
 
-(elastic.enabled, docs/design.md §9.) `launch_elastic` starts torchft's lighthouse as a supervised process of
-its own (restarted at the same address when it dies; unless `elastic.lighthouse` names one), then `mesh.sync`
-replica groups of `mesh.shard` local workers on one pool (hsdp/run/pool.py), each group with its own rendezvous
-port. `ElasticRun` reads the pool's events: when any worker of a replica ends badly (or stalls), it kills the
-rest of that replica and starts it again (up to `elastic.max_restarts` times); the new workers heal from a live
-replica at its next sync (hsdp/sync/elastic/) while the others train on. Each worker is handed its `ReplicaSeat`
-(replica index, restart count, lighthouse) as an argument. The run folder's `replicas.json` lists each replica's
-live pids and restarts, rewritten on every change; `summary.json` merges the replicas' own
-(`merge_replica_summaries`).
+(elastic.enabled, docs/design.md §9.) `launch_elastic` starts torchft's lighthouse as a supervised process (unless
+`elastic.lighthouse` names one), then `mesh.sync` replica groups of `mesh.shard` local workers on one pool
+(hsdp/run/pool.py), each group with its own rendezvous port. `ElasticRun` reads the pool's events: when any
+worker of a replica ends badly (or stalls), it kills the rest of that replica and starts it again (up to
+`elastic.max_restarts` times); the new workers heal from a live replica at its next sync (hsdp/sync/elastic/)
+while the others train on. Each worker is handed its `ReplicaSeat` (replica index, restart count,
+lighthouse) as an argument. The run folder's `replicas.json` lists each replica's live pids and restarts,
+rewritten on every change; `summary.json` merges the replicas' own (`merge_replica_summaries`).
 """
 
 from __future__ import annotations
