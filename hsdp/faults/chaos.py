@@ -14,7 +14,6 @@ grammar (hsdp/faults/spec.py), T seconds from when every replica logged a step:
 
 Every kind but the lighthouse's is drawn on any replica, 0 included: no replica holds the lighthouse or the run
 folder (the benchmark runs the lighthouse on a host of its own and prepares the folder before any replica starts).
-Schedules drawn before kills and partitions could hit replica 0 (before 2026-12-07's issue 65) differ for a seed.
 """
 
 from __future__ import annotations
