@@ -292,6 +292,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config value (repeatable)"
     )
+    p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="only check the config and prepare the run folder (config.yaml; run.overwrite, run.resume), then exit:\n"
+        "run once before the replicas of an elastic run under torchrun start (docs/usage.md, scripts/slurm/)",
+    )
     return p.parse_args(argv)
 
 
@@ -358,7 +364,11 @@ def main(argv: Optional[list[str]] = None, worker: Optional[Callable[..., None]]
     try:
         # the torchrun world is checked here, once, before anything in the run folder changes
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
-        cfg = load_checked_config(args.config, args.set, world_size=world)
+        if args.prepare and world is not None:
+            raise ConfigError("--prepare: run it once on its own (not under torchrun), before the replicas start")
+        # the preparation comes before the lighthouse (whose host it may run on): it needs none to answer yet
+        sets = [*args.set, "elastic.lighthouse="] if args.prepare else args.set
+        cfg = load_checked_config(args.config, sets, world_size=world)
         seat = torchrun_seat(cfg)  # under torchrun, a replica on torchft's: its index, restart count, lighthouse
         owner = owns_run_dir(seat)
         records, replica = record_owner(seat)
@@ -377,6 +387,9 @@ def main(argv: Optional[list[str]] = None, worker: Optional[Callable[..., None]]
             set_aside = plan.set_aside() if owner else None  # damaged newer checkpoints, moved to checkpoints/corrupt
             if owner:  # under torchrun, rank 0 only: another rank's copy would look like an old run
                 save_config(cfg, cfg.run_dir / "config.yaml")
+            if args.prepare:  # the replicas (torchrun agents, each its own world) start into this folder
+                print(f"prepared {cfg.run_dir}", flush=True)
+                return 0
             warn_unsynced_end(cfg)
             for line in [set_aside, resume_line(plan), *config_notes(cfg), resume_schedule_note(cfg, plan.path)]:
                 if line:

@@ -40,14 +40,12 @@ def test_faults_arrive_as_a_poisson_process_of_the_mean_gap() -> None:
 
 
 def test_each_kind_hits_what_it_may_for_a_spell_in_its_range() -> None:
-    """Kills and partitions never hit replica 0 (its node holds the lighthouse); stops and slow spells hit any
-    replica; a lighthouse fault has no replica and is its kill; spells lie in their ranges, a kill's is the restart
+    """Kills, partitions, stops and slow spells hit any replica, 0 included (no replica holds the lighthouse or the
+    run folder); a lighthouse fault has no replica and is its kill; spells lie in their ranges, a kill's is the restart
     delay; a slow spell runs at a third; each is a Fault at a time the grammar reads back."""
     faults = draw_schedule(Chaos(3, 5.0), replicas=3, horizon_s=20_000, restart_delay_s=2.5)
     for f in faults:
-        if kind(f) in ("kill", "partition"):
-            assert f.replica in (1, 2)
-        elif kind(f) == "lighthouse":
+        if kind(f) == "lighthouse":
             assert f.replica is None and f.action == "kill"
         else:
             assert f.replica in (0, 1, 2)
@@ -55,7 +53,8 @@ def test_each_kind_hits_what_it_may_for_a_spell_in_its_range() -> None:
         assert lo <= f.seconds <= hi
         assert f.factor == (SLOW_FACTOR if f.action == "slow" else 1.0)
         assert f.at.when == "time" and parse_fault(str(f)) == f
-    assert {f.replica for f in faults if kind(f) == "stop"} == {0, 1, 2}
+    for k in ("kill", "partition", "stop", "slow"):
+        assert {f.replica for f in faults if kind(f) == k} == {0, 1, 2}, k
 
 
 def test_a_bad_chaos_value_is_one_config_error_naming_the_key(tmp_path) -> None:

@@ -13,7 +13,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -322,9 +321,10 @@ def test_elastic_config_refusals(overrides: list[str], message: str) -> None:
 
 
 def test_two_torchrun_agents_as_two_machines(tmp_path: Path) -> None:
-    """Across machines: a lighthouse started on its own (`torchft_lighthouse`) and one torchrun agent per
-    replica (here two on this machine, as the multi-node checkpoint test does): both finish, each with its
-    own metrics file, and the replicas' final params are bitwise equal."""
+    """Across machines: a lighthouse started on its own (`torchft_lighthouse`), the run folder prepared
+    (`train.py --prepare`) and one torchrun agent per replica (here two on this machine, started at once: neither
+    prepares anything): both finish, each with its own metrics file, and the replicas' final params are bitwise
+    equal. (tests/test_multihost.py runs the documented multi-host launch, one network namespace per host.)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -340,7 +340,13 @@ def test_two_torchrun_agents_as_two_machines(tmp_path: Path) -> None:
     overrides = SMALL + ELASTIC + ["mesh.sync=2", "mesh.shard=2", "run.steps=32"]
     overrides += [f"elastic.lighthouse=http://localhost:{port}"]
     agents = []
+    common = ["--config", str(REPO / "configs/tiny.yaml")]
+    for o in [*overrides, f"run.out_dir={tmp_path}", "run.name=torchrun"]:
+        common += ["--set", o]
     try:
+        prepared = subprocess.run([sys.executable, str(REPO / "train.py"), *common, "--prepare"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert prepared.returncode == 0 and (run_dir / "config.yaml").is_file(), prepared.stderr[-2000:]
         for m in (0, 1):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
             cmd += [str(REPO / "train.py"), "--config", str(REPO / "configs/tiny.yaml")]
@@ -348,10 +354,6 @@ def test_two_torchrun_agents_as_two_machines(tmp_path: Path) -> None:
                 cmd += ["--set", o]
             log = open(tmp_path / f"agent{m}.log", "w")
             agents.append((subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ), log))
-            if m == 0:  # replica 0 prepares the run folder (config.yaml) before replica 1 writes into it
-                deadline = time.monotonic() + 60
-                while not (run_dir / "config.yaml").is_file() and time.monotonic() < deadline:
-                    time.sleep(0.1)
         codes = [p.wait(timeout=300) for p, _ in agents]
     finally:
         for p, log in agents:

@@ -129,7 +129,7 @@ def test_a_cut_replica_rejoins_and_a_restarted_lighthouse_lets_the_run_finish(tm
     target = [str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny.yaml")]
     for o in [*OVERRIDES, f"run.out_dir={tmp_path}", "run.name=faults"]:
         target += ["--set", o]
-    link = netns.SlowLink(2, None)
+    link = netns.SlowLink(2, None, lighthouse=True)
     job = ScriptedFaults(link, 1, target, 29471, tmp_path / "logs", "faults", 60, cfg=cfg)
     job.events = []
     try:
@@ -178,15 +178,16 @@ def test_a_cut_replica_rejoins_and_a_restarted_lighthouse_lets_the_run_finish(tm
 
 def test_partition_and_slow_are_checked_before_anything_runs(tmp_path: Path) -> None:
     """`--partition REPLICA@AT:SECONDS` / `partition:` (REPLICA@AT:partition=SECONDS: elastic runs, replica
-    1..M-1, AT a step before run.steps) and `--slow REPLICA:FACTOR[@AT[:SECONDS]]` / `slow:` (REPLICA@AT:slow=F[xS],
+    0..M-1, AT a step before run.steps) and `--slow REPLICA:FACTOR[@AT[:SECONDS]]` / `slow:` (REPLICA@AT:slow=F[xS],
     FACTOR >= 1): a bad value is one ConfigError naming the key, at plan time; a slow replica's node alone gets
     run.slowdown."""
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ["elastic.enabled=true", "sync.warmup_steps=0"])
     half = cfg.run.steps // 2
     assert flag_fault("partition", "1@0.5:20", cfg, "--partition") == parse_fault(f"1@{half}:partition=20")
     assert flag_fault("partition", "1@7:2.5", cfg, "--partition") == parse_fault("1@7:partition=2.5")
+    assert flag_fault("partition", "0@3:5", cfg, "--partition") == parse_fault("0@3:partition=5")
     for text, why in [("1@3", "REPLICA@AT:SECONDS"), ("1@3:0", "REPLICA@AT:SECONDS"), ("x@3:2", "REPLICA@AT"),
-                      ("0@3:5", "replica 0"), (f"1@{cfg.run.steps}:5", "before run.steps")]:  # fmt: skip
+                      ("2@3:5", "not one of 0..1"), (f"1@{cfg.run.steps}:5", "before run.steps")]:  # fmt: skip
         with pytest.raises(ConfigError, match=why):
             flag_fault("partition", text, cfg, "--partition")
     plain = load_config(str(REPO / "configs" / "tiny.yaml"), [])

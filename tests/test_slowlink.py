@@ -320,8 +320,8 @@ def test_pareto_front_keeps_the_runs_nothing_beats() -> None:
 
 def test_kill_flag_is_checked_before_anything_runs(tmp_path):
     """`--kill` / a run's `kill:`: REPLICA@STEP (a fraction of run.steps below 1; REPLICA@STEP:kill in the fault
-    grammar), only for elastic runs, at a step, never replica 0 (the lighthouse's node: the benchmark's rule, not the
-    grammar's), before run.steps; each refusal names the key."""
+    grammar), only for elastic runs, at a step, on any replica of mesh.sync (0 too: no replica holds the lighthouse or
+    the run folder), before run.steps; each refusal names the key."""
     from hsdp.bench.faults import flag_fault
     from hsdp.bench.plan import LinkOptions, make_plan
     from hsdp.config.loader import load_config
@@ -330,7 +330,8 @@ def test_kill_flag_is_checked_before_anything_runs(tmp_path):
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), ["elastic.enabled=true", "sync.warmup_steps=0"])
     assert flag_fault("kill", "1@0.3", cfg, "--kill") == parse_fault(f"1@{int(0.3 * cfg.run.steps)}:kill")
     assert flag_fault("kill", "1@77", cfg, "--kill") == parse_fault("1@77:kill")
-    for text, why in [("1", "REPLICA@STEP"), ("x@3", "REPLICA@STEP"), ("0@3", "replica 0"), ("2@3", "replica 2"),
+    assert flag_fault("kill", "0@3", cfg, "--kill") == parse_fault("0@3:kill")
+    for text, why in [("1", "REPLICA@STEP"), ("x@3", "REPLICA@STEP"), ("2@3", "replica 2 is not one of 0..1"),
                       ("1@t30", "places a kill at a step"), ("1@3.5", "a STEP is a whole number")]:  # fmt: skip
         with pytest.raises(ConfigError, match=why):
             flag_fault("kill", text, cfg, "--kill")
@@ -361,8 +362,8 @@ KILL_RUN_STEPS = 48  # the kill is at step 8
 @needs_netns
 def test_elastic_run_through_the_link_survives_a_killed_node(tmp_path, removes_leftovers, capsys):
     """An elastic run (tiny model, 2 replicas x 1 shard) across the shaped link with replica 1's node
-    SIGKILLed at its step 8: the lighthouse runs in node 0's namespace, a replacement node heals from
-    replica 0, the run exits 0, and the report reads replica 0's metrics (every step once) and the
+    SIGKILLed at its step 8: the lighthouse runs on a host (namespace) of its own, a replacement node heals
+    from replica 0, the run exits 0, and the report reads replica 0's metrics (every step once) and the
     merged summary's failure and heal. (The run is long enough for the replacement to start and join: 40
     steps after the kill, each made 3× as long by run.slowdown's sleep, leave it the time 120 steps at full
     speed would, for a third of their CPU.)

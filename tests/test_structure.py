@@ -33,7 +33,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hsdp.compile",),  # the graph side: below the engines, which run its graphs
     ("hsdp.engines",),
     ("hsdp.run",),  # preflight and checkpoint/ included: they ask the data, the engines, the codec, the run folder
-    ("train", "hsdp.bench", "hsdp.export", "hsdp.sample", "hsdp.prepare", "hsdp.sweep", "hsdp.slowlink", "hsdp.plan"),
+    (
+        "train",
+        "hsdp.bench",
+        "hsdp.export",
+        "hsdp.sample",
+        "hsdp.prepare",
+        "hsdp.sweep",
+        "hsdp.slowlink",
+        "hsdp.plan",
+        "hsdp.lighthouse",
+    ),  # fmt: skip
 )
 # Rooms whose modules sit in different layers (e.g. hsdp.data.shards reads no torch, hsdp.data.tokens does).
 ROOMS_ACROSS_LAYERS = ("hsdp.core", "hsdp.data", "hsdp.models")

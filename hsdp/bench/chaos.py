@@ -8,7 +8,9 @@ schedule and its kinds); each is applied here to a replica's node, or to the lig
     R@tT:stop=S         its trainers are SIGSTOPped for the spell (a frozen machine: heartbeats stop too)
     R@tT:partition=S    its link is down for the spell (hsdp.bench.netns.SlowLink.cut), every process alive
     R@tT:slow=FxS       its trainers run 1/F of the time for the spell (SIGSTOP/SIGCONT at 10 Hz: a throttled GPU)
-    lighthouse@tT:kill=S    the lighthouse is killed and started again after the spell (the control plane lost)
+    lighthouse@tT:kill=S    the lighthouse (on its own host) is killed and started again after the spell (the
+                            control plane lost); held down until then, where a lighthouse that dies on its own
+                            is started again at once (hsdp/run/lighthouse.py)
 
 T counts from when every replica logged a step. A fault whose replica is still in an earlier fault (killed and not
 yet back, stopped, cut, slowed) is applied once that one is over, so at most one fault holds a replica at a time while
@@ -106,9 +108,8 @@ class ChaosJob(ElasticJob):
         return time.monotonic() - self._clock0
 
     def trainer_pids(self, m: int) -> list[int]:
-        """Every process of replica m's node but the lighthouse (node 0's namespace holds it too)."""
-        keep = {self.lighthouse.pid} if self.lighthouse is not None else set()
-        return [p for p in namespace_pids(self.link.namespaces[m]) if p not in keep]
+        """Every process of replica m's node (the lighthouse runs on a host of its own)."""
+        return namespace_pids(self.link.namespaces[m])
 
     # ------------------------------------------------------------ the schedule, tick by tick
     def on_tick(self) -> None:
@@ -251,10 +252,11 @@ class ChaosJob(ElasticJob):
         return out
 
 
-def after_chaos(job: ChaosJob, replicas: int) -> dict[str, Any]:
-    """What a chaos schedule left behind, checked: the steps each replica did not train, whether the replicas'
-    final params are bitwise equal (run.save_model; and each replica's own close said so: `closing`), every
-    complete checkpoint's checksums, the processes still in the namespaces."""
+def after_chaos(job: ElasticJob, replicas: int) -> dict[str, Any]:
+    """What a chaos schedule (or a kill, a partition) left behind, checked: the steps each replica did not train,
+    whether the replicas' final params are bitwise equal (run.save_model; and each replica's own close said so:
+    `closing`), every complete checkpoint's checksums, the processes still in the namespaces (the lighthouse's
+    host's too)."""
     import torch
 
     from hsdp.config.schema import ConfigError as Invalid
@@ -289,5 +291,6 @@ def after_chaos(job: ChaosJob, replicas: int) -> dict[str, Any]:
                 verify_files(path)
             except Invalid as e:
                 out["invalid_checkpoints"].append(f"{path.name} of replica {m}: {e}")
-    out["processes_left"] = sum(len(namespace_pids(ns)) for ns in job.link.namespaces)
+    hosts = [*job.link.namespaces, *([job.link.lighthouse_ns] if job.link.lighthouse else [])]
+    out["processes_left"] = sum(len(namespace_pids(ns)) for ns in hosts)
     return out

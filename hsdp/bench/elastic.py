@@ -1,23 +1,25 @@
-"""An elastic job across a SlowLink: a lighthouse in node 0, one torchrun per replica, and a node kill.
+"""An elastic job across a SlowLink: the lighthouse on its own host, one torchrun per replica, and a node kill.
 
 An elastic run (`elastic.enabled=true`, docs/design.md §9) is not one torch.distributed world:
-each replica is its own world, and the replicas meet at torchft's lighthouse. So node m runs,
-inside its namespace,
+each replica is its own world, and the replicas meet at torchft's lighthouse. No replica is special:
+the run folder is prepared first (`train.py ... --prepare`, on the lighthouse's host), then
+`torchft_lighthouse` starts in a namespace of its own (the link's lighthouse host, 198.18.0.100, its
+own shaped veth; `LighthouseProcess`, started again at the same address whenever it dies, unless a
+fault holds it down), then node m runs, inside its namespace,
 
     torchrun --nnodes 1 --nproc-per-node S --rdzv-backend c10d --rdzv-endpoint <its address>:PORT
              --rdzv-conf is_host=1 --local-addr <its address> train.py ... --set elastic.replica=m
-                                                     --set elastic.lighthouse=http://<node 0>:LPORT
+                                                     --set elastic.lighthouse=http://198.18.0.100:LPORT
 
 (MASTER_ADDR is then the node's own address, which torchft advertises to the other replicas for
-the sync group's store), and node 0 also runs `torchft_lighthouse`. A kill (`m@STEP:kill`, a Fault
-of hsdp/faults/spec.py) takes replica m's node down at a step: every process in its namespace gets
-SIGKILL as soon as its metrics file logs that step (a machine lost); after `elastic.restart_delay_s`
-(or the kill's own seconds) a replacement node starts the same command, joins at the survivors'
-next sync and heals from them (unless they have finished by then; one that starts but finds no
-live replica fails, as a restarted replica does locally). The job is done when every replica's
-current node has exited; a killed node's exit code is expected and ignored. Node 0 (the
-lighthouse's, and the one whose metrics the benchmark reads) is never the one killed or cut
-(hsdp/bench/faults.py checks it).
+the sync group's store). A kill (`m@STEP:kill`, a Fault of hsdp/faults/spec.py; any replica, 0
+included) takes replica m's node down at a step: every process in its namespace gets SIGKILL as
+soon as its metrics file logs that step (a machine lost); after `elastic.restart_delay_s` (or the
+kill's own seconds) a replacement node starts the same command, joins at the survivors' next sync
+and heals from them (unless they have finished by then; one that starts but finds no live replica
+fails, as a restarted replica does locally). The job is done when every replica's current node has
+exited; a killed node's exit code is expected and ignored. summary.json is merged from the
+replicas' own summaries after the job (`merge_replica_summaries`: its rates are a survivor's).
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hsdp.bench.job import Job
-from hsdp.bench.netns import namespace_pids
+from hsdp.bench.netns import namespace_pids, run_tool
 from hsdp.config.schema import Config
 from hsdp.faults.spec import Fault
-from hsdp.run.replicas import lighthouse_timeouts_ms, merge_replica_summaries
+from hsdp.run.lighthouse import LighthouseError, LighthouseProcess
+from hsdp.run.replicas import merge_replica_summaries
 
 LIGHTHOUSE_PORT = 29510
+PREPARE_TIMEOUT_S = 180.0  # train.py --prepare: the config's checks and the run folder (imports torch)
 
 
 def logged_steps(path: Path) -> list[int]:
@@ -60,7 +64,8 @@ class ElasticJob(Job):
 
     cfg: Optional[Config] = None
     kill: Optional[Fault] = None  # REPLICA@STEP:kill[=S] (hsdp/bench/faults.py: its step taken of run.steps)
-    lighthouse: Optional[subprocess.Popen] = None
+    lighthouse: Optional[LighthouseProcess] = None
+    prepare_rc: int = 0  # train.py --prepare's exit code (non-zero: no node started, the job failed)
     killed_at: Optional[float] = None  # monotonic time of the kill
     replacement_due: Optional[float] = None
     stale: set[int] = field(default_factory=set)  # indices into procs of killed nodes
@@ -76,7 +81,7 @@ class ElasticJob(Job):
 
     @property
     def lighthouse_addr(self) -> str:
-        return f"http://{self.link.addrs[0]}:{LIGHTHOUSE_PORT}"
+        return f"http://{self.link.lighthouse_addr}:{LIGHTHOUSE_PORT}"
 
     def node_command(self, m: int) -> list[str]:
         a = self.link.addrs[m]
@@ -94,29 +99,63 @@ class ElasticJob(Job):
         ]
 
     def start(self) -> ElasticJob:
+        """The run folder prepared, the lighthouse up on its own host, then every replica's node at once."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # The benchmark's own run folder (always run.overwrite=true): remove it here, so that neither the
-        # wait for node 0's config.yaml nor the kill's step watch reads a previous run's files.
+        # The benchmark's own run folder (always run.overwrite=true): remove it here, so that the kill's step
+        # watch reads no previous run's files.
         shutil.rmtree(self.config.run_dir, ignore_errors=True)
         self.started_at = time.monotonic()
-        self._start_lighthouse()
+        if not self._prepare():
+            return self
+        (self.log_dir / f"{self.name}.lighthouse.log").write_text("")
+        try:
+            self._start_lighthouse()
+        except LighthouseError as e:
+            self._fail_start(f"slowlink: {e}")
+            return self
         for m in range(self.link.replicas):
             self.procs.append(self._start_node(m))
-            if m == 0:  # node 0 prepares the run folder (config.yaml) before the others write into it
-                self._wait_for(self.config.run_dir / "config.yaml", timeout_s=120)
         return self
 
+    def _prepare(self) -> bool:
+        """`train.py ... --prepare` on the lighthouse's host (the run's checks, the run folder, config.yaml) before
+        any replica starts, as the multi-host launch does (docs/usage.md); False (and the job failed) if it fails."""
+        cmd = [*self.link.lighthouse_prefix(), sys.executable, *self.target, "--prepare"]
+        path = self.log_dir / f"{self.name}.prepare.log"
+        with open(path, "w") as log:
+            log.write("+ " + " ".join(cmd) + "\n")
+            log.flush()
+            try:
+                rc = subprocess.run(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=self.node_env(0), timeout=PREPARE_TIMEOUT_S
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        if rc != 0:
+            self.prepare_rc = rc
+            print(f"[slowlink] preparing the run folder failed (exit {rc}; {path})", flush=True)
+        return rc == 0
+
+    def _fail_start(self, line: str) -> None:
+        print(line, flush=True)
+        self.prepare_rc = 1
+
+    def _answers(self) -> bool:
+        """Whether the lighthouse accepts a connection, asked from its own host (its address exists only in
+        the network's namespaces)."""
+        where = (self.link.lighthouse_addr, LIGHTHOUSE_PORT)
+        probe = f"import socket; socket.create_connection({where!r}, 1).close()"
+        cmd = [*self.link.lighthouse_prefix(), sys.executable, "-c", probe]
+        return run_tool(cmd, check=False).returncode == 0
+
     def _start_lighthouse(self) -> None:
-        join_ms, heartbeat_ms = lighthouse_timeouts_ms(self.config)
-        cmd = [*self.link.exec_prefix(0), str(Path(sys.executable).with_name("torchft_lighthouse"))]
-        cmd += ["--min_replicas", str(self.config.elastic.min_replicas), "--bind", f"[::]:{LIGHTHOUSE_PORT}"]
-        cmd += ["--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms)]
-        cmd += ["--quorum_tick_ms", "100"]
-        log = open(self.log_dir / f"{self.name}.lighthouse.log", "w")
-        self.lighthouse = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "warn"}, start_new_session=True
-        )
-        log.close()  # the child keeps its own descriptor
+        """Start the lighthouse on its host (the first time, or again after a fault held it down)."""
+        if self.lighthouse is None:
+            log = self.log_dir / f"{self.name}.lighthouse.log"
+            self.lighthouse = LighthouseProcess(
+                self.config, LIGHTHOUSE_PORT, self.lighthouse_addr, self.link.lighthouse_prefix(), log, self._answers
+            )
+        self.lighthouse.start(wait_s=30.0 if not self.procs else 0.0)  # the nodes' first check needs it up
 
     def _start_node(self, m: int, generation: int = 0) -> subprocess.Popen:
         cmd = self.node_command(m)
@@ -126,11 +165,6 @@ class ElasticJob(Job):
             log.flush()
             env = self.node_env(m)
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def _wait_for(self, path: Path, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not path.is_file() and time.monotonic() < deadline and self.procs[0].poll() is None:
-            time.sleep(0.1)
 
     def _logged_step(self, m: int) -> int:
         """The last step replica m's metrics file logged (-1 before the first)."""
@@ -153,8 +187,10 @@ class ElasticJob(Job):
         print(f"[slowlink] killed replica {m}'s node at its step {self._logged_step(m)}", flush=True)
 
     def on_tick(self) -> None:
-        """Kill the node once its replica logs the kill step; start its replacement when due; cut and restore
-        a partitioned replica's link."""
+        """Start the lighthouse again if it died (a fault that holds it down aside); kill the node once its replica
+        logs the kill step; start its replacement when due; cut and restore a partitioned replica's link."""
+        if self.lighthouse is not None:
+            self.lighthouse.ensure()
         self._partition_tick()
         if self.kill is not None and self.killed_at is None and self._reached(self.kill):
             self._kill_node(self.kill)
@@ -208,7 +244,10 @@ class ElasticJob(Job):
         return self.replacement_due is not None
 
     def wait(self, timeout_s: float) -> int:
-        """`Job.wait`, then the lighthouse stopped and summary.json merged from the replicas' summaries."""
+        """`Job.wait`, then the lighthouse stopped and summary.json merged from the replicas' summaries (the
+        preparation's exit code if it failed: nothing started)."""
+        if self.prepare_rc:
+            return self.prepare_rc
         rc = super().wait(timeout_s)
         self._restore_link()
         self._stop_lighthouse()
@@ -221,9 +260,9 @@ class ElasticJob(Job):
         self._stop_lighthouse()
 
     def _stop_lighthouse(self) -> None:
-        if self.lighthouse is not None and self.lighthouse.poll() is None:
-            self.lighthouse.kill()
-            self.lighthouse.wait()
+        """The lighthouse killed on purpose (a fault, the end): not started again until `_start_lighthouse`."""
+        if self.lighthouse is not None:
+            self.lighthouse.stop()
 
     def _write_summary(self) -> None:
         """summary.json from the replicas' own summaries (as the local launcher writes it)."""

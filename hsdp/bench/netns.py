@@ -1,13 +1,14 @@
 """Network namespaces joined by tc-shaped veths: build, inspect, stop what runs inside, remove (docs/design.md §14.1).
 
-For M replicas `SlowLink` creates the namespaces `hsl<pid><tag>n<m>` and joins them with
-veth links: for M = 2 one veth pair, for M > 2 one veth per replica into a bridge that lives
-in a namespace of its own (`...nb`). Every veth end gets `tc` shaping on egress — a token
-bucket (`tbf rate R`) and, with a delay d, a `netem delay` in front of it — so each direction
-of each replica's link carries at most R and a packet takes d one way. A rate of None keeps
-the same namespaces and veths without any qdisc (the baseline for "what does the shaping
-cost"). Replica m's address is 198.18.0.(101+m) (the RFC 2544 benchmarking range), which
-exists only inside these namespaces.
+For M replicas `SlowLink` creates the namespaces `hsl<pid><tag>n<m>` and joins them with veth links: for M = 2
+one veth pair, for M > 2 one veth per replica into a bridge that lives in a namespace of its own (`...nb`). With
+`lighthouse=True` (an elastic run's) the lighthouse's host is one more namespace (`...nl`, address 198.18.0.100)
+with its own shaped veth into the bridge, which is then built for M = 2 too: no replica's namespace holds the
+lighthouse. Every veth end gets `tc` shaping on egress — a token bucket (`tbf rate R`) and, with a delay d, a
+`netem delay` in front of it — so each direction of each replica's link carries at most R and a packet takes d
+one way. A rate of None keeps the same namespaces and veths without any qdisc (the baseline for "what does the
+shaping cost"). Replica m's address is 198.18.0.(101+m) (the RFC 2544 benchmarking range), which exists only
+inside these namespaces.
 
 Names carry the pid, so concurrent benchmarks do not clash, and `cleanup_stale` removes
 those of dead pids (a benchmark that was SIGKILLed). Needs root and iproute2 (`ip`, `tc`).
@@ -32,6 +33,7 @@ from hsdp.config.schema import ConfigError
 PREFIX = "hsl"  # every namespace and link we create: hsl<pid><tag>...
 SUBNET = "198.18.0"  # RFC 2544 benchmarking range; these addresses exist only inside our namespaces
 HOST0 = 101  # replica m is SUBNET.(HOST0 + m): three digits, so c10d's order by address is m's order
+LIGHTHOUSE_HOST = 100  # the lighthouse's own host (namespace ...nl), in no replica's torchrun world
 MAX_REPLICAS = 99
 TBF_LATENCY_MS = 50  # queue the token bucket keeps (beyond it, packets are dropped and TCP backs off)
 _networks = itertools.count()  # SlowLink networks created by this process (each gets its own tag)
@@ -105,6 +107,7 @@ class SlowLink:
     rate_bps: Optional[int]
     delay_ms: float = 0.0
     pin_cores: bool = False  # replica m's processes run on the m-th CPU core this process may use
+    lighthouse: bool = False  # one more namespace, the lighthouse's host, on its own link into the bridge
     prefix: str = ""
     namespaces: list[str] = field(default_factory=list)  # replica m's namespace
     bridge_ns: Optional[str] = None
@@ -119,21 +122,39 @@ class SlowLink:
             self.prefix = f"{PREFIX}{os.getpid()}{_tag(next(_networks))}"
         p = self.prefix
         self.namespaces = [f"{p}n{m}" for m in range(self.replicas)]
-        self.bridge_ns = f"{p}nb" if self.replicas > 2 else None
+        self.bridge_ns = f"{p}nb" if self.replicas > 2 or self.lighthouse else None
         self.ifnames = [f"{p}e{m}" for m in range(self.replicas)]
         self.addrs = [f"{SUBNET}.{HOST0 + m}" for m in range(self.replicas)]
+
+    @property
+    def lighthouse_ns(self) -> str:
+        """The lighthouse host's namespace (with `lighthouse=True`)."""
+        assert self.lighthouse, "this network has no lighthouse host (SlowLink(..., lighthouse=True))"
+        return f"{self.prefix}nl"
+
+    @property
+    def lighthouse_addr(self) -> str:
+        return f"{SUBNET}.{LIGHTHOUSE_HOST}"
+
+    def _hosts(self) -> list[tuple[str, str, str]]:
+        """(namespace, veth, address) of every host on the network: the replicas, then the lighthouse's."""
+        hosts = list(zip(self.namespaces, self.ifnames, self.addrs))
+        if self.lighthouse:
+            hosts.append((self.lighthouse_ns, f"{self.prefix}el", self.lighthouse_addr))
+        return hosts
 
     # -- build
     def up(self) -> SlowLink:
         """Namespaces, veths (and bridge), addresses, then the shaping of every veth end."""
-        for ns in [*self.namespaces, *([self.bridge_ns] if self.bridge_ns else [])]:
+        hosts = [ns for ns, _, _ in self._hosts()]
+        for ns in [*hosts, *([self.bridge_ns] if self.bridge_ns else [])]:
             self.created.append(ns)  # first: a signal between the two lines still gets it removed
             run_tool(["ip", "netns", "add", ns])
             run_tool(["ip", "-n", ns, "link", "set", "lo", "up"])
         shaped = self._join_pair() if self.bridge_ns is None else self._join_through_bridge(self.bridge_ns)
-        for m, ns in enumerate(self.namespaces):
-            run_tool(["ip", "-n", ns, "addr", "add", f"{self.addrs[m]}/24", "dev", self.ifnames[m]])
-            run_tool(["ip", "-n", ns, "link", "set", self.ifnames[m], "up"])
+        for ns, dev, addr in self._hosts():
+            run_tool(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
+            run_tool(["ip", "-n", ns, "link", "set", dev, "up"])
         for ns, dev, with_delay in shaped:
             self._shape(ns, dev, self.delay_ms if with_delay else 0.0)
         return self
@@ -145,18 +166,18 @@ class SlowLink:
         return [(ns0, self.ifnames[0], True), (ns1, self.ifnames[1], True)]
 
     def _join_through_bridge(self, bridge_ns: str) -> list[tuple[str, str, bool]]:
-        """M > 2: a bridge in its own namespace (`bridge_ns`), one veth per replica into it."""
+        """M > 2 (or a lighthouse host): a bridge in its own namespace (`bridge_ns`), one veth per host into it."""
         br, shaped = f"{self.prefix}br", []
         run_tool(["ip", "-n", bridge_ns, "link", "add", br, "type", "bridge"])
         run_tool(["ip", "-n", bridge_ns, "link", "set", br, "up"])
-        for m, ns in enumerate(self.namespaces):
+        for m, (ns, dev, _) in enumerate(self._hosts()):
             port = f"{self.prefix}b{m}"
-            add_veth(ns, self.ifnames[m], bridge_ns, port)
+            add_veth(ns, dev, bridge_ns, port)
             run_tool(["ip", "-n", bridge_ns, "link", "set", port, "master", br])
             run_tool(["ip", "-n", bridge_ns, "link", "set", port, "up"])
             # uplink: rate + the one-way delay; downlink (bridge port egress): rate only, so every
-            # replica-to-replica path has one delay and two token buckets of the same rate
-            shaped += [(ns, self.ifnames[m], True), (bridge_ns, port, False)]
+            # host-to-host path has one delay and two token buckets of the same rate
+            shaped += [(ns, dev, True), (bridge_ns, port, False)]
         return shaped
 
     def _shape(self, ns: str, dev: str, delay_ms: float) -> None:
@@ -187,6 +208,11 @@ class SlowLink:
         if self.pin_cores:
             prefix += [shutil.which("taskset") or "taskset", "--cpu-list", str(sorted(os.sched_getaffinity(0))[m])]
         return prefix
+
+    def lighthouse_prefix(self) -> list[str]:
+        """The command prefix that runs a program on the lighthouse's host (its namespace; not pinned: it
+        takes little CPU, and a core of a replica's would make it share that replica's machine)."""
+        return [shutil.which("ip") or "ip", "netns", "exec", self.lighthouse_ns]
 
     def tx_bytes(self) -> list[int]:
         """Bytes each replica has sent on its veth (its uplink), as the kernel counts them (L2 frames)."""

@@ -136,6 +136,7 @@ class LinkPlan:
     partitions: dict[str, Fault] = field(default_factory=dict)  # elastic runs whose replica is cut off
     slows: dict[str, Fault] = field(default_factory=dict)  # runs with a slow replica (R@AT:slow=F[xS])
     chaoses: dict[str, Chaos] = field(default_factory=dict)  # elastic runs under a seeded fault schedule
+    elastic: set[str] = field(default_factory=set)  # the elastic runs (their networks get a lighthouse host)
 
 
 def make_plan(opts: LinkOptions) -> LinkPlan:
@@ -192,7 +193,7 @@ def make_plan(opts: LinkOptions) -> LinkPlan:
     if plan.pin_cores and plan.mesh[0] > cores:
         raise ConfigError(f"--pin-cores: {plan.mesh[0]} nodes need a CPU core each, this process may use {cores}")
     configs = {(run, label): load_checked_config(base, overrides(plan, run, label)) for run, label in plan_items(plan)}
-    elastic = {run for (run, _), c in configs.items() if c.elastic.enabled}
+    elastic = plan.elastic = {run for (run, _), c in configs.items() if c.elastic.enabled}
     flagged = {
         kind: flag_runs(runs, kind, target, elastic if kind != "slow" else set(runs), chaos_too=kind == "slow")
         for kind in ("kill", "partition", "slow", "chaos")

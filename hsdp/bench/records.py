@@ -1,7 +1,7 @@
 """A finished run as its folder records it (`RunRecord`), and one run of the slow-link benchmark (`LinkRun`).
 
 A RunRecord is read from `<run_dir>/summary.json` (train.py's totals) and, on first use,
-`<run_dir>/metrics.jsonl` (one line per logged step; an elastic run's metrics.replica0.jsonl).
+`<run_dir>/metrics.jsonl` (one line per logged step; an elastic run's: the replica that logged the most steps).
 The sweep's table and plots and the slow-link analysis read runs only through it. A LinkRun is a
 RunRecord (or its absence: the run failed) with where it ran and what the benchmark measured around it.
 """
@@ -41,27 +41,33 @@ class LoggedStep:
 def read_metrics(run_dir: Path) -> list[LoggedStep]:
     """metrics.jsonl of a run folder (a torn last line is skipped); [] if there is none.
 
-    An elastic run has one file per replica: replica 0's (metrics.replica0.jsonl) stands for the run
-    (the slow-link benchmark never kills replica 0, so there it is the survivor's), with each val loss
-    the mean over the replicas that evaluated at that step, as the merged summary's final_val_loss is the
-    replicas' mean (each replica evaluates on its own batches: one replica's series may never reach it)."""
+    An elastic run has one file per replica: the one that logged the most steps stands for the run (a
+    replica never killed: any replica may be, 0 included; the lowest index among equals), with each val
+    loss the mean over the replicas that evaluated at that step, as the merged summary's final_val_loss is
+    the replicas' mean (each replica evaluates on its own batches: one replica's series may never reach it)."""
     path = Path(run_dir) / "metrics.jsonl"
     if path.is_file():
         return [LoggedStep.from_json(line) for line in _json_lines(path)]
-    path = Path(run_dir) / "metrics.replica0.jsonl"
-    if not path.is_file():
+    files = {int(p.name[len("metrics.replica") : -len(".jsonl")]): _json_lines(p) for p in replica_metrics(run_dir)}
+    if not files:
         return []
     vals: dict[int, list[float]] = {}
-    for other in sorted(Path(run_dir).glob("metrics.replica*.jsonl")):
-        for line in _json_lines(other):
+    for lines in files.values():
+        for line in lines:
             if line.get("val_loss") is not None:
                 vals.setdefault(line["step"], []).append(line["val_loss"])
+    measured = max(sorted(files), key=lambda m: len({line["step"] for line in files[m]}))
     steps = []
-    for line in _json_lines(path):
+    for line in files[measured]:
         if line.get("val_loss") is not None:
             line["val_loss"] = statistics.fmean(vals[line["step"]])
         steps.append(LoggedStep.from_json(line))
     return steps
+
+
+def replica_metrics(run_dir: Path) -> list[Path]:
+    """An elastic run's metrics.replica<m>.jsonl files."""
+    return [p for p in Path(run_dir).glob("metrics.replica*.jsonl") if p.name[15:-6].isdigit()]
 
 
 def _json_lines(path: Path) -> list[dict[str, Any]]:

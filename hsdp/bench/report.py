@@ -230,6 +230,9 @@ def fault_lines(runs: Sequence[LinkRun]) -> list[str]:
         if f.get("chaos"):
             applied = [x for x in f.get("faults", []) if x.get("applied_s") is not None]
             parts.append(f"chaos {f['chaos']['seed']}:{f['chaos']['mtbf_s']:g}, {len(applied)} faults (table below)")
+        if "after" in f and not f.get("chaos"):  # a kill's or cut's run: its final models (the chaos table has them)
+            after = f["after"]
+            parts.append(f"replicas equal: {equal_cell(after, len(after.get('steps_lost', {})))}")
         s = r.record.summary if r.record else {}
         counted = [f"{k} {s[k]}" for k in ("rejoins", "dropped_syncs", "replica_failures", "heals") if k in s]
         lines.append(f"- {r.run} @ {r.rate}: {'; '.join(parts)}" + (f"; {', '.join(counted)}" if counted else ""))

@@ -170,8 +170,8 @@ def run_at_rate(
         job.start()
         rc = job.wait(plan.timeout_s)
         faults = job.faults()
-        if isinstance(job, ChaosJob):  # what the schedule left behind: the run's state, checked
-            faults["after"] = after_chaos(job, plan.mesh[0])
+        if isinstance(job, ChaosJob) or (isinstance(job, ElasticJob) and (job.kill or job.partition)):
+            faults["after"] = after_chaos(job, plan.mesh[0])  # what the faults left behind: the run's state, checked
         measured = Measured(time.perf_counter() - t0, rc, sum(link.tx_bytes()) - sum(before), faults or None)
         if rc != 0:
             why = "timed out" if rc == TIMED_OUT else f"exit {rc}"
@@ -198,7 +198,9 @@ def execute(
             continue
         link = None
         try:
-            link = SlowLink(plan.mesh[0], bps, plan.delay_ms, pin_cores=plan.pin_cores)
+            # an elastic run's lighthouse gets a host (a namespace and link) of its own on the network
+            lighthouse = any(run in plan.elastic for run in runs)
+            link = SlowLink(plan.mesh[0], bps, plan.delay_ms, pin_cores=plan.pin_cores, lighthouse=lighthouse)
             link.up()  # after the assignment: a failure half-way is still torn down below
             port = run_at_rate(plan, label, link, runs, results, probes, port, opts)
         finally:

@@ -12,8 +12,8 @@ grammar (hsdp/faults/spec.py), T seconds from when every replica logged a step:
     slow        R@tT:slow=3xS               10–30 s
     lighthouse  lighthouse@tT:kill=S        2–6 s
 
-Kills and partitions are drawn on replicas 1..M-1 only (the benchmark's node 0 holds the lighthouse and prepares the
-run folder; losing that node is the lighthouse kind), stops and slow spells on any replica.
+Every kind but the lighthouse's is drawn on any replica, 0 included: no replica holds the lighthouse or the run
+folder (the benchmark runs the lighthouse on a host of its own and prepares the folder before any replica starts).
 """
 
 from __future__ import annotations
@@ -65,12 +65,7 @@ def draw_schedule(chaos: Chaos, replicas: int, horizon_s: float, restart_delay_s
         if t >= horizon_s:
             return faults
         drawn = rng.choice(KINDS)
-        if drawn == "lighthouse":
-            replica = None
-        elif drawn in ("kill", "partition"):
-            replica = rng.randrange(1, replicas)  # not node 0 (module docstring)
-        else:
-            replica = rng.randrange(replicas)
+        replica = None if drawn == "lighthouse" else rng.randrange(replicas)
         lo, hi = SPELL_S.get(drawn, (restart_delay_s, restart_delay_s))
         at, spell = Place(replica, at_s=round(t, 3)), round(rng.uniform(lo, hi), 3)
         if drawn == "slow":

@@ -1,6 +1,6 @@
 """The elastic strategy: one torch.distributed world per replica on one pool, each restarted alone when it fails.
 
-(elastic.enabled, docs/design.md §9.) `launch_elastic` starts torchft's lighthouse in-process (unless
+(elastic.enabled, docs/design.md §9.) `launch_elastic` starts torchft's lighthouse as a supervised process (unless
 `elastic.lighthouse` names one), then `mesh.sync` replica groups of `mesh.shard` local workers on one pool
 (hsdp/run/pool.py), each group with its own rendezvous port. `ElasticRun` reads the pool's events: when any
 worker of a replica ends badly (or stalls), it kills the rest of that replica and starts it again (up to
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Collection
@@ -26,6 +27,7 @@ from hsdp.config.schema import Config, ConfigError
 from hsdp.core.atomic import write_json, write_text
 from hsdp.run.checkpoint import elastic_resume_note
 from hsdp.run.guard import ONE_LINE_ERRORS
+from hsdp.run.lighthouse import LighthouseError, LighthouseProcess, free_port
 from hsdp.run.lives import given_up_entry
 from hsdp.run.metrics import last_record, ledger_totals, merged_rates, read_records, write_failure
 from hsdp.run.pool import Exit, Pool, WorkerError, start_zygote
@@ -36,7 +38,6 @@ from hsdp.sync.seam import ReplicaSeat
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-    from torchft.coordination import LighthouseServer
 
 
 @dataclass
@@ -98,7 +99,7 @@ def check_lighthouse_reachable(cfg: Config) -> None:
 
 def lighthouse_answers(cfg: Config) -> bool:
     """Whether elastic.lighthouse (a lighthouse started on its own) accepts a connection; True without one
-    (the launcher's own lighthouse lives as long as the launcher)."""
+    (the launcher's own lighthouse is started again whenever it dies)."""
     try:
         check_lighthouse_reachable(cfg)
     except ConfigError:
@@ -106,36 +107,20 @@ def lighthouse_answers(cfg: Config) -> bool:
     return True
 
 
-def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
-    """The lighthouse's join and heartbeat timeouts (ms).
-
-    heartbeat: a replica that stops heartbeating (dead) is out of the next quorum after elastic.timeout_s.
-    join: how long a quorum waits for a replica that still heartbeats but has not asked yet (it is
-    training towards the same round, or compiling its first step): mesh.timeout_s, the run's bound on
-    a stalled rank. Slowness is not a failure; only silence is. Not the straggler bound either
-    (elastic.round_timeout_s): with two replicas torchft's lighthouse never forms a quorum without one that
-    heartbeats, and with more, one left out would heal a full state each time; the replicas keep that bound
-    themselves, all in every quorum (docs/design.md §9.5).
-    """
-    return int(cfg.mesh.timeout_s * 1000), int(cfg.elastic.timeout_s * 1000)
-
-
-def start_lighthouse(cfg: Config) -> tuple[Optional[LighthouseServer], str]:
-    """torchft's lighthouse in this process (unless the config names one), and its address."""
+def start_lighthouse(cfg: Config) -> tuple[Optional[LighthouseProcess], str]:
+    """torchft's lighthouse as a supervised process of its own (unless the config names one): started on a free
+    port of this host, and started again at that address whenever it dies (hsdp/run/lighthouse.py); and its
+    address. No replica's process holds it, so any replica may die."""
     if cfg.elastic.lighthouse:
         return None, cfg.elastic.lighthouse
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info (read on import)
-    from torchft.coordination import LighthouseServer  # lazy: only elastic runs need torchft
-
-    join_ms, heartbeat_ms = lighthouse_timeouts_ms(cfg)
-    server = LighthouseServer(
-        bind="[::]:0",
-        min_replicas=cfg.elastic.min_replicas,
-        join_timeout_ms=join_ms,
-        quorum_tick_ms=100,
-        heartbeat_timeout_ms=heartbeat_ms,
-    )
-    return server, server.address()
+    port = free_port()
+    lighthouse = LighthouseProcess(cfg, port, f"http://{socket.gethostname()}:{port}")
+    try:
+        lighthouse.start()
+    except LighthouseError as e:
+        lighthouse.close()
+        raise WorkerError(str(e)) from None
+    return lighthouse.supervise(), lighthouse.address
 
 
 def launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
@@ -148,7 +133,7 @@ def launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
         check_lighthouse_reachable(cfg)  # one line now, not a restart of every replica until max_restarts
     except ConfigError as e:
         raise WorkerError(str(e)) from None
-    server, address = start_lighthouse(cfg)  # before the zygote: torchft's runtime makes it a fresh interpreter
+    lighthouse, address = start_lighthouse(cfg)  # before the zygote, whose workers must not inherit its child
     try:
         with Pool(start_zygote(worker, cfg.compile.enabled), stall_after_s=cfg.mesh.timeout_s) as pool:
             run = ElasticRun(cfg, pool, worker, address)
@@ -161,8 +146,8 @@ def launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
         if failed:
             raise WorkerError(failed)
     finally:
-        if server is not None:
-            server.shutdown()
+        if lighthouse is not None:
+            lighthouse.close()
 
 
 class ElasticRun:
@@ -357,14 +342,15 @@ def merge_replica_summaries(
     replica_ledger               per replica over all its lives (hsdp/run/lives.py): trained and merged tokens,
                                  restarts, `lives`; a given-up replica's from its metrics file
     train_time_s, wall_time_s    the longest replica's (they train side by side)
-    tokens_per_s, mfu            the steady rate: the first finished replica's (the run's tokens per step
-                                 over its median step, as a plain run's)
+    tokens_per_s, mfu            the steady rate: the first finished replica's that never failed nor was cut
+                                 off, else the first finished one's (the run's tokens per step over its
+                                 median step, as a plain run's)
     wall_tokens_per_s, wall_mfu  tokens / train_time_s (wall_mfu scaled with it)
     survivor_lost_s              the most a replica that never failed nor was cut off (no rejoin) lost to
                                  its peers' failures (its failure-touched steps' excess over its usual sync
                                  step, `elastic_lost_s`; a cut-off replica's own pause is not a survivor's loss)
 
-    The other fields are the first finished replica's, plus the launcher's failure and restart counts.
+    The other fields are that replica's, plus the launcher's failure and restart counts.
     """
     summaries = {}
     for m in failures:
@@ -373,7 +359,6 @@ def merge_replica_summaries(
             summaries[m] = json.loads(path.read_text())
     if not summaries:
         return
-    first = summaries[min(summaries)]
 
     def survived(m: int, s: dict) -> bool:
         return not failures[m] and not s.get("rejoins")
@@ -383,6 +368,10 @@ def merge_replica_summaries(
     for m in failures:
         if ledger and m not in summaries:
             ledger[str(m)] = given_up_entry(read_records(run_dir / f"metrics.replica{m}.jsonl"), restarts[m])
+    # the replica whose rates stand for the run: the first that never failed nor was cut off (any replica may be
+    # killed, replica 0 too), else the first finished
+    first = summaries[min((m for m, s in summaries.items() if survived(m, s)), default=min(summaries))]
+
     trained = 0
     for m in failures:  # a replica without a summary (given up) trained what its last record says
         own = summaries[m] if m in summaries else (last_record(run_dir / f"metrics.replica{m}.jsonl") or {})

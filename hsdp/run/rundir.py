@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
+
 from hsdp.config.schema import Config, ConfigError, to_dict
 from hsdp.core.atomic import write_json
 from hsdp.sync.seam import ReplicaSeat
@@ -82,10 +84,14 @@ def prepare_run_dir(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     Under torchrun only global rank 0 checks and deletes (every rank runs train.py's
     main(), and rank 0 may already have written config.yaml when another rank looks);
     the other ranks only create the folder, which per-node files such as
-    model.replica{m}.pt need.
+    model.replica{m}.pt need. An elastic replica under torchrun (`seat`) owns nothing: its run
+    folder was prepared before any replica started (`train.py --prepare`), which `check_prepared`
+    asks, so any replica may die and none's start deletes another's files.
     """
     run_dir = cfg.run_dir
     if not owns_run_dir(seat):
+        if seat is not None:
+            check_prepared(cfg)
         _mkdir(run_dir)
         return
     found = previous_outputs(run_dir)
@@ -104,14 +110,37 @@ def prepare_run_dir(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
 
 
 def owns_run_dir(seat: Optional[ReplicaSeat] = None) -> bool:
-    """Whether this process checks and writes the run folder's own files (config.yaml): the launcher,
-    or global rank 0 under torchrun, where every rank runs train.py's main(); for an elastic replica
-    under torchrun (`seat`, hsdp/run/launch.py's torchrun_seat) rank 0 of replica 0's first start."""
+    """Whether this process checks and writes the run folder's own files (config.yaml): the launcher
+    (or `train.py --prepare`), or global rank 0 under torchrun, where every rank runs train.py's main();
+    no process of an elastic replica under torchrun (`seat`, hsdp/run/launch.py's torchrun_seat): no
+    replica is special, and the folder is prepared before any starts."""
     if "WORLD_SIZE" not in os.environ:
         return True
     if seat is not None:
-        return os.environ.get("RANK") == "0" and seat.replica == 0 and seat.restart == 0
+        return False
     return os.environ.get("RANK", "0") == "0"
+
+
+def check_prepared(cfg: Config) -> None:
+    """An elastic replica under torchrun: ConfigError (one line) unless its run folder was prepared for this
+    config (`train.py --prepare` wrote config.yaml, and it trains what this replica's config trains)."""
+    saved = cfg.run_dir / "config.yaml"
+    how = "run `python train.py --prepare` with the same --config and --set once before the replicas start"
+    if not saved.is_file():
+        raise ConfigError(f"run.name: {cfg.run_dir} is not prepared (no config.yaml); {how} (docs/usage.md)")
+    try:
+        theirs = trained_config(yaml.safe_load(saved.read_text()))
+    except (OSError, ValueError, yaml.YAMLError, AttributeError) as e:
+        raise ConfigError(f"run.name: {saved} is unreadable ({type(e).__name__}); {how}") from None
+    mine = trained_config(to_dict(cfg))
+    keys = (mine.keys() | theirs.keys()) - PER_REPLICA
+    differ = sorted(k for k in keys if mine.get(k) != theirs.get(k))
+    if differ:
+        k = differ[0]
+        raise ConfigError(
+            f"{k}: {cfg.run_dir} was prepared with {theirs.get(k)!r}, this replica's config has {mine.get(k)!r}; "
+            "give every replica the preparation's --config and --set"
+        )
 
 
 def _mkdir(run_dir: Path) -> None:
@@ -177,6 +206,10 @@ NOT_TRAINED = frozenset(
         "elastic.lighthouse",
     }
 )
+
+
+# Keys one replica's command may set apart from the others' (the benchmark's slow node, a replica's own faults).
+PER_REPLICA = frozenset({"run.slowdown", "elastic.faults"})
 
 
 def trained_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,6 @@ from hsdp.run.checkpoint.find import (
 )
 from hsdp.run.checkpoint.integrity import CHECKSUMS, ChecksumError, verify_checksums
 from hsdp.run.checkpoint.keys import model_prefix
-from hsdp.run.rundir import owns_run_dir
 from hsdp.sync.seam import ReplicaSeat
 
 if TYPE_CHECKING:
@@ -94,7 +93,7 @@ def choose_resume(cfg: Config, seat: Optional[ReplicaSeat] = None) -> ResumePlan
     (`CorruptCheckpoint`) are listed in the plan's `skipped` and nothing is changed here. A checkpoint
     that does not fit the config is an error, as is a folder with checkpoints none of which is intact.
     A path, or an elastic run's replica checkpoints: any refusal is an error. `seat`: an elastic
-    replica's under torchrun (which process reads every file, `owns_run_dir`).
+    replica's under torchrun.
     """
     path = resolve_resume(cfg)
     if path is None:
@@ -244,6 +243,12 @@ def marker_records_checksums(path: Path) -> bool:
     return not isinstance(marker, dict) or "checksums" in marker
 
 
+def reads_every_file() -> bool:
+    """Whether this process re-hashes a checkpoint's files: a launcher, or rank 0 of a torchrun world (an elastic
+    replica's world is its own: each replica's rank 0 reads, none is special)."""
+    return "WORLD_SIZE" not in os.environ or os.environ.get("RANK", "0") == "0"
+
+
 def validate_checkpoint(path: Path, cfg: Config, seat: Optional[ReplicaSeat] = None) -> dict[str, Any]:
     """ConfigError unless `path` is a complete, intact checkpoint `cfg` can continue; returns its meta."""
     meta = read_meta(path)
@@ -283,6 +288,6 @@ def validate_checkpoint(path: Path, cfg: Config, seat: Optional[ReplicaSeat] = N
     if extra:
         raise ConfigError(f"model: checkpoint {path} has tensor {extra[0]}, which the config's model lacks")
     # Last: the checks above name what differs; this one finds bytes that changed without changing sizes.
-    if owns_run_dir(seat):  # under torchrun, rank 0 reads every file once for all ranks (a mismatch ends them all)
+    if reads_every_file():  # under torchrun, rank 0 reads every file once for all ranks (a mismatch ends them all)
         verify_files(path)
     return meta
