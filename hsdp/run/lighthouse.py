@@ -32,9 +32,9 @@ class LighthouseError(RuntimeError):
     """The lighthouse could not be started (one line)."""
 
 
-def lighthouse_binary() -> Path:
-    """torchft's `torchft_lighthouse`, installed beside this interpreter with torchft."""
-    return Path(sys.executable).with_name("torchft_lighthouse")
+def lighthouse_binary() -> list[str]:
+    """torchft's `torchft_lighthouse` as this interpreter runs it without importing torch (torchft_lighthouse.py)."""
+    return [sys.executable, str(Path(__file__).with_name("torchft_lighthouse.py"))]
 
 
 def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
@@ -56,7 +56,7 @@ def lighthouse_command(cfg: Config, port: int, binary: Optional[Path] = None) ->
     (the command the multi-host launch runs on the lighthouse's host: scripts/slurm/lighthouse.sh)."""
     join_ms, heartbeat_ms = lighthouse_timeouts_ms(cfg)
     return [
-        str(binary or lighthouse_binary()),
+        *([str(binary)] if binary else lighthouse_binary()),
         *("--min_replicas", str(cfg.elastic.min_replicas), "--bind", f"[::]:{port}"),
         *("--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms)),
         *("--quorum_tick_ms", "100"),
