@@ -1,0 +1,108 @@
+"""How long a killed replica takes to train again, by phase: the tiny elastic job with one kill, N times.
+
+    python scripts/restart_phases.py [--reps 3] [--kill 1@2:before_quorum:die] [--out runs/restart-phases]
+                                     [--set key=value ...]
+
+Runs train.py on configs/tiny.yaml as an elastic run of 3 replicas of 1 rank (DiLoCo every 20 steps, no warmup,
+100 steps) where `--kill` (an elastic.faults `die`: the replica SIGKILLs itself there) kills a replica once. The
+restarted life's summary (summary.replica<m>.json) holds its marks (hsdp/core/timeline.py): from the kill through
+the launcher's restart, the fork, its world, its manager, the model, its first quorum and its heal to its first
+trained step. Prints each repetition's phases and the median over the repetitions, as a markdown table, with the
+load average before each repetition (a shared box's timings are noisy: say how loaded it was).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hsdp.core.timeline import ORDER, phases  # noqa: E402  (after the path: run from anywhere)
+from hsdp.faults.spec import parse_faults  # noqa: E402
+
+DEFAULTS = [
+    "elastic.enabled=true",
+    "mesh.sync=3",
+    "mesh.shard=1",
+    "sync.warmup_steps=0",
+    "sync.every=20",
+    "run.steps=100",
+    "run.checkpoint_every=0",
+    "run.eval_every=0",
+    "run.eval_batches=1",
+    "run.log_every=1",
+    "run.overwrite=true",
+    "wandb.mode=disabled",
+]
+
+
+def one_run(config: str, run_dir: Path, kill: str, overrides: list[str], timeout_s: float) -> dict:
+    """One train.py run with `kill`; the restarted replica's summary, with the run's wall time and the load."""
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", config]
+    for o in [
+        *DEFAULTS,
+        *overrides,
+        f"elastic.faults={kill}",
+        f"run.out_dir={run_dir.parent}",
+        f"run.name={run_dir.name}",
+    ]:
+        cmd += ["--set", o]
+    load = os.getloadavg()[0]
+    t0 = time.monotonic()
+    env = {**os.environ, "HSDP_NO_BAR": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    if proc.returncode != 0:
+        sys.exit(f"train.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    replica = parse_faults(kill, 3)[0].at.replica
+    summary = json.loads((run_dir / f"summary.replica{replica}.json").read_text())
+    return {**summary, "run_wall_s": time.monotonic() - t0, "load": load}
+
+
+def table(runs: list[dict]) -> str:
+    """Each phase's seconds per repetition and their median (phases named by the mark that ends them)."""
+    per_run = [phases([(n, t) for n, t in r["start_marks"]]) for r in runs]
+    names = [n for n in ORDER if any(n in p for p in per_run)]
+    head = "| phase (ends at) | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " | median |"
+    lines = [head, "|---" * (len(runs) + 2) + "|"]
+    for n in names:
+        values = [p.get(n) for p in per_run]
+        known = [v for v in values if v is not None]
+        cells = " | ".join("–" if v is None else f"{v:.3f}" for v in values)
+        lines.append(f"| {n} | {cells} | {statistics.median(known):.3f} |")
+    totals = [r["start_s"] for r in runs]
+    lines.append(
+        f"| **kill → trained** | {' | '.join(f'{t:.3f}' for t in totals)} | **{statistics.median(totals):.3f}** |"
+    )
+    loads = " | ".join(f"{r['load']:.2f}" for r in runs)
+    lines.append(f"| load (1 min) before | {loads} | |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--kill", default="1@2:before_quorum:die", help="the elastic.faults that kills a replica")
+    p.add_argument("--out", type=Path, default=Path("runs/restart-phases"))
+    p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
+    p.add_argument("--set", action="append", default=[], help="extra train.py override (repeatable)")
+    args = p.parse_args()
+    runs = []
+    for i in range(args.reps):
+        run = one_run(args.config, args.out / f"rep{i}", args.kill, args.set, args.timeout)
+        print(f"rep {i + 1}: kill → trained {run['start_s']:.3f} s (load {run['load']:.2f})", file=sys.stderr)
+        runs.append(run)
+    print(table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
