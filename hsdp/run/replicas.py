@@ -38,6 +38,12 @@ if TYPE_CHECKING:
     from torchft.coordination import LighthouseServer
 
 
+# What a replica's worker imports besides the plain run's (the rank's manager, its heal server): imported once by
+# the zygote (~0.2 s at load 13 that each restarted worker's start saved). torchft's import starts no thread, so
+# the zygote still forks cleanly; its runtime starts with the worker's manager.
+ELASTIC_PRELOAD = ("hsdp.sync.elastic.replica", "torchft.manager", "torchft.checkpointing.http_transport")
+
+
 @dataclass
 class Replica:
     """One replica group as the launcher tracks it."""
@@ -109,7 +115,11 @@ def lighthouse_answers(cfg: Config) -> bool:
 def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
     """The lighthouse's join and heartbeat timeouts (ms).
 
-    heartbeat: a replica that stops heartbeating (dead) is out of the next quorum after elastic.timeout_s.
+    heartbeat: a replica that stops heartbeating (dead) is out of the next quorum after elastic.heartbeat_timeout_s.
+    Its manager heartbeats every 0.1 s from torchft's own thread, whatever the training thread does, so silence
+    means a lost process (or a frozen or cut-off one), and a short bound is safe; a restart cannot meet the others
+    before its previous life is dropped (it is another replica to the lighthouse), so this bounds every restart
+    (docs/results/restart.md).
     join: how long a quorum waits for a replica that still heartbeats but has not asked yet (it is
     training towards the same round, or compiling its first step): mesh.timeout_s, the run's bound on
     a stalled rank. Slowness is not a failure; only silence is. Not the straggler bound either
@@ -117,7 +127,7 @@ def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
     heartbeats, and with more, one left out would heal a full state each time; the replicas keep that bound
     themselves, all in every quorum (docs/design.md §9.5).
     """
-    return int(cfg.mesh.timeout_s * 1000), int(cfg.elastic.timeout_s * 1000)
+    return int(cfg.mesh.timeout_s * 1000), int(cfg.elastic.heartbeat_timeout_s * 1000)
 
 
 def start_lighthouse(cfg: Config) -> tuple[Optional[LighthouseServer], str]:
@@ -150,7 +160,8 @@ def launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
         raise WorkerError(str(e)) from None
     server, address = start_lighthouse(cfg)  # before the zygote: torchft's runtime makes it a fresh interpreter
     try:
-        with Pool(start_zygote(worker, cfg.compile.enabled), stall_after_s=cfg.mesh.timeout_s) as pool:
+        zygote = start_zygote(worker, cfg.compile.enabled, ELASTIC_PRELOAD)
+        with Pool(zygote, stall_after_s=cfg.mesh.timeout_s) as pool:
             run = ElasticRun(cfg, pool, worker, address)
             run.run(stop)
         try:

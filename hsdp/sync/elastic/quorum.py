@@ -65,7 +65,7 @@ class RoundSettings:
     """How one rank's rounds meet (defaults: a test's transport that never pauses nor times anything).
 
     `partition_timeout_s`: how long a round's quorum may keep failing before PartitionTimeout.
-    `heartbeat_window_s`: the lighthouse's heartbeat timeout (elastic.timeout_s), the most waited once a
+    `heartbeat_window_s`: the lighthouse's heartbeat timeout (elastic.heartbeat_timeout_s), the most waited once a
     lighthouse that refused connections (its process gone: a fresh one when it is back) accepts again.
     `lighthouse_unreachable()`: why the lighthouse does not accept a connection now (an OSError), or None
     (asked before each quorum attempt: lighthouse.py says why a quorum must not be asked for then).
