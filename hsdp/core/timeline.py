@@ -32,18 +32,19 @@ Marks = tuple[tuple[str, float], ...]  # (name, time.time()) in the order taken
 ORDER = ("killed", "detected", "restart", "forked", "world", "manager", "model", "quorum", "healed", "trained")
 
 _marks: list[tuple[str, float]] = []  # this process's (a forked worker starts with the zygote's: none)
+_clock = time.time  # a test's fake replaces it
 
 
 def begin(name: str, before: Sequence[tuple[str, float]] = ()) -> None:
     """Start this process's marks: `before` (the launcher's, from the seat), then `name` now. Clears any left
     from an earlier run in the same process (a world of 1 runs in the launcher)."""
-    _marks[:] = [*before, (name, time.time())]
+    _marks[:] = [*before, (name, _clock())]
 
 
 def mark(name: str) -> None:
     """Mark `name` now, once: a later pass of the same boundary (a second heal, every step) keeps the first."""
     if all(n != name for n, _ in _marks):
-        _marks.append((name, time.time()))
+        _marks.append((name, _clock()))
 
 
 def marks() -> Marks:
