@@ -84,7 +84,10 @@ def one_run(config: str, run_dir: Path, kill: str, at_step: str, overrides: list
         replica, step = (int(x) for x in at_step.split("@"))
         killed = kill_at(proc, run_dir, replica, step, timeout_s)
     else:
-        replica = parse_faults(kill, 3)[0].at.replica
+        who = parse_faults(kill, 3)[0].at.replica
+        if who is None:
+            sys.exit(f"--kill {kill}: a replica's fault, not the lighthouse's")
+        replica = who
     try:
         _, err = proc.communicate(timeout=timeout_s)  # the hang guard
     except subprocess.TimeoutExpired:
