@@ -177,7 +177,7 @@ class ElasticReplica(PhaseLog):
         manager, pg = build_manager(cfg, self.replica, site_rank, site, self.lighthouse, self._heal)
         settings = RoundSettings(
             partition_timeout_s=cfg.elastic.partition_timeout_s,
-            heartbeat_window_s=cfg.elastic.heartbeat_timeout_s,  # the lighthouse's (run/replicas.py)
+            heartbeat_window_s=cfg.elastic.timeout_s,  # for a restarted lighthouse's heartbeats (quorum.py)
             lighthouse_unreachable=lambda: lighthouse_unreachable(self.lighthouse, cfg.elastic.timeout_s),
             lighthouse_status=lambda: quorum_status(self.lighthouse, cfg.elastic.timeout_s),
             spectating=lambda: self.heal.spectating,
