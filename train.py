@@ -27,6 +27,7 @@ import torch.distributed as dist
 from hsdp.comm.mesh import Mesh
 from hsdp.config.loader import save_config
 from hsdp.config.schema import Config, ConfigError, to_dict
+from hsdp.core import timeline
 from hsdp.data.tokens import Data
 from hsdp.engines.base import Batch, Engine
 from hsdp.engines.registry import build_engine
@@ -76,6 +77,7 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         parts["pace"] = Part(pacer.state_dict, pacer.load_state_dict)
     checkpoints = Checkpoints(cfg, mesh, engine, optimizer, t_start, seat, parts)
     run = checkpoints.resume()  # the checkpoint run.resume names (every part restored), or a fresh start
+    timeline.mark("model")  # a restart's phases (hsdp/core/timeline.py)
     # What a heal may read and write (an elastic run's engine is hsdp, check_engine_config: its policy a SyncPolicy).
     state = ReplicaState(engine.held_buffers(), optimizer, cast(ReplicaPolicy, policy))
     run.start_step = members.join(state, run.start_step)  # a restarted replica heals: a later step
@@ -123,6 +125,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
         synced = sync_params(step, cfg, engine, members, pacer)
         step_s = time.perf_counter() - t0
         ledger.after_step(step, step_s, trained=not cut)
+        if not cut:
+            timeline.mark("trained")  # the first trained step's end (kept once): a restart is training again
         last_trained_s = None if cut else step_s
         log_step(step, step_loss, lr, synced, cfg, engine, data, ledger, logger, run, own_replica)
         if checkpoints.due(step):  # every run.checkpoint_every steps, after the update, sync and log

@@ -22,6 +22,7 @@ import torch
 from hsdp.comm.groups import Comm
 from hsdp.config.loader import load_config
 from hsdp.config.schema import ConfigError
+from hsdp.core import timeline
 from hsdp.run.checkpoint import complete_checkpoints, step_of
 from hsdp.sync.elastic.transport import Done, FTTransport
 from tests.helpers import QUIET_ENV, REPO, SMALL, SMALLER, STEP_SCOPE, ServedRun, run_train, serve_train
@@ -188,6 +189,28 @@ def test_a_killed_replica_heals_and_the_run_finishes(
         m: json.loads((run_dir / f"summary.replica{m}.json").read_text())["elastic_round_quorums"] for m in range(n)
     }
     assert summary["survivor_touched_rounds"] == 2, (summary["survivor_touched_rounds"], quorums, err[-3000:])
+    _assert_restart_timeline(run_dir, restarted, _summary(run_dir, 0))
+
+
+def _summary(run_dir: Path, m: int) -> dict:
+    return json.loads((run_dir / f"summary.replica{m}.json").read_text())
+
+
+def _assert_restart_timeline(run_dir: Path, restarted: dict, first_life: dict) -> None:
+    """The restarted life's phases (hsdp/core/timeline.py): every mark, in order although three processes took
+    them (the dying replica, the launcher, the new worker), the kill's the dying process's own record, and the
+    phases sum to its kill → first trained step. A first life has the worker's marks only."""
+    names = [name for name, _ in restarted["start_marks"]]
+    assert names == list(timeline.ORDER), names
+    times = [t for _, t in restarted["start_marks"]]
+    assert all(a <= b for a, b in zip(times, times[1:])), restarted["start_marks"]
+    killed = min(float(p.read_text()) for p in (run_dir / "faults").glob("died.1.0.rank*"))
+    assert times[0] == pytest.approx(killed, abs=1e-3)
+    phases = restarted["start_phases_s"]
+    assert list(phases) == names[1:] and all(v >= 0 for v in phases.values()), phases
+    assert sum(phases.values()) == pytest.approx(times[-1] - killed, abs=2e-3)
+    assert restarted["start_s"] == pytest.approx(times[-1] - killed, abs=2e-3)
+    assert [name for name, _ in first_life["start_marks"]] == list(timeline.ORDER[3:]), first_life["start_marks"]
 
 
 def _assert_lives_are_the_records(run_dir: Path, overrides: list[str], given_up: Optional[int] = None) -> None:
@@ -540,3 +563,21 @@ def test_a_fresh_runs_meeting_rounds_are_not_touched_by_a_failure() -> None:
     assert transport.touched == [False, False, False, False, True, False, True]
     assert transport.touched_rounds() == 2
     assert [transport.fault_round(r) for r in (4, 5, 6, 7)] == [1, 2, 3, 4]  # fault rounds count from the join
+
+
+def test_timeline_marks_each_boundary_once_and_begins_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A boundary passed again (every step, a second heal) keeps its first mark; `begin` drops an earlier run's
+    marks and puts the launcher's first; phases are the marks' differences, named by the mark that ends each."""
+    clock = iter([10.0, 10.5, 11.0, 20.0])
+    monkeypatch.setattr(timeline, "_clock", lambda: next(clock))
+    monkeypatch.setattr(timeline, "_marks", [])  # this process's own, left as they were
+    timeline.begin("forked", (("killed", 9.0), ("detected", 9.5)))
+    timeline.mark("world")
+    timeline.mark("trained")
+    timeline.mark("trained")  # the next step: kept as it was
+    taken = (("killed", 9.0), ("detected", 9.5), ("forked", 10.0), ("world", 10.5), ("trained", 11.0))
+    assert timeline.marks() == taken
+    assert timeline.phases(timeline.marks()) == {"detected": 0.5, "forked": 0.5, "world": 0.5, "trained": 0.5}
+    assert timeline.summary()["start_s"] == 2.0
+    timeline.begin("forked")  # a later run in the same process
+    assert timeline.marks() == (("forked", 20.0),)

@@ -24,7 +24,7 @@ MAX_LINES = 600
 # An entry names a package (all its modules) or a module. Every module of the project must be in one.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # no torch: a config is read and validated anywhere
-    ("hsdp.config", "hsdp.faults", "hsdp.core.atomic", "hsdp.data.shards", "hsdp.data.corpus"),
+    ("hsdp.config", "hsdp.faults", "hsdp.core.atomic", "hsdp.core.timeline", "hsdp.data.shards", "hsdp.data.corpus"),
     ("hsdp.torch_compat",),  # every process-global torch patch and private torch/torchft API
     ("kernels",),
     ("hsdp.comm",),

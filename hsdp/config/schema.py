@@ -158,9 +158,10 @@ class ElasticConfig:
     lighthouse: str = ""  # torchft lighthouse address (http://host:port); empty: the launcher starts one
     min_replicas: int = 1  # a sync commits only with at least this many replicas in its quorum
     max_restarts: int = 3  # per replica: restarts after a failure before it is given up
-    restart_delay_s: float = 1.0  # wait before restarting a failed replica (a crash loop does not spin)
+    restart_delay_s: float = 0.0  # wait before restarting a failed replica (0: at once; max_restarts ends a crash loop)
     replica: int = -1  # under torchrun: this machine's replica (0..mesh.sync-1); the local launcher numbers them
-    timeout_s: float = 10.0  # failure detection: a sync's collectives and quorum give up on a silent peer after this
+    timeout_s: float = 10.0  # a sync's collectives and quorum requests give up on a silent peer after this
+    heartbeat_timeout_s: float = 1.0  # the lighthouse drops a replica whose manager went silent (dead) after this
     partition_timeout_s: float = 120.0  # no quorum this long (cut off, lighthouse lost): the replica fails
     round_timeout_s: float = 0.0  # straggler bound (s): rounds count who is in within it; slower ones cut (0 = off)
     # deterministic faults at named points (tests, benchmarks): "1@3:before_quorum:die,..." (hsdp/faults/spec.py)

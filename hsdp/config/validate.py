@@ -66,6 +66,7 @@ POSITIVE = [
     "mesh.timeout_s",
     "sync.outer_lr",
     "elastic.timeout_s",
+    "elastic.heartbeat_timeout_s",
     "elastic.partition_timeout_s",
 ]
 

@@ -9,10 +9,11 @@ with the peak from hsdp.models.gpt's table (dense 16-bit tensor-core FLOP/s, as 
 `--flops`. Codec and outer-step compute (`sync_s`) are not projected: they are memory-bound passes
 over the held shard, small next to a step at these sizes; calibrate on a run to include them.
 
-Failure (docs/design.md §9): the survivors lose about `elastic.timeout_s` (the lighthouse drops a
-silent replica) plus one sync; the restarted replica fetches its state from a live peer over the
-inter link (held params, AdamW moments, DiLoCo's outer momentum, per rank, S ranks on one link) after
-`elastic.restart_delay_s`, and trains again from the next sync.
+Failure (docs/design.md §9): the survivors lose about `elastic.heartbeat_timeout_s` (the lighthouse drops a
+silent replica) plus one sync; the restarted replica meets them once its dead life is dropped (after the longer
+of `elastic.restart_delay_s` and `elastic.heartbeat_timeout_s`), fetches its state from a live peer over the
+inter link (held params, AdamW moments, DiLoCo's outer momentum, per rank, S ranks on one link), and trains
+again from the next sync.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def projected_compute(w: Workload, peak_flops: float, mfu: float) -> Compute:
 
 @dataclass
 class FailureCost:
-    survivor_lost_s: float  # timeout_s + one sync
+    survivor_lost_s: float  # elastic.heartbeat_timeout_s + one sync
     heal_bytes_per_rank: int
     heal_s: float  # restart delay + the state over the link
 
@@ -61,5 +62,7 @@ def failure_cost(w: Workload, link: Link, compute: Compute, cfg: Config) -> Fail
             sum(tl.inter_time(m) for m in w.round_sync_messages(units)) for units in w.fragments()
         )
     heal = state_bytes_per_rank(w)
-    heal_s = cfg.elastic.restart_delay_s + w.S * heal * 8 * link.overhead / link.inter_bps + link.latency_s
-    return FailureCost(cfg.elastic.timeout_s + one_sync + compute.sync_s, heal, heal_s)
+    e = cfg.elastic
+    meets_s = max(e.restart_delay_s, e.heartbeat_timeout_s)  # a restart meets no quorum before its dead life is dropped
+    heal_s = meets_s + w.S * heal * 8 * link.overhead / link.inter_bps + link.latency_s
+    return FailureCost(e.heartbeat_timeout_s + one_sync + compute.sync_s, heal, heal_s)

@@ -40,7 +40,11 @@ def lighthouse_binary() -> list[str]:
 def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
     """The lighthouse's join and heartbeat timeouts (ms).
 
-    heartbeat: a replica that stops heartbeating (dead) is out of the next quorum after elastic.timeout_s.
+    heartbeat: a replica that stops heartbeating (dead) is out of the next quorum after elastic.heartbeat_timeout_s.
+    Its manager heartbeats every 0.1 s from torchft's own thread, whatever the training thread does, so silence
+    means a lost process (or a frozen or cut-off one), and a short bound is safe; a restart cannot meet the others
+    before its previous life is dropped (it is another replica to the lighthouse), so this bounds every restart
+    (docs/results/restart.md).
     join: how long a quorum waits for a replica that still heartbeats but has not asked yet (it is
     training towards the same round, or compiling its first step): mesh.timeout_s, the run's bound on
     a stalled rank. Slowness is not a failure; only silence is. Not the straggler bound either
@@ -48,7 +52,7 @@ def lighthouse_timeouts_ms(cfg: Config) -> tuple[int, int]:
     heartbeats, and with more, one left out would heal a full state each time; the replicas keep that bound
     themselves, all in every quorum (docs/design.md §9.5).
     """
-    return int(cfg.mesh.timeout_s * 1000), int(cfg.elastic.timeout_s * 1000)
+    return int(cfg.mesh.timeout_s * 1000), int(cfg.elastic.heartbeat_timeout_s * 1000)
 
 
 def lighthouse_command(cfg: Config, port: int, binary: Optional[Path] = None) -> list[str]:

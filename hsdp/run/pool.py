@@ -48,7 +48,7 @@ class WorkerError(RuntimeError):
     """A worker rank failed; the message holds that rank's error."""
 
 
-def start_zygote(worker: Callable, compiled: bool = False) -> Zygote:
+def start_zygote(worker: Callable, compiled: bool = False, also: Sequence[str] = ()) -> Zygote:
     """This process's zygote (started on first use): it has imported torch, the engines and the worker's module,
     and forks workers.
 
@@ -58,7 +58,8 @@ def start_zygote(worker: Callable, compiled: bool = False) -> Zygote:
     CUDA state of ours: hsdp.run.zygote.can_fork_launcher); it is started once per launcher process and
     reused by later launches, including those of processes forked from this one (the test
     suite's warm launcher); it exits with the launcher (hsdp.run.zygote). `compiled`: it also
-    prepares torch.compile once for all ranks (hsdp.compile.prewarm).
+    prepares torch.compile once for all ranks (hsdp.compile.prewarm). `also`: more modules to preload (an
+    elastic run's torchft: a restarted replica's start is on the clock, docs/results/restart.md).
     """
     global _zygote
     if _zygote is None or not _zygote.alive():
@@ -70,6 +71,7 @@ def start_zygote(worker: Callable, compiled: bool = False) -> Zygote:
         preload = ["torch", *RANK_LAZY_IMPORTS, "hsdp.run.rank", *engine_modules(compiled)]
         preload += ["hsdp.compile.prewarm"] if compiled else []
         preload += [] if module == "__main__" else [module]
+        preload += also
         _zygote = Zygote(preload, main_path=os.path.abspath(main) if main else None)
     return _zygote
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp.config.schema import Config
+from hsdp.core import timeline
 from hsdp.sync.seam import ReplicaSeat
 from hsdp.torch_compat import register_fake_backend
 
@@ -93,6 +94,7 @@ def run_rank(
         device_id=device if device.type == "cuda" else None,
         store=store,
     )
+    timeline.mark("world")
     try:
         if seat is None:
             worker(cfg)
@@ -121,6 +123,7 @@ def shutdown_process_group() -> None:
 
 def run_torchrun_rank(cfg: Config, worker: Worker, seat: Optional[ReplicaSeat]) -> None:
     """This process as torchrun's worker: its rank and world from the environment torchrun set."""
+    timeline.begin("started", seat.marks if seat is not None else ())  # torchrun's agent started this process
     world = int(os.environ["WORLD_SIZE"])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
     run_rank(cfg, worker, rank, world, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)), seat=seat)
@@ -141,6 +144,7 @@ def run_forked_rank(
     An elastic replica's worker is rank `rank` of its replica's own world of `world` ranks; `local_rank`
     and `local_world` then number it among all the launcher's workers, and `seat` says which replica
     and which start of it (hsdp/run/replicas.py)."""
+    timeline.begin("forked", seat.marks if seat is not None else ())  # a restart's: the launcher's marks first
     local_rank = rank if local_rank is None else local_rank
     local_world = world if local_world is None else local_world
     os.environ.update(

@@ -33,11 +33,17 @@ from hsdp.run.metrics import last_record, ledger_totals, merged_rates, read_reco
 from hsdp.run.pool import Exit, Pool, WorkerError, start_zygote
 from hsdp.run.rank import Worker, forked_ranks, host_rendezvous_store, worker_env
 from hsdp.run.stop import StopSignals
-from hsdp.sync.elastic import clear_markers, in_words, lighthouse_unreachable
+from hsdp.sync.elastic import clear_markers, died_at, in_words, lighthouse_unreachable
 from hsdp.sync.seam import ReplicaSeat
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+
+# What a replica's worker imports besides the plain run's (the rank's manager, its heal server): imported once by
+# the zygote (~0.2 s at load 13 that each restarted worker's start saved). torchft's import starts no thread, so
+# the zygote still forks cleanly; its runtime starts with the worker's manager.
+ELASTIC_PRELOAD = ("hsdp.sync.elastic.replica", "torchft.manager", "torchft.checkpointing.http_transport")
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Replica:
     given_up: bool = False
     fatal: bool = False  # its last failure was one a restart repeats (a NaN, a full disk): not restarted
     restart_at: Optional[float] = None  # monotonic time of a pending restart
+    died: tuple[tuple[str, float], ...] = ()  # its last death's marks (hsdp/core/timeline.py), for its restart
 
     @property
     def done(self) -> bool:
@@ -135,7 +142,8 @@ def launch_elastic(cfg: Config, worker: Worker, stop: StopSignals) -> None:
         raise WorkerError(str(e)) from None
     lighthouse, address = start_lighthouse(cfg)  # before the zygote, whose workers must not inherit its child
     try:
-        with Pool(start_zygote(worker, cfg.compile.enabled), stall_after_s=cfg.mesh.timeout_s) as pool:
+        zygote = start_zygote(worker, cfg.compile.enabled, ELASTIC_PRELOAD)
+        with Pool(zygote, stall_after_s=cfg.mesh.timeout_s) as pool:
             run = ElasticRun(cfg, pool, worker, address)
             run.run(stop)
         try:
@@ -190,7 +198,9 @@ class ElasticRun:
         r, cfg = self.replicas[m], self.cfg
         shard = cfg.mesh.replicate * cfg.mesh.shard  # a replica's (a site's) ranks
         self.stores[m] = host_rendezvous_store(cfg.mesh.timeout_s)
-        seat = ReplicaSeat(m, r.restarts, self.lighthouse)
+        # a restart's seat carries the launcher's marks of it, the new life's timeline's first (restart.md)
+        marks = (*r.died, ("restart", time.time())) if r.restarts else ()
+        seat = ReplicaSeat(m, r.restarts, self.lighthouse, marks)
         targets = forked_ranks(cfg, self.worker, self.stores[m].port, shard, m * shard, cfg.world_size, seat)
         r.workers, r.finished = self.pool.start(targets), 0
         for i in r.workers:
@@ -206,6 +216,10 @@ class ElasticRun:
         if e.code == 0:
             r.finished += 1
             return
+        # its life's first failure (the rest are killed for it and read as an earlier generation's): when it
+        # died (known when a fault killed it) and when this launcher saw it, for its restart's timeline
+        killed = died_at(self.cfg.run_dir, m, r.restarts)
+        r.died = (*((("killed", killed),) if killed is not None else ()), ("detected", time.time()))
         last = (e.traceback.strip().splitlines() or [f"exit code {e.code}"])[-1]
         r.failures.append(last)
         rest = [i for i in r.workers if i in self.owner]

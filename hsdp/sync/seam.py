@@ -42,3 +42,5 @@ class ReplicaSeat:
     replica: int
     restart: int
     lighthouse: str
+    # a restart's launcher-side marks (hsdp/core/timeline.py: killed, detected, restart), its worker's first
+    marks: tuple[tuple[str, float], ...] = ()

@@ -24,7 +24,15 @@ outside hsdp/sync.
 """
 
 from hsdp.sync.elastic.closing import ReplicasDiffer, closes_level, verdicts
-from hsdp.sync.elastic.faults import clear_markers
+from hsdp.sync.elastic.faults import clear_markers, died_at
 from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
 
-__all__ = ["ReplicasDiffer", "clear_markers", "closes_level", "in_words", "lighthouse_unreachable", "verdicts"]
+__all__ = [
+    "ReplicasDiffer",
+    "clear_markers",
+    "closes_level",
+    "died_at",
+    "in_words",
+    "lighthouse_unreachable",
+    "verdicts",
+]

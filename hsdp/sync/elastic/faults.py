@@ -7,6 +7,7 @@ has passed it, so a `wait` is ordered by events, never by the clock.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -16,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 from hsdp.faults.spec import Fault, Place, parse_faults
 
@@ -91,6 +93,7 @@ class FaultPoints:
         self.fired.append(str(fault))
         print(f"elastic: fault {fault} (replica {self.replica}, rank {self.shard_rank})", file=sys.stderr, flush=True)
         if fault.action == "die":
+            self._note_death()
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == "exit":
             raise FaultInjected(f"fault {fault}: replica {self.replica} fails here")
@@ -111,6 +114,12 @@ class FaultPoints:
                     raise RuntimeError(f"fault {fault}: {fault.wait_for} not reached within {self.wait_s:g} s")
                 time.sleep(POLL_S)
 
+    def _note_death(self) -> None:
+        """Leave the time of this death where the launcher reads it (`died_at`): the restart's first mark."""
+        self.markers.mkdir(parents=True, exist_ok=True)
+        path = self.markers / f"died.{self.replica}.{self.life}.rank{self.shard_rank}"
+        path.write_text(repr(time.time()))
+
     def _until(self, fault: Fault) -> str:
         """The shell that a stop's waker runs before its SIGCONT: `sleep S`, or a poll for stop=PLACE's marker."""
         if fault.wait_for is None:
@@ -118,6 +127,16 @@ class FaultPoints:
         polls = max(1, round(self.wait_s / POLL_S))
         marker = shlex.quote(str(self._marker(fault.wait_for)))
         return f"i=0; while [ ! -e {marker} ] && [ $i -lt {polls} ]; do sleep {POLL_S}; i=$((i+1)); done"
+
+
+def died_at(run_dir: Path, replica: int, life: int) -> Optional[float]:
+    """When a `die` fault killed replica `replica`'s `life`-th start (time.time(), its first rank's), or None (it
+    died otherwise: only the launcher's detection is known)."""
+    times = []
+    for path in (run_dir / MARKERS).glob(f"died.{replica}.{life}.rank*"):
+        with contextlib.suppress(OSError, ValueError):
+            times.append(float(path.read_text()))
+    return min(times, default=None)
 
 
 def clear_markers(run_dir: Path) -> None:

@@ -65,8 +65,9 @@ class RoundSettings:
     """How one rank's rounds meet (defaults: a test's transport that never pauses nor times anything).
 
     `partition_timeout_s`: how long a round's quorum may keep failing before PartitionTimeout.
-    `heartbeat_window_s`: the lighthouse's heartbeat timeout (elastic.timeout_s), the most waited once a
-    lighthouse that refused connections (its process gone: a fresh one when it is back) accepts again.
+    `heartbeat_window_s`: the most waited for the last quorum's replicas to heartbeat to a lighthouse that refused
+    connections (its process gone: a fresh one when it is back) once it accepts again (elastic.timeout_s: their
+    managers reconnect in their own time, not the lighthouse's heartbeat timeout, elastic.heartbeat_timeout_s).
     `lighthouse_unreachable()`: why the lighthouse does not accept a connection now (an OSError), or None
     (asked before each quorum attempt: lighthouse.py says why a quorum must not be asked for then).
     `lighthouse_status()`: the lighthouse's QuorumStatus, read before each quorum: a quorum id lower than the

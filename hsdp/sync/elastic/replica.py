@@ -47,6 +47,7 @@ import torch.distributed as dist
 from hsdp.comm.groups import Comm
 from hsdp.comm.mesh import Mesh, build_elastic_mesh
 from hsdp.config.schema import Config
+from hsdp.core import timeline
 from hsdp.sync.elastic.closing import Records, RunClose, closes_level
 from hsdp.sync.elastic.faults import FaultPoints
 from hsdp.sync.elastic.heal import HealState, SourceLost
@@ -176,7 +177,7 @@ class ElasticReplica(PhaseLog):
         manager, pg = build_manager(cfg, self.replica, site_rank, site, self.lighthouse, self._heal)
         settings = RoundSettings(
             partition_timeout_s=cfg.elastic.partition_timeout_s,
-            heartbeat_window_s=cfg.elastic.timeout_s,  # the lighthouse's heartbeat timeout (run/replicas.py)
+            heartbeat_window_s=cfg.elastic.timeout_s,  # for a restarted lighthouse's heartbeats (quorum.py)
             lighthouse_unreachable=lambda: lighthouse_unreachable(self.lighthouse, cfg.elastic.timeout_s),
             lighthouse_status=lambda: quorum_status(self.lighthouse, cfg.elastic.timeout_s),
             spectating=lambda: self.heal.spectating,
@@ -185,6 +186,7 @@ class ElasticReplica(PhaseLog):
             faults=faults,
         )
         self._transport = FTTransport(manager, pg, comm, settings)
+        timeline.mark("manager")
         self.enter(Phase.JOINING, "its manager heartbeats")
         return self._transport
 
@@ -222,6 +224,7 @@ class ElasticReplica(PhaseLog):
         while at is not JoinStep.JOINED:
             at = walks[at](walk)
         self.joined_s = time.perf_counter() - walk.t0
+        timeline.mark("healed")
         transport.joined_at = transport.rounds  # elastic.faults count this life's rounds from here
         if heal.heals and self.mesh.shard_rank == 0 and self.mesh.replicate_rank == 0:
             print(
@@ -238,6 +241,7 @@ class ElasticReplica(PhaseLog):
         if walk.fresh:  # torchft's step is the training step resumed at: one resumed behind heals from one ahead
             manager.load_state_dict({**manager.state_dict(), "step": walk.start})
         self.transport.begin_round()
+        timeline.mark("quorum")  # the first answered (a fresh run's later meetings keep it)
         if heal.stage is Heal.LOADED:
             return JoinStep.WHOLE if heal.final else JoinStep.IN_ROUND
         if heal.stage is Heal.OFFERED:  # a peer serves its state once this round closes (healing now)
@@ -559,6 +563,7 @@ class ElasticReplica(PhaseLog):
             # what agreeing on a quorum costs per round (each grad-sync step is one round)
             "quorum_median_s": round(statistics.median(t.quorum_waits), 4) if t.quorum_waits else None,
             "join_s": round(self.joined_s, 3),
+            **timeline.summary(),  # this life's start by phase: a restart's from its death to its first trained step
             # cut off mid-run (a partition, a lost lighthouse): rejoins, pauses
             "rejoins": self.rejoins,
             "rejoin_paused_s": round(self.paused_s, 3),
