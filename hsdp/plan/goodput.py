@@ -2,7 +2,7 @@
 of replica-seconds that is useful work, from 2 to 1,024 replicas (docs/design.md §15.1).
 
     python -m hsdp.plan.goodput [--replicas 2,4,...,1024] [--mtbf-h 1,6,24] [--step-s 0.5 --every 32 --round-s 10]
-                                [--heal-s 60] [--detect-s 10] [--checkpoint-every-s 1800 --save-s 2]
+                                [--heal-s 60] [--detect-s 1] [--checkpoint-every-s 1800 --save-s 2]
                                 [--validate SLOWLINK.json] [--plot OUT.png] [--json]
 
 Faults arrive on each replica at rate 1/MTBF (the group: N/MTBF), of the chaos benchmark's replica kinds
@@ -10,7 +10,7 @@ Faults arrive on each replica at rate 1/MTBF (the group: N/MTBF), of the chaos b
 lighthouse at 1/MTBF. A fault costs replica-seconds; with L = fault rate × mean cost ÷ N
 (lost per useful replica-second) goodput = (1 − the share of time training waits for checkpoint saves) ÷
 (1 + L), and the time to a target is the calm run's ÷ goodput. Per fault (P: one sync period, H steps
-and the round; w: elastic.timeout_s, the failure detection; v: what a restarted lighthouse costs a replica
+and the round; w: elastic.heartbeat_timeout_s, the failure detection; v: what a restarted lighthouse costs a replica
 before its next quorum, its replicas' heartbeats reaching it (torchft heartbeats every 0.1 s); h: a
 replacement's heal; s: the fault's spell; f = 3: a slow spell's factor):
 
@@ -60,7 +60,7 @@ class Cluster:
     replicas: int
     period_s: float  # one sync period: H steps and the round
     heal_s: float  # a replacement's time from the fault to contributing again (start, join, fetch)
-    detect_s: float  # elastic.timeout_s: failure detection, and a restarted lighthouse's heartbeat window
+    detect_s: float  # elastic.heartbeat_timeout_s: failure detection
     checkpoint_every_s: float = math.inf  # C
     save_s: float = 0.0  # what training waits for per save (synchronous: the whole write)
     restart_s: Optional[float] = None  # R: a lockstep job's relaunch (default: heal_s)
@@ -314,7 +314,7 @@ def _main(argv: Optional[list[str]]) -> int:
     p.add_argument("--every", type=int, default=32, help="sync.every: steps per period")
     p.add_argument("--round-s", type=float, default=10.0, help="a round's exposed sync time (s)")
     p.add_argument("--heal-s", type=float, default=60.0, help="a replacement's restart, join and state fetch (s)")
-    p.add_argument("--detect-s", type=float, default=10.0, help="elastic.timeout_s (s)")
+    p.add_argument("--detect-s", type=float, default=1.0, help="elastic.heartbeat_timeout_s: failure detection (s)")
     p.add_argument("--checkpoint-every-s", type=float, default=1800.0)
     p.add_argument("--save-s", type=float, default=2.0, help="what training waits for per save (async: the copy)")
     p.add_argument("--validate", metavar="SLOWLINK.json", help="compare with the chaos runs of a slow-link report")
