@@ -23,6 +23,10 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hsdp.run.metrics import last_record  # noqa: E402  (after the path: run from anywhere)
+
 DEFAULTS = [
     "elastic.enabled=true",
     "sync.warmup_steps=0",
@@ -39,10 +43,8 @@ DEFAULTS = [
 
 
 def last_step(path: Path) -> int:
-    try:
-        return json.loads(path.read_text().splitlines()[-1])["step"]
-    except (OSError, ValueError, KeyError, IndexError):
-        return -1
+    """The step of a metrics file's last whole record (-1: none yet)."""
+    return int((last_record(path) or {}).get("step", -1))
 
 
 def run(config: str, run_dir: Path, overrides: list[str], kill: tuple[int, int] | None) -> float:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from hsdp.core.timeline import ORDER, phases  # noqa: E402  (after the path: run from anywhere)
 from hsdp.faults.spec import parse_faults  # noqa: E402
+from hsdp.run.metrics import last_record  # noqa: E402
 
 DEFAULTS = [
     "elastic.enabled=true",
@@ -48,10 +49,8 @@ DEFAULTS = [
 
 
 def last_step(path: Path) -> int:
-    try:
-        return json.loads(path.read_text().splitlines()[-1])["step"]
-    except (OSError, ValueError, KeyError, IndexError):
-        return -1  # not there yet, or a line being written
+    """The step of a metrics file's last whole record (-1: none yet)."""
+    return int((last_record(path) or {}).get("step", -1))
 
 
 def kill_at(proc: subprocess.Popen, run_dir: Path, replica: int, step: int, timeout_s: float) -> float:
