@@ -186,6 +186,52 @@ def test_a_malformed_or_unreachable_lighthouse_is_one_line(tmp_path: Path) -> No
         check_lighthouse_reachable(cfg)
 
 
+def test_a_later_life_waits_for_a_lighthouse_being_restarted(tmp_path: Path) -> None:
+    """No node is special: a replica's later life (its records in the run folder) that starts while the lighthouse is
+    down waits for it up to elastic.partition_timeout_s, as a running replica would, and goes on once it answers; a
+    first start with the same address refuses at once, and a later life refuses once the bound is spent."""
+    import socket
+    import threading
+
+    from hsdp.run.replicas import later_life
+
+    with socket.socket() as probe:  # a port nothing listens on yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = ["elastic.enabled=true", "mesh.sync=2", "sync.warmup_steps=0", "sync.every=8", "elastic.replica=1"]
+    base += [f"elastic.lighthouse=http://127.0.0.1:{port}", f"run.out_dir={tmp_path}", "run.name=later"]
+    cfg = load_config(str(REPO / "configs/tiny.yaml"), [*base, "elastic.partition_timeout_s=30"])
+    assert not later_life(cfg)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=f"cannot reach http://127.0.0.1:{port} \\("):
+        check_lighthouse_reachable(cfg)  # a first start: at once
+    assert time.monotonic() - t0 < 10
+
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "metrics.replica1.jsonl").write_text('{"step": 0}\n')
+    assert later_life(cfg)
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def come_back() -> None:  # the lighthouse's restart, 1.5 s later
+        time.sleep(1.5)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    back = threading.Thread(target=come_back)
+    back.start()
+    try:
+        t0 = time.monotonic()
+        check_lighthouse_reachable(cfg)  # waits, then answers
+        assert time.monotonic() - t0 >= 1.0
+    finally:
+        back.join()
+        server.close()
+    short = load_config(str(REPO / "configs/tiny.yaml"), [*base, "elastic.partition_timeout_s=1"])
+    with pytest.raises(ConfigError, match="within 1 s \\(elastic.partition_timeout_s\\)"):
+        check_lighthouse_reachable(short)  # down for good: refused once the bound is spent
+
+
 class _Pool:
     """The pool as ElasticRun uses it (no processes): each start is one worker, numbered from 0."""
 

@@ -86,20 +86,45 @@ def enter_torchrun_replica(cfg: Config) -> ReplicaSeat:
         )
     check_lighthouse_reachable(cfg)
     os.environ.update(worker_env())
-    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return ReplicaSeat(e.replica, int(restarts or 0), e.lighthouse)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return ReplicaSeat(e.replica, restarts, e.lighthouse)
 
 
-def check_lighthouse_reachable(cfg: Config) -> None:
-    """ConfigError (one line) unless elastic.lighthouse, when set, accepts a connection within elastic.timeout_s:
-    otherwise every replica's start would fail and be restarted until elastic.max_restarts is spent."""
+def later_life(cfg: Config) -> bool:
+    """Whether this start is a later life of its replica: torchrun restarted it, or its node was started again (its
+    records are in the run folder)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return True
+    return (cfg.run_dir / f"metrics.replica{cfg.elastic.replica}.jsonl").is_file()
+
+
+def check_lighthouse_reachable(cfg: Config, wait_s: Optional[float] = None) -> None:
+    """ConfigError (one line) unless elastic.lighthouse, when set, accepts a connection within elastic.timeout_s
+    (asked again every 0.5 s for up to `wait_s`): otherwise every replica's start would fail and be restarted until
+    elastic.max_restarts is spent. By default a first start asks once (a wrong address is one line now), and a
+    later life (`later_life`) waits up to elastic.partition_timeout_s, as a running replica waits for a lost
+    lighthouse: no node is special, and the lighthouse's may be being restarted too."""
     url = cfg.elastic.lighthouse
     if not url:
         return
+    if wait_s is None:
+        wait_s = cfg.elastic.partition_timeout_s if later_life(cfg) else 0.0
+    deadline = time.monotonic() + wait_s
     error = lighthouse_unreachable(url, cfg.elastic.timeout_s)
+    if error and wait_s > 0:
+        print(
+            f"elastic: the lighthouse at {url} does not answer ({in_words(error)}); waiting up to {wait_s:g} s "
+            "(elastic.partition_timeout_s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    while error and time.monotonic() < deadline:
+        time.sleep(0.5)
+        error = lighthouse_unreachable(url, cfg.elastic.timeout_s)
     if error:
+        waited = f" within {wait_s:g} s (elastic.partition_timeout_s)" if wait_s > 0 else ""
         raise ConfigError(
-            f"elastic.lighthouse: cannot reach {url} ({in_words(error)}); start torchft_lighthouse "
+            f"elastic.lighthouse: cannot reach {url}{waited} ({in_words(error)}); start torchft_lighthouse "
             "there first, or leave elastic.lighthouse empty to have the launcher start one"
         )
 
@@ -108,7 +133,7 @@ def lighthouse_answers(cfg: Config) -> bool:
     """Whether elastic.lighthouse (a lighthouse started on its own) accepts a connection; True without one
     (the launcher's own lighthouse is started again whenever it dies)."""
     try:
-        check_lighthouse_reachable(cfg)
+        check_lighthouse_reachable(cfg, wait_s=0.0)
     except ConfigError:
         return False
     return True
