@@ -135,10 +135,8 @@ def train_worker(cfg: Config, seat: Optional[ReplicaSeat] = None) -> None:
     checkpoints.finish()  # the last save in flight written (its failure raised here)
     peak_mb, step_peak_mb = peak_memory(mesh, memory.peak_mb)
     member_stats = members.stats(run.step_times)
-    # the nominal steps it skipped: a paced period's rest, or a straggler bound's cut (elastic.round_timeout_s)
-    skipped = pacer.cut_steps if pacer is not None else int(member_stats.get("cut_steps", 0))
     # per replica: tokens trained and merged (an elastic replica's over its lives), waits; goodput (§8.12)
-    totals = ledger.replica_totals(skipped, logger.records() if ledger.own_files else [])  # its lives: an elastic one's
+    totals = ledger.replica_totals(logger.records() if ledger.own_files else [])
     counts = ledger.summary()  # the same counts as the last record: tokens, rates, times, bytes (docs/design.md §12)
     logger.summary(
         {

@@ -190,7 +190,7 @@ class StepLedger:
         return round(merged + self.carried["merged_tokens"])
 
     # ------------------------------------------------------------ the end
-    def replica_totals(self, skipped_steps: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def replica_totals(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Every replica's ledger (tokens trained and merged, waits; goodput), gathered from every rank.
         `records`: this process's metrics file's (an elastic replica's logging rank: every life's)."""
         # an elastic run's quorums (the policy adds its weight exchange's), earlier lives' included
@@ -199,8 +199,7 @@ class StepLedger:
             # a restarted replica's earlier lives: what its metrics carried over (its policy counts this life's)
             **ledger_entry(self.policy.ledger(), self.replica_tokens, self.elapsed_s(), waited, self.earlier()),
             **(self.pacer.stats() if self.pacer else {}),
-            # a paced period's rest, or a straggler bound's cut
-            "skipped_steps": skipped_steps + int(self.carried["skipped_steps"]),
+            "skipped_steps": self.skipped() + int(self.carried["skipped_steps"]),
         }
         if self.own_files and records:  # its logging rank: its trained and merged tokens are Σ over its lives
             own = over_lives(own, lives_of(records, self.life), self.life)
