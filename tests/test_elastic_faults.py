@@ -35,7 +35,7 @@ from hsdp.sync.schedule import fragments_due
 REPO = Path(__file__).resolve().parents[1]
 needs_netns = pytest.mark.skipif(netns.missing_requirements() is not None, reason=netns.missing_requirements() or "")
 
-STEPS = 160
+STEPS = 72  # the lighthouse fault has three windows after LIGHTHOUSE_AFTER (past the syncs of steps 47, 55, 63)
 CUT_AT = 12  # replica 1's link goes down once it logged this step (after the round of step 7)
 RESTORE_AT = 24  # and comes back once replica 0 logged this one (it ran the rounds of steps 15, 23 alone)
 LIGHTHOUSE_AFTER = 40  # the lighthouse is killed once both replicas logged this step or later (after the rejoin)
@@ -86,14 +86,24 @@ class ScriptedFaults(ElasticJob):
         elif events == ["cut"] and last[0] >= RESTORE_AT:
             self.link.restore(1)
             events.append("restored")
-        elif events == ["cut", "restored"] and min(last) >= LIGHTHOUSE_AFTER and last[0] == last[1]:
-            if fragments_due(last[0] - 1, self.cfg.sync):  # both just past a sync: the next is 7 steps away
+        elif events == ["cut", "restored"] and min(last) >= LIGHTHOUSE_AFTER:
+            past = [_past_sync(step, self.cfg) for step in last]
+            # both at most 3 steps past the same sync: restarted 2 steps later, it is back before the next one
+            if last[0] - past[0] == last[1] - past[1] and max(past) <= 3:
                 self._stop_lighthouse()
                 self.lighthouse_back_at = last[0] + 2
                 events.append("lighthouse killed")
         elif events[-1:] == ["lighthouse killed"] and last[0] >= self.lighthouse_back_at:
             self._start_lighthouse()
             events.append("lighthouse restarted")
+
+
+def _past_sync(step: int, cfg) -> int:
+    """How many steps `step` is past the last sync round before it (1: the step right after it)."""
+    k = 1
+    while step - k >= 0 and not fragments_due(step - k, cfg.sync):
+        k += 1
+    return k
 
 
 def _records(run_dir: Path, m: int) -> list[dict]:
