@@ -211,9 +211,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def exact_ref(out: Path) -> RunResult:
     """20 steps of exact HSDP on 2x2 straight through, without checkpoints: the reference of every exact
-    resume below. Launched by two torchrun agents (two "nodes"), so every comparison with it also shows
-    that a multi-node launch trains bit for bit like local workers."""
-    return torchrun(out, "exact-ref", EXACT)
+    resume below (local workers; test_torchrun_two_nodes_resumes compares two torchrun agents with it)."""
+    return run_train(out, "exact-ref", EXACT)
 
 
 @pytest.fixture(scope="module")
@@ -473,7 +472,8 @@ def test_export_global_needs_a_global_copy(out: Path, killed_in_save: dict) -> N
 
 # ---------------------------------------------------------------- multi-node launch
 def test_torchrun_two_nodes_resumes(out: Path, killed_in_save: dict, exact_ref: RunResult) -> None:
-    """Two torchrun agents resume a checkpoint saved by local workers (exact_ref itself ran under torchrun)."""
+    """Two torchrun agents (two "nodes" of 2 processes) resume a checkpoint saved by local workers and train the
+    last steps bit for bit as the local run did: a multi-node launch trains like local workers."""
     step_14 = killed_in_save["resumed"].run_dir / "checkpoints" / "step_14"
     resumed = torchrun(out, "torchrun-resumed", EXACT + [f"run.resume={step_14}"])
     assert_same_run(resumed, exact_ref, from_step=15)
