@@ -176,3 +176,36 @@ def test_no_goodput_is_taken_against_a_target_that_had_faults(tmp_path) -> None:
     assert any("`calm` had faults injected at 20mbit: no goodput" in line for line in lines), lines
     cells = [c.strip() for c in next(x for x in lines if x.startswith("| wild")).strip("|").split("|")]
     assert cells[7:10] == ["–", "–", "–"], cells  # vs target, goodput (to target), goodput (wall)
+
+
+def test_a_fault_drawn_for_a_held_replica_hits_the_next_one_up() -> None:
+    """A replica holds one fault at a time: one drawn for a held replica lands on the next replica in order that no
+    fault holds and that trains (not awaiting its replacement, not finished); it waits only while none is, and the
+    lighthouse's fault waits for the lighthouse."""
+    from types import SimpleNamespace
+
+    from hsdp.bench.chaos import WAIT, ChaosJob
+
+    class Node:
+        def __init__(self, code=None) -> None:
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    def target(m, holding, pending=(), finished=()):
+        job = SimpleNamespace(
+            _holding=dict.fromkeys(holding),
+            _pending=dict.fromkeys(pending),
+            link=SimpleNamespace(replicas=3),
+            procs=[Node(0 if r in finished else None) for r in range(3)],
+        )
+        return ChaosJob._target(job, m)
+
+    assert target(1, holding=[]) == 1 and target(None, holding=[0, 1, 2]) is None
+    assert target(1, holding=[1]) == 2 and target(2, holding=[2]) == 0  # the next in order, wrapping
+    assert target(1, holding=[1, 2]) == 0
+    assert target(1, holding=[1], pending=[2]) == 0  # 2 is killed, its replacement not yet started
+    assert target(1, holding=[1], finished=[2]) == 0
+    assert target(1, holding=[0, 1, 2]) == WAIT and target(1, holding=[1], pending=[2], finished=[0]) == WAIT
+    assert target(None, holding=[None]) == WAIT

@@ -12,9 +12,11 @@ schedule and its kinds); each is applied here to a replica's node, or to the lig
                             control plane lost); held down until then, where a lighthouse that dies on its own
                             is started again at once (hsdp/run/lighthouse.py)
 
-T counts from when every replica logged a step. A fault whose replica is still in an earlier fault (killed and not
-yet back, stopped, cut, slowed) is applied once that one is over, so at most one fault holds a replica at a time while
-faults on different replicas overlap freely; slowlink.json records when each was drawn and applied.
+T counts from when every replica logged a step. At most one fault holds a replica at a time (faults on different
+replicas overlap freely): a fault drawn for a replica still in an earlier one (killed and not yet back, stopped, cut,
+slowed) hits the next replica that is up instead (the draw's replica is uniform over the group; an outage is not made
+longer by the faults that fall into it), and waits only while none is. slowlink.json records when each was drawn and
+applied, and the replica it was drawn for where it moved.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from hsdp.bench.elastic import ElasticJob, logged_steps
@@ -35,6 +37,7 @@ from hsdp.run.replicas import merge_replica_summaries
 from hsdp.sync.elastic import closes_level, verdicts
 
 SLOW_PERIOD_S = 0.1
+WAIT = "wait"  # _target's answer while every replica a fault could move to is held
 BACK_TIMEOUT_S = 120.0  # a killed replica counts as back once its replacement logs a step, or after this
 
 
@@ -46,11 +49,13 @@ class Applied:
     applied_s: Optional[float] = None
     over_s: Optional[float] = None
     step: Optional[int] = None  # the replica's last logged step when applied
+    drawn_for: Optional[int] = None  # the replica it was drawn for, where that one was held and it moved
 
     def to_json(self) -> dict[str, Any]:
         f = self.fault
         drawn = {"fault": str(f), "kind": kind(f), "replica": f.replica, "at_s": f.at.at_s, "seconds": f.seconds}
-        return {**drawn, "applied_s": self.applied_s, "over_s": self.over_s, "step": self.step}
+        moved = {} if self.drawn_for is None else {"drawn_for": self.drawn_for}
+        return {**drawn, **moved, "applied_s": self.applied_s, "over_s": self.over_s, "step": self.step}
 
 
 class _Slowdown(threading.Thread):
@@ -121,8 +126,27 @@ class ChaosJob(ElasticJob):
         self._start_replacements(now)
         for a in self.schedule:
             due = a.fault.at.at_s is not None and a.fault.at.at_s <= now
-            if a.applied_s is None and due and a.fault.replica not in self._holding:
+            if a.applied_s is None and due:
+                target = self._target(a.fault.replica)
+                if isinstance(target, str):  # WAIT
+                    continue
+                if target != a.fault.replica:
+                    a.drawn_for, a.fault = a.fault.replica, replace(a.fault, at=replace(a.fault.at, replica=target))
                 self._apply(a, now)
+
+    def _target(self, m: Optional[int]) -> Optional[int] | str:
+        """Where a fault drawn for replica m (None: the lighthouse) lands now: m while no fault holds it, else the
+        next replica in order that no fault holds and whose node trains (not finished, not awaiting its
+        replacement); WAIT while there is none (the lighthouse's fault always waits for the lighthouse)."""
+        if m not in self._holding:
+            return m
+        if m is None:
+            return WAIT
+        n = self.link.replicas
+        for other in ((m + k) % n for k in range(1, n)):
+            if other not in self._holding and other not in self._pending and self.procs[other].poll() is None:
+                return other
+        return WAIT
 
     def _apply(self, a: Applied, now: float) -> None:
         f, m = a.fault, a.fault.replica
