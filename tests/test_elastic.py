@@ -108,7 +108,8 @@ def _params(run_dir: Path, replica: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "case,mesh,extra,kill_round,also",
     [
-        ("2x2", ["mesh.sync=2", "mesh.shard=2"], [], 2, ()),  # dies before the round after step 7
+        # dies before the round after step 7; its restart heals θ_g and the outer state only (elastic.heal=global)
+        ("2x2", ["mesh.sync=2", "mesh.shard=2"], ["elastic.heal=global"], 2, ()),
         # int8 Δ and an overlapped sync (τ = 1) on 3 replicas: the two others keep syncing with each other
         ("3x1-int8-delay1", ["mesh.sync=3", "mesh.shard=1"], ["sync.quantize=int8", "sync.delay=1"], 2, ()),
         # grad-sync steps throughout (exact HSDP): a quorum per step; the restarted replica heals inside one
@@ -183,6 +184,13 @@ def test_a_killed_replica_heals_and_the_run_finishes(
         assert next(r for r in _records(run_dir, 1) if r["step"] >= first)["replicas"] == n, restarted
         if also:  # the stalled fetch took many of the peers' steps: the site skipped some, all its ranks alike
             assert restarted["heal_skipped_steps"] >= 1, restarted
+        # what crossed: a full state holds the peer's params, AdamW's two moments and θ_g (4× a rank's held bytes;
+        # 5× with the outer momentum, where a unit's params are not θ_g); elastic.heal=global's, θ_g and the
+        # outer momentum only (2×)
+        shard = next(int(o.split("=")[1]) for o in mesh if o.startswith("mesh.shard="))
+        held = sum(t.numel() for t in reference.values()) * 4 / shard
+        ratio = restarted["heal_fetch_bytes"] / held
+        assert (1.9 < ratio < 2.3) if "elastic.heal=global" in extra else ratio > 3.9, (ratio, restarted)
     # what the survivors lost, counted: no dropped round, and exactly the two rounds the schedule touches
     assert all(summary["dropped_syncs"][str(m)] == 0 for m in range(n) if m != 1), summary["dropped_syncs"]
     quorums = {

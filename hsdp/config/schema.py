@@ -164,6 +164,10 @@ class ElasticConfig:
     heartbeat_timeout_s: float = 1.0  # the lighthouse drops a replica whose manager went silent (dead) after this
     partition_timeout_s: float = 120.0  # no quorum this long (cut off, lighthouse lost): the replica fails
     round_timeout_s: float = 0.0  # straggler bound (s): rounds count who is in within it; slower ones cut (0 = off)
+    # what a replica healing at a param sync fetches from a live peer: full (its whole state, params mid-period and
+    # inner optimizer: a clone of the peer) | global (θ_g and the outer state only: the period goes on from θ_g
+    # with the replica's own inner optimizer, a fresh one after a restart; 2-3× fewer bytes over a slow link)
+    heal: str = "full"
     # deterministic faults at named points (tests, benchmarks): "1@3:before_quorum:die,..." (hsdp/faults/spec.py)
     faults: str = ""
 
@@ -198,6 +202,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("stdlib", "text", "tokens", "synthetic"),
     "mesh.engine": ("hsdp", "fsdp2", "ddp"),
     "mesh.backend": ("auto", "gloo", "nccl", "fake"),
+    "elastic.heal": ("full", "global"),
     "precision.param_dtype": DTYPES,
     "precision.reduce_dtype": DTYPES,
     "optim.name": ("adamw", "sgd", "muon"),

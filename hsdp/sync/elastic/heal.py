@@ -3,7 +3,9 @@
 The state a replica needs to continue exactly where a live peer is: its held shards, the inner
 optimizer's state, the sync policy's state (θ_g, outer momentum; nothing is in flight at the start of a
 round) and the training step. The LR and the data stream are functions of the step and of the replica's
-own rank, so both are right once the step is.
+own rank, so both are right once the step is. With elastic.heal=global a state served out of band is
+lighter: θ_g stands for the held shards and the inner optimizer's state is left out, so the healed replica
+goes on through the period from θ_g with its own inner optimizer (its round's Δ covers fewer steps).
 
 The heal's own state (`stage`, phase.py's heal table): none → offered (a peer's offer, out of band) →
 fetching (the offer taken) → loaded, or source lost (it died, stopped, broke the transfer or serves no more)
@@ -81,8 +83,11 @@ class HealState:
     (replica.py). An offer moves the replica's life to healing (`life`, the phase's one owner).
     """
 
-    def __init__(self, life: Life, faults: Optional[FaultPoints] = None, replica: Optional[int] = None) -> None:
+    def __init__(
+        self, life: Life, faults: Optional[FaultPoints] = None, replica: Optional[int] = None, light: bool = False
+    ) -> None:
         self.life, self.faults, self.replica = life, faults, replica
+        self.light = light  # elastic.heal=global: a state served out of band carries θ_g and the outer state only
         self.state: Optional[ReplicaState] = None  # the engine's seam, attached at the join
         # this rank's server of its state for a peer healing out of band, and its client (manager.py)
         self.snapshots: Optional[Snapshots] = None
@@ -97,6 +102,7 @@ class HealState:
         self.heals = 0
         self.fetches = 0  # peers' states fetched out of band
         self.fetch_s = 0.0  # wall time fetching them
+        self.fetch_bytes = 0  # the tensor bytes of the states fetched
         self.tried: list[Optional[int]] = []  # the sources whose offers this rank took, in order (replica indices)
         self.source_replica: Optional[int] = None  # the replica whose state was loaded last
         self.lost_s = 0.0  # wall time from giving up on a source to loading another's state
@@ -200,7 +206,9 @@ class HealState:
         offer = {"step": self.step, "snapshot": self.snapshots.address(), "step_s": self.pace()}
         return {**offer, "replica": self.replica}
 
-    def full_state(self) -> dict[str, Any]:
+    def full_state(self, light: bool = False) -> dict[str, Any]:
+        """This rank's state for a healing peer; `light` (elastic.heal=global): where the policy keeps θ_g for every
+        unit, θ_g stands for the params (the peer goes on from θ_g) and the inner optimizer's state stays here."""
         # Copies: they are sent from another thread while this replica trains on.
         seam = self.seam
         policy = copy.deepcopy(seam.policy.state_dict())
@@ -208,13 +216,15 @@ class HealState:
         policy["buffers"]["error"] = [None] * len(policy["buffers"]["error"])
         policy["meta"]["error_units"] = []
         thetas = self._global_params(policy)
+        light = light and all(g is not None for g in thetas)
+        optimizer = {} if light else {"optimizer": copy.deepcopy(seam.optimizer.state_dict())}
         return {
             # A unit whose params are θ_g (just after its sync) is not sent twice: a fifth less behind a slow link.
             "held": [
-                None if g is not None and torch.equal(held, g) else held.detach().clone()
+                None if g is not None and (light or torch.equal(held, g)) else held.detach().clone()
                 for held, g in zip(seam.held, thetas, strict=True)
             ],
-            "optimizer": copy.deepcopy(seam.optimizer.state_dict()),
+            **optimizer,
             "policy": policy,
             "step": self.step,
             "joining": not self.training,  # the round the state crosses in is this rank's join round
@@ -244,7 +254,8 @@ class HealState:
             source = g if held is None else held  # a unit sent as None equals its θ_g (full_state)
             assert source is not None, "a peer's state left out a unit's held shard without its θ_g"
             mine.copy_(source)
-        seam.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # not in a light state (elastic.heal=global): this replica's own goes on
+            seam.optimizer.load_state_dict(state["optimizer"])
         seam.policy.load_state_dict(state["policy"])
         self.step = self._healed_to = int(state["step"])
         final, joining = bool(state.get("final", False)), bool(state.get("joining", False))
@@ -267,7 +278,7 @@ class HealState:
             self._serving_fault_round = transport.fault_round(rounds)
             if self.faults is not None:
                 self.faults.at("before_serve", self._serving_fault_round)
-            state = {**self.full_state(), END: torch.ones(1)}  # END's bytes last: a cut transfer fails to load
+            state = {**self.full_state(self.light), END: torch.ones(1)}  # END's bytes last: a cut transfer fails
             self._server().send_checkpoint(dst_ranks=[], step=step, state_dict=state, timeout=timeout)
             self.asked_at, self.served_round = None, rounds
         elif self.served_round is not None and rounds > self.served_round:
@@ -291,6 +302,7 @@ class HealState:
                 state = self._server().recv_checkpoint(src_rank=0, metadata=offer.url, step=step, timeout=timeout)
                 self.fetch_s += time.perf_counter() - t0
                 self.fetches += 1
+                self.fetch_bytes += _tensor_bytes(state)
                 return state
             except Exception as e:
                 waited = time.perf_counter() - t0
@@ -302,6 +314,17 @@ class HealState:
                     source = f"replica {offer.replica}" if offer.replica is not None else offer.url
                     raise SourceLost(f"its source, {source}, {why} ({waited:.1f} s into the fetch)") from e
                 time.sleep(0.05)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in a (nested) state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 class SourceLost(RuntimeError):

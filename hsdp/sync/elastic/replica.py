@@ -172,7 +172,7 @@ class ElasticReplica(PhaseLog):
         self._faults = faults
         self._records = Records(cfg.run_dir, self.replica, site_rank)
         self._records.forget_own()  # an earlier launch's: this life has not closed
-        self._heal = HealState(self, faults, self.replica)
+        self._heal = HealState(self, faults, self.replica, light=cfg.elastic.heal == "global")
         site = cfg.mesh.replicate * cfg.mesh.shard  # the replica's (a site's) own world: its manager's group
         manager, pg = build_manager(cfg, self.replica, site_rank, site, self.lighthouse, self._heal)
         settings = RoundSettings(
@@ -538,6 +538,7 @@ class ElasticReplica(PhaseLog):
             "heals": heal.heals,
             "heal_fetches": heal.fetches,  # peers' states fetched out of band
             "heal_fetch_s": round(heal.fetch_s, 3),
+            "heal_fetch_bytes": heal.fetch_bytes,  # the tensor bytes of those states
             "spectated_rounds": self.spectated,
             # healed out of band: the steps of that period it did not train, the step whose round it first
             # counted in, and how often its heal began again (its source lost before the load)
