@@ -10,6 +10,7 @@ Patches (process-global state of torch that the project changes; `PATCHES`):
   capture_output_code      GraphLowering.save_output_code, set inside a block and restored after it
   allow_autograd_functions_in_aot_cache    a functorch config flag, set once
   compile_backward_with_forward  a functorch config flag, set once
+  trust_vec_isa_probe      inductor's cpp.vec_isa_ok, set once this machine's ISA probe is known to pass
   register_cpu_collectives the CPU kernels of four `_c10d_functional` ops (gloo), registered once
   start_compile_pool_lazily TORCH_WARM_POOL=0 in the environment, unless the user set it
   keep_region_inputs_undonated  SubgraphLowering.__init__ wrapped: a nested compile region's backward never
@@ -70,6 +71,7 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("torch._inductor.cpu_vec_isa:supported_vec_isa_list", "the CPU vector-ISA probe, kept"),
     Api("torch._inductor.cpu_vec_isa:valid_vec_isa_list", "the CPU vector-ISA probe, kept"),
     Api("torch._inductor.cpu_vec_isa:x86_isa_checker", "the CPU vector-ISA probe, kept"),
+    Api("torch._inductor.config:cpp.vec_isa_ok", "the CPU vector-ISA probe's answer, set process-wide"),
     Api("torch._inductor.runtime.cache_dir_utils:cache_dir", "inductor's cache folder (census sidecars)"),
     Api("torch._inductor.compile_fx:compile_fx", "imported by the zygote before it forks the ranks"),
     Api("torch._inductor.codecache:torch_key", "torch's source hash, computed once before the fork"),
@@ -115,6 +117,7 @@ PATCHES: dict[str, str] = {
     "capture_output_code": "torch._inductor.graph:GraphLowering.save_output_code",
     "allow_autograd_functions_in_aot_cache": "torch._functorch.config:autograd_cache_allow_custom_autograd_functions",
     "compile_backward_with_forward": "torch._functorch.config:force_non_lazy_backward_lowering",
+    "trust_vec_isa_probe": "torch._inductor.config:cpp.vec_isa_ok",
     "register_cpu_collectives": "torch:ops._c10d_functional.all_gather_into_tensor.default",
     "start_compile_pool_lazily": "torch._inductor.async_compile:AsyncCompile",
     "keep_region_inputs_undonated": "torch._inductor.graph:SubgraphLowering.__init__",
@@ -212,6 +215,18 @@ def prewarm_inductor() -> None:
         codecache.CacheBase.get_system()  # triton's key
 
 
+def resolve_vec_isas() -> None:
+    """Ask inductor's vector-ISA questions in this process before a fork (its answers are cached per process):
+    which ISAs build here, and each one's extensions (AVX-512 BF16 and VNNI, AMX), which it probes whatever
+    `cpp.vec_isa_ok` says."""
+    with contextlib.suppress(Exception):  # inductor moved them: the ranks ask themselves
+        from torch._inductor.cpu_vec_isa import pick_vec_isa, valid_vec_isa_list
+
+        for isa in valid_vec_isa_list():
+            bool(isa)
+        pick_vec_isa()
+
+
 @contextlib.contextmanager
 def capture_output_code(sink: Optional[Callable[[str], None]]) -> Iterator[None]:
     """Patch: hand inductor's output code of each graph compiled or cache-loaded inside the block to `sink`."""
@@ -273,6 +288,18 @@ def allow_autograd_functions_in_aot_cache() -> None:
     config = torch._functorch.config
     if hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
         config.autograd_cache_allow_custom_autograd_functions = True
+
+
+def trust_vec_isa_probe() -> None:
+    """Patch: inductor takes every vector ISA the CPU reports as buildable, without probing each.
+
+    Why: inductor probes the ISAs (a C++ build and a fresh Python child loading it, per ISA) in every process
+    that compiles or loads a compiled graph: a graph loaded warm from the cache asks too, outside the compile
+    options that carry `cpp.vec_isa_ok` (measured: 10-12 children, ~3 CPU s, per rank of a compiled run).
+    hsdp.compile.cache sets it only once a probe here found every reported ISA buildable."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.vec_isa_ok = True
 
 
 def compile_backward_with_forward() -> None:

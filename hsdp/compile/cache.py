@@ -12,7 +12,9 @@ Three things kept every run paying a full compile:
    per run: most of a "warm" compile on a 2-core box). The answer depends
    only on the CPU, the compiler and torch, so it is probed once and kept in
    `<inductor cache dir>/hsdp-vec-isa.json`; when every ISA the CPU reports
-   built and loaded, later processes tell inductor so (`cpp.vec_isa_ok`);
+   built and loaded, later processes tell inductor so (`cpp.vec_isa_ok`, in
+   the compile options and process-wide: a graph loaded warm from the cache
+   asks again, outside the options);
 4. inductor starts its pool of compile subprocesses (fresh interpreters
    importing torch) on every compile, needed or not; a warm compile
    generates no code, so the pool is left to start lazily, when a cold
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 
 from hsdp.core.atomic import write_json
-from hsdp.torch_compat import cpu_vec_isa_probe, inductor_cache_dir
+from hsdp.torch_compat import cpu_vec_isa_probe, inductor_cache_dir, trust_vec_isa_probe
 
 
 def cpu_options() -> dict[str, Any]:
@@ -67,7 +69,10 @@ def cpu_options() -> dict[str, Any]:
         known[key] = [str(i) for i in valid_vec_isa_list()] == [str(i) for i in on_cpu]
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, known)  # ranks probe at once on a first run: a temp name per process
-    return {"cpp.vec_isa_ok": True} if known[key] else {}
+    if not known[key]:
+        return {}
+    trust_vec_isa_probe()  # a graph loaded from the cache asks again, outside these options (torch_compat)
+    return {"cpp.vec_isa_ok": True}
 
 
 def _read_json(path: Path) -> dict[str, bool]:

@@ -536,9 +536,8 @@ class ElasticReplica(PhaseLog):
         times = list(step_times[len(step_times) - n :]) if n else []
         return {
             "heals": heal.heals,
-            "heal_fetches": heal.fetches,  # peers' states fetched out of band
-            "heal_fetch_s": round(heal.fetch_s, 3),
-            "heal_fetch_bytes": heal.fetch_bytes,  # the tensor bytes of those states
+            "heal_fetches": heal.fetches,  # peers' states fetched out of band: their wall time and tensor bytes
+            **{"heal_fetch_s": round(heal.fetch_s, 3), "heal_fetch_bytes": heal.fetch_bytes},
             "spectated_rounds": self.spectated,
             # healed out of band: the steps of that period it did not train, the step whose round it first
             # counted in, and how often its heal began again (its source lost before the load)
