@@ -46,7 +46,8 @@ delay s: seconds of the run's wall time
 
 A fault's window is [applied, over + tail]: the tail (default one calm round) holds the heal that follows
 at the first round after a stop, a cut or a lighthouse restart. Overlapping windows share a cost by overlap;
-faults queued on one replica (applied when the earlier one ended) overlap it. Records before a replica's
+faults queued on one replica (applied when the earlier one ended: soaks before a fault drawn for a held
+replica moved to a free one) overlap it. Records before a replica's
 first or after its last are outside every rule; so are work trained and then discarded at a heal (its
 local period, never merged: the run's `merged` goodput counts that), and what the run's close and summary
 took after the last step's record.
