@@ -29,8 +29,7 @@ POINTS, in a round's order: start (round 0, before its manager), before_quorum, 
 at the lighthouse: only waited for), after_quorum, after_send (its first payload collective done), before_commit; and
 around an out-of-band heal before_fetch (the healing replica), before_serve and during_serve (the peer serving it:
 part of its state sent, on its server's thread; no exit there). No replica is
-special here: whom a fault may hit is its applier's rule (the slow-link benchmark never kills or cuts replica 0, whose
-node holds the lighthouse).
+special here: any replica, 0 included, may be hit (the lighthouse runs on a host of its own in the slow-link benchmark).
 
     1@2:before_quorum:die                    replica 1 SIGKILLs itself before its round 2's quorum (every rank)
     1.1@0:start:wait=0@2:before_commit       its restart starts its manager once replica 0 reached round 2's commit
