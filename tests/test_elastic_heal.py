@@ -184,8 +184,8 @@ def test_a_replica_healed_again_mid_training_finishes_the_heal_in_place() -> Non
 # The stopped source (frozen mid-transfer, heartbeats too) is replica 0: torchft 0.2.0 names the lowest-numbered
 # replica at the quorum's step. It stays frozen until the healing replica has healed elsewhere and reached its
 # first round (stop=PLACE: ordered by that event, so the freeze outlasts the heal on a box at any load), and the
-# third replica holds its round at step 19 until the source is back, so that the source, healed in place, still
-# trains the run's last steps.
+# third replica holds its round at step 19 until the source is back at its own round, so that the source, healed in
+# place, usually still trains the run's last steps (or is healed whole by the run's close: the test takes either).
 LOST_SOURCE = {
     "dies before serving": ("0@3:before_serve:die", "2@3:before_serve:die"),  # only the source reaches the point
     "dies mid-transfer": ("0@3:during_serve:die", "2@3:during_serve:die"),
@@ -225,9 +225,16 @@ def test_a_heal_whose_source_is_lost_heals_from_the_third_replica(tmp_path: Path
     if not died:  # frozen: no answer within elastic.timeout_s; back, behind the others, healed in place
         assert "did not answer within 2 s (elastic.timeout_s)" in err and _summary(run_dir, source)["rejoins"] == 1
     print(f"{case}: from the source lost to the third's state loaded: {healed['heal_lost_s']} s")
+    last = KILL_RUN_STEPS - 1
     for m in range(3):
         steps = [r["step"] for r in _records(run_dir, m)]
-        assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] == KILL_RUN_STEPS - 1, (m, steps)
+        assert len(steps) == len(set(steps)) and steps == sorted(steps), (m, steps)
+        # The frozen source, back, heals in place at the peers' next round: the one after step 19 (it trains the
+        # last steps), or, when the peers' last round closed before it asked (the two rounds without it are quick
+        # on a loaded box: replica 2 is held only until it is back at its own round), from the run's close, which
+        # heals it whole with the final state.
+        closed = not died and m == source and _summary(run_dir, m)["elastic_phases"][-1].endswith(f"step {last} loaded")
+        assert steps[-1] == last or closed, (m, steps)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["replica_failures"] == 1 + int(died) and summary["finished_replicas"] == [0, 1, 2], summary
     reference = _params(run_dir, 0)
