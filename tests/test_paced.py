@@ -144,21 +144,31 @@ def test_a_window_that_fits_every_step_is_the_step_counted_run(runs: Runs):
 
 def test_a_resumed_paced_run_goes_on_from_each_replicas_own_position(runs: Runs):
     """Resumed at the round after step 7: each rank's checkpoint holds its replica's skipped steps (its data
-    position), periods and round ledger, so the resumed run trains what the uninterrupted one trained
-    (the same split of steps: the slow replica's first period after the resume is paced from its start)."""
+    position), periods and round ledger, so the resumed run is the weighted reference's for its split of steps, and,
+    where the wall clock gave the same split (a quiet box), trains what the uninterrupted one trained (the slow
+    replica's first period after the resume is paced from its start)."""
     whole = runs.run("uneven")
     step_7 = whole.run_dir / "checkpoints" / "step_7"
     assert step_7.is_dir(), sorted(p.name for p in (whole.run_dir / "checkpoints").iterdir())
     resumed = runs.run("resumed", (f"run.resume={step_7}",))
-    assert period_counts(resumed) == period_counts(whole)
+    counts, before = period_counts(resumed), 8 // H  # the periods of steps 0-7 come from the checkpoint
+    assert [c[:before] for c in counts] == [c[:before] for c in period_counts(whole)], (counts, period_counts(whole))
+    # Each later period's split is the wall clock's: the same in both runs on a quiet box, but a load spike in one of
+    # them (two busy loops beside the suite) cuts a period there and not in the other. Whatever the split, the resumed
+    # run is the weighted reference's for its own counts (its data positions and rounds carried by the checkpoint).
+    ref = paced_reference_run(BASE, counts, M, S)
+    assert max(max_param_rel_err(resumed.params(m), ref.params[m]) for m in range(M)) <= TOL, counts
     for m in range(M):
-        a, b = resumed.summary["replica_ledger"][str(m)], whole.summary["replica_ledger"][str(m)]
-        assert (a["trained_tokens"], a["merged_tokens"], a["skipped_steps"]) == (
-            b["trained_tokens"],
-            b["merged_tokens"],
-            b["skipped_steps"],
-        ), (m, a, b)
-        assert max_param_rel_err(resumed.params(m), whole.params(m)) <= TOL, m
+        assert resumed.summary["replica_ledger"][str(m)]["trained_tokens"] == sum(counts[m]) * TOKENS_PER_STEP, m
+    if counts == period_counts(whole):  # the same split: what the uninterrupted run trained, bit for bit
+        for m in range(M):
+            a, b = resumed.summary["replica_ledger"][str(m)], whole.summary["replica_ledger"][str(m)]
+            assert (a["trained_tokens"], a["merged_tokens"], a["skipped_steps"]) == (
+                b["trained_tokens"],
+                b["merged_tokens"],
+                b["skipped_steps"],
+            ), (m, a, b)
+            assert max_param_rel_err(resumed.params(m), whole.params(m)) <= TOL, m
 
 
 def test_elastic_paced_rounds_match_the_weighted_reference(runs: Runs):
