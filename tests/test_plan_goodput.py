@@ -77,8 +77,24 @@ def test_a_run_is_predicted_from_the_faults_it_had_and_checked_against_its_repor
     (row,) = validate(path, detect_s=5.0)
     assert row["faults"] == 2 and row["heal_s"] == 30.0 and row["period_s"] == 8.0
     assert row["measured"] == 0.75 and row["predicted"] == pytest.approx(1 - cost / 600, abs=1e-3)
+    # the floor, on the calm run's 150 s: the kill's unmerged half period (4 s) and the stop's 4 s, nothing else
+    assert predict_run(faults, 150.0, c, "floor") == pytest.approx(1 - (8 / 2 + 4) / 450)
+    assert row["floor"] == pytest.approx(1 - 8 / 450, abs=1e-3)
     assert main(["--validate", str(path), "--detect-s", "5"]) == 0
     assert "| chaos | 20mbit | 3 | 2 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "kind,spell,cost", [("kill", 0.0, 4.0), ("stop", 7.0, 7.0), ("slow", 30.0, 20.0), ("partition", 12.0, 0.0)]
+)
+def test_the_floor_charges_only_what_the_fault_itself_takes(kind: str, spell: float, cost: float) -> None:
+    """No detection, restart, heal or wait: a period of 8 s, a heal of 30 s and a detection of 5 s change nothing."""
+    from hsdp.plan.goodput import spell_cost
+
+    assert spell_cost(kind, spell, Cluster(3, 8.0, 30.0, 5.0)) == pytest.approx(cost)
+    assert spell_cost(kind, spell, Cluster(3, 8.0, 30.0, 5.0)) <= fault_cost(
+        kind, spell, "elastic", Cluster(3, 8.0, 30.0, 5.0)
+    )
 
 
 def exit_code(argv: list[str]) -> object:

@@ -28,9 +28,15 @@ or a cut loses the replica's unmerged half period and its heal; the survivors lo
 next round. After a lighthouse restart every replica waits for the others' heartbeats to reach it before
 its next quorum, and those whose round falls in the outage wait for it.
 
+The floor: what a fault costs on hardware of its own even if recovery cost nothing (no detection, no
+restart, no heal, no wait at a round: `spell_cost`): a kill loses its unmerged half period P/2, a stop its
+spell s, a slow spell s·(1 − 1/f); a partition and a lighthouse outage lose nothing (a cut replica could
+train on and merge later). No recovery can beat 1 − those costs ÷ the run's replica-seconds.
+
 `--validate` reads a slow-link report (slowlink.json with chaos runs and their calm target run) and
 predicts each chaos run's goodput from the faults it actually had (kinds, spells, the heal times it
-measured) and the calm run's period: the model's per-fault costs against the measured wall-time goodput.
+measured) and the calm run's period: the model's per-fault costs against the measured wall-time goodput,
+beside that schedule's floor.
 Bad input (a flag's value, a report that is missing, not JSON or not a slow-link report) exits 2 with one line.
 """
 
@@ -91,6 +97,20 @@ def fault_cost(kind: str, spell_s: float, mode: str, c: Cluster) -> float:
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
+def spell_cost(kind: str, spell_s: float, c: Cluster) -> float:
+    """Replica-seconds a fault of `kind` takes from replicas of their own even with a recovery that costs
+    nothing (the module's floor): only what the fault itself stops from being trained or merged."""
+    if kind == "kill":
+        return c.period_s / 2  # the work since the last round dies with the process
+    if kind == "stop":
+        return spell_s
+    if kind == "slow":
+        return spell_s * (1 - 1 / SLOW_FACTOR)
+    if kind in ("partition", "lighthouse"):
+        return 0.0
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
 def goodput(c: Cluster, mtbf_s: float, mode: str, mix: Optional[dict[str, float]] = None) -> float:
     """Useful ÷ total replica-seconds with faults at 1/`mtbf_s` per replica of the replica kinds in `mix`
     (equal shares by default, with chaos.py's mean spells) and at 1/`mtbf_s` on the lighthouse, less the
@@ -110,13 +130,16 @@ def goodput(c: Cluster, mtbf_s: float, mode: str, mix: Optional[dict[str, float]
 def predict_run(faults: list[dict[str, Any]], wall_s: float, c: Cluster, mode: str = "elastic") -> float:
     """The goodput the model gives a run of `wall_s` seconds that had exactly these `faults` (slowlink.json's
     chaos list: kind, seconds; each spell cut at the run's end): 1 − their summed cost ÷ (N · the run's
-    replica-seconds)."""
+    replica-seconds). `mode` "floor": their `spell_cost`s, what no recovery can win back."""
     cost = 0.0
     for f in faults:
         if f.get("applied_s") is None:
             continue
         spell = min(float(f["seconds"]), max(0.0, wall_s - float(f["applied_s"])))  # what fell inside the run
-        cost += fault_cost(f["kind"], spell, mode, c)
+        if mode == "floor":
+            cost += spell_cost(f["kind"], spell, c)
+        else:
+            cost += fault_cost(f["kind"], spell, mode, c)
     return max(0.0, 1.0 - cost / (c.replicas * wall_s))
 
 
@@ -182,6 +205,8 @@ def _compare(report: dict[str, Any], detect_s: float) -> list[dict[str, Any]]:
                 "measured": round(measured, 3),
                 "predicted": round(predicted, 3),
                 "error": round(predicted / measured - 1, 3),
+                # the best any recovery could do on replicas of their own, on this schedule and the calm time
+                "floor": round(predict_run(faults, base["wall_time_s"], c, "floor"), 3),
             }
         )
     return out
@@ -331,12 +356,13 @@ def _main(argv: Optional[list[str]]) -> int:
         if a.json:
             print(json.dumps(rows, indent=1))
         else:
-            print("| run | rate | replicas | faults | period | heal | measured goodput | model | error |")
-            print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+            print("| run | rate | replicas | faults | period | heal | measured goodput | model | error | floor |")
+            print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
             for r in rows:
                 print(
                     f"| {r['run']} | {r['rate']} | {r['replicas']} | {r['faults']} | {r['period_s']:.1f} s "
-                    f"| {r['heal_s']:.1f} s | {r['measured']:.3f} | {r['predicted']:.3f} | {r['error']:+.1%} |"
+                    f"| {r['heal_s']:.1f} s | {r['measured']:.3f} | {r['predicted']:.3f} | {r['error']:+.1%} "
+                    f"| {r['floor']:.3f} |"
                 )
         return 0
     if a.json:
