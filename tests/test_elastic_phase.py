@@ -413,3 +413,70 @@ def test_a_quorum_in_flight_when_the_lighthouse_restarts_completes_at_the_new_on
                 proc.kill()
                 proc.wait()
         manager.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def test_a_replica_started_while_the_lighthouse_is_down_waits_for_it(capfd) -> None:
+    """A replica (re)started during a lighthouse outage (a kill's restart while the lighthouse restarts, as in
+    the chaos soaks): rank 0's manager is started once the lighthouse accepts connections, with one line
+    saying what it waits for, instead of torchft's connect failing after elastic.timeout_s and the replica
+    exiting 1 (to be restarted again). A manager whose connect still fails (the lighthouse went away between
+    the probe and the connect) is tried again; past the bound the error names elastic.partition_timeout_s."""
+    from torchft._torchft import ManagerServer
+
+    from hsdp.sync.elastic.manager import start_when_lighthouse_up
+
+    port = _free_port()
+    url = f"http://localhost:{port}"
+
+    def torchft_start() -> ManagerServer:  # torchft's own connect, as rank 0's Manager makes it
+        return ManagerServer(
+            replica_id="replica_0",
+            lighthouse_addr=url,
+            hostname="localhost",
+            bind="[::]:0",
+            store_addr="localhost:1",
+            world_size=1,
+            heartbeat_interval=timedelta(milliseconds=100),
+            connect_timeout=timedelta(seconds=1),
+            quorum_retries=1,
+        )
+
+    # what the wait relies on: torchft's connect to a lighthouse that is not there raises this
+    with pytest.raises(RuntimeError, match="failed to connect"):
+        torchft_start()
+    with pytest.raises(RuntimeError, match=r"did not accept connections within elastic.partition_timeout_s=0.5 s"):
+        start_when_lighthouse_up(torchft_start, url, 0.5)
+
+    lighthouse: list[subprocess.Popen] = []
+    late = threading.Timer(1.5, lambda: lighthouse.append(_lighthouse_process(port, min_replicas=1)))
+    late.start()
+    try:
+        manager = start_when_lighthouse_up(torchft_start, url, 60.0)  # the hang guard: the lighthouse is late 1.5 s
+        manager.shutdown()
+    finally:
+        late.join()
+        for proc in lighthouse:
+            proc.kill()
+            proc.wait()
+    assert len(lighthouse) == 1
+    err = capfd.readouterr().err
+    assert err.count(f"elastic: the lighthouse at {url} does not accept connections (Connection refused)") == 2, err
+
+    tries: list[int] = []
+
+    def flaky() -> str:  # the probe passes (a listener is up) but the first connect fails
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError(f"failed to connect to {url} within timeout of 1s")
+        return "started"
+
+    with socket.socket() as listener:
+        listener.bind(("localhost", port))
+        listener.listen()
+        assert start_when_lighthouse_up(flaky, url, 60.0) == "started" and len(tries) == 2

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
+import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 
 from hsdp import torch_compat
 from hsdp.config.schema import Config
 from hsdp.sync.elastic.heal import HealState
+from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
 from hsdp.sync.elastic.seam import Manager, ProcessGroup, Snapshots
 
 CONNECT_FACTOR = 6  # elastic.timeout_s multiples a quorum (and re-forming the group after it) may take
@@ -37,29 +41,71 @@ def build_manager(
     pg = torch_compat.elastic_gloo_group(CONNECT_FACTOR * timeout, timeout)
     # Where the peers reach this replica (its manager, and its state for a peer that heals from it).
     host = "127.0.0.1" if not cfg.elastic.lighthouse else address_towards(cfg.elastic.lighthouse)
-    manager = TorchftManager(
-        pg=pg,
-        load_state_dict=heal.load_state_dict,
-        state_dict=heal.state_dict,
-        min_replica_size=cfg.elastic.min_replicas,
-        use_async_quorum=False,  # heal before the round's collectives, on the training thread
-        init_sync=False,  # replicas start from the same seeded init: no copy at step 0
-        timeout=timeout,
-        # A quorum waits for the peers' next sync (up to sync.every steps away), not only for failures.
-        quorum_timeout=timedelta(seconds=quorum_timeout_s(cfg)),
-        quorum_retries=quorum_retries(cfg),
-        connect_timeout=timeout,
-        rank=shard_rank,
-        world_size=shard,
-        replica_id=f"replica_{replica}",
-        lighthouse_addr=lighthouse,
-        hostname=host,
-        checkpoint_transport=_http_transport(timeout, host),
-        heartbeat_interval=timedelta(milliseconds=100),
+    transport = _http_transport(timeout, host)  # one server, whichever try of the manager below succeeds
+
+    def start() -> Manager:
+        return TorchftManager(
+            pg=pg,
+            load_state_dict=heal.load_state_dict,
+            state_dict=heal.state_dict,
+            min_replica_size=cfg.elastic.min_replicas,
+            use_async_quorum=False,  # heal before the round's collectives, on the training thread
+            init_sync=False,  # replicas start from the same seeded init: no copy at step 0
+            timeout=timeout,
+            # A quorum waits for the peers' next sync (up to sync.every steps away), not only for failures.
+            quorum_timeout=timedelta(seconds=quorum_timeout_s(cfg)),
+            quorum_retries=quorum_retries(cfg),
+            connect_timeout=timeout,
+            rank=shard_rank,
+            world_size=shard,
+            replica_id=f"replica_{replica}",
+            lighthouse_addr=lighthouse,
+            hostname=host,
+            checkpoint_transport=transport,
+            heartbeat_interval=timedelta(milliseconds=100),
+        )
+
+    # Only a replica's rank 0 talks to the lighthouse (the others wait for its manager's address).
+    manager = (
+        start_when_lighthouse_up(start, lighthouse, cfg.elastic.partition_timeout_s) if shard_rank == 0 else start()
     )
     heal.snapshots = _http_transport(timeout, host)  # this rank's state, for a peer healing out of band
     torch_compat.watch_http_transfers(heal.snapshots, heal.sending)  # the during_serve fault point
     return manager, pg
+
+
+def start_when_lighthouse_up(start: Callable[[], Manager], lighthouse: str, bound_s: float) -> Manager:
+    """`start()` (rank 0's torchft Manager, which connects to the lighthouse once, for elastic.timeout_s, and
+    raises if it cannot) once the lighthouse at `lighthouse` accepts connections, waiting for it up to
+    `bound_s` (elastic.partition_timeout_s), as a replica at a sync waits for a lost lighthouse.
+
+    A replica (re)started while the lighthouse is down, e.g. restarted after a kill during a lighthouse
+    restart, would otherwise exit at once and be restarted again: a second process start for nothing."""
+    deadline = time.monotonic() + bound_s
+    noted = False
+    while True:
+        why = lighthouse_unreachable(lighthouse, 1.0)
+        if why is None:
+            try:
+                return start()
+            except RuntimeError as e:  # it went away between the probe and the manager's connect
+                if "failed to connect" not in str(e) or time.monotonic() > deadline:
+                    raise
+                why = ConnectionError(str(e).splitlines()[0])
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"elastic: the lighthouse at {lighthouse} did not accept connections within "
+                f"elastic.partition_timeout_s={bound_s:g} s ({in_words(why)})"
+            )
+        if not noted:
+            noted = True
+            print(
+                f"elastic: the lighthouse at {lighthouse} does not accept connections ({in_words(why)}); "
+                f"waiting up to elastic.partition_timeout_s={bound_s:g} s for it",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(0.2)
 
 
 def quorum_timeout_s(cfg: Config) -> float:
