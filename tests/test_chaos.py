@@ -209,3 +209,42 @@ def test_a_fault_drawn_for_a_held_replica_hits_the_next_one_up() -> None:
     assert target(1, holding=[1], finished=[2]) == 0
     assert target(1, holding=[0, 1, 2]) == WAIT and target(1, holding=[1], pending=[2], finished=[0]) == WAIT
     assert target(None, holding=[None]) == WAIT
+
+
+def test_a_target_met_where_the_records_hold_no_time_is_not_called_not_reached(tmp_path) -> None:
+    """A chaos run whose replica 0 healed has steps missing from its metrics, so its time to the target is not in
+    them: met at the run's last step, its goodput to the target is the wall times' ratio (both runs met it at
+    their ends; the paced soak chaos-paced1 printed "not reached" at −0.4% val); met earlier, the step; never
+    met, "not reached"."""
+    from hsdp.bench.analysis import Assessed, Reached
+    from hsdp.bench.plan import LinkPlan
+    from hsdp.bench.records import LinkRun, Measured, RunRecord
+    from hsdp.bench.report import chaos_table, to_target_cell
+
+    plan = LinkPlan("x", "b", [], [("20mbit", 20_000_000)], ["20mbit"], 0, "calm", 60, 2, {}, tmp_path, tmp_path)
+    calm = LinkRun(
+        "calm",
+        "20mbit",
+        20_000_000,
+        0,
+        tmp_path,
+        Measured(),
+        RunRecord(tmp_path, {}, wall_time_s=90.0, final_val_loss=2.0),
+    )
+    record = RunRecord(tmp_path, {}, steps=100, wall_time_s=120.0, final_val_loss=1.99)
+    wild = LinkRun(
+        "wild",
+        "20mbit",
+        20_000_000,
+        0,
+        tmp_path,
+        Measured(faults={"chaos": {"seed": 7, "mtbf_s": 30.0}, "faults": [], "after": {}}),
+        record,
+    )
+    cells = {}
+    for step in (99, 50, None):
+        assessed = {("wild", "20mbit"): Assessed(2.0, reached=Reached(step_to_target=step))}
+        line = next(x for x in chaos_table(plan, [calm, wild], assessed) if x.startswith("| wild"))
+        cells[step] = [c.strip() for c in line.strip("|").split("|")][8]
+    assert cells == {99: "0.75 (at its end)", 50: "reached at step 50", None: "not reached"}
+    assert to_target_cell(1.25, None, None, None, None) == "0.80"  # a time in the records wins

@@ -340,7 +340,9 @@ def chaos_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, 
                     secs(wall, 1),
                     "failed" if val is None else f"{val:.4f}",
                     "–" if val is None or not base_val else f"{val / base_val - 1:+.1%}",
-                    "–" if base is None else "not reached" if ttt is None else f"{1 / ttt:.2f}",
+                    "–"
+                    if base is None
+                    else to_target_cell(ttt, a, r.finished.steps if r.ok else None, wall, base_wall),
                     "–" if not wall or not base_wall else f"{base_wall / wall:.2f}",
                     "–" if merged is None else f"{merged:.3f}",
                     sum(after.get("steps_lost", {}).values()),
@@ -351,6 +353,23 @@ def chaos_table(plan: LinkPlan, runs: Sequence[LinkRun], assessed: Mapping[Key, 
             )
         )
     return lines
+
+
+def to_target_cell(
+    ttt: Optional[float], a: Optional[Assessed], steps: Optional[int], wall: Optional[float], base_wall: Optional[float]
+) -> str:
+    """The chaos table's goodput to the target: the target run's time to its final val loss ÷ the run's (`ttt`:
+    their ratio), or, where the run's time to it is not in its records (steps missing from its metrics, as a
+    healed replica's are), the wall times' ratio when the target was first met at the run's last step (both runs
+    then reached it at their ends), else the step it was met at. "not reached" only where no eval met it."""
+    if ttt is not None:
+        return f"{1 / ttt:.2f}"
+    step = a.reached.step_to_target if a is not None and a.reached is not None else None
+    if step is None:
+        return "not reached"
+    if steps is not None and step == steps - 1 and wall and base_wall:
+        return f"{base_wall / wall:.2f} (at its end)"
+    return f"reached at step {step}"
 
 
 def equal_cell(after: dict[str, Any], replicas: int) -> str:
