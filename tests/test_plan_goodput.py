@@ -81,7 +81,15 @@ def test_a_run_is_predicted_from_the_faults_it_had_and_checked_against_its_repor
     assert predict_run(faults, 150.0, c, "floor") == pytest.approx(1 - (8 / 2 + 4) / 450)
     assert row["floor"] == pytest.approx(1 - 8 / 450, abs=1e-3)
     assert main(["--validate", str(path), "--detect-s", "5"]) == 0
-    assert "| chaos | 20mbit | 3 | 2 |" in capsys.readouterr().out
+    assert "| chaos | 20mbit | 3 | elastic | 2 |" in capsys.readouterr().out
+    # rounds paced by wall time (sync.every_s in the report's overrides): the model's paced column
+    report["set"].append("sync.every_s=5.8")
+    path.write_text(json.dumps(report))
+    (row,) = validate(path, detect_s=5.0)
+    assert row["mode"] == "paced" and row["predicted"] == pytest.approx(
+        predict_run(faults, 200.0, c, "paced"), abs=1e-3
+    )
+    assert row["predicted"] > predict_run(faults, 200.0, c, "elastic")  # nobody waits at the round for the stop
 
 
 @pytest.mark.parametrize(

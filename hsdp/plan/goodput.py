@@ -35,8 +35,8 @@ train on and merge later). No recovery can beat 1 − those costs ÷ the run's r
 
 `--validate` reads a slow-link report (slowlink.json with chaos runs and their calm target run) and
 predicts each chaos run's goodput from the faults it actually had (kinds, spells, the heal times it
-measured) and the calm run's period: the model's per-fault costs against the measured wall-time goodput,
-beside that schedule's floor.
+measured) and the calm run's period, in the mode its rounds ran (paced where the report sets sync.every_s): the
+model's per-fault costs against the measured wall-time goodput, beside that schedule's floor.
 Bad input (a flag's value, a report that is missing, not JSON or not a slow-link report) exits 2 with one line.
 """
 
@@ -192,13 +192,15 @@ def _compare(report: dict[str, Any], detect_s: float) -> list[dict[str, Any]]:
         every = _every(report, r["run"])
         period = base["mean_step_s"] * every
         c = Cluster(report["mesh"][0], period, _mean(heals, 30.0), detect_s)
+        mode = "paced" if _setting(report, "sync.every_s", 0.0) > 0 else "elastic"  # rounds by wall time or steps
         measured = base["wall_time_s"] / r["wall_time_s"]
-        predicted = predict_run(faults, r["wall_time_s"], c)
+        predicted = predict_run(faults, r["wall_time_s"], c, mode)
         out.append(
             {
                 "run": r["run"],
                 "rate": r["rate"],
                 "replicas": c.replicas,
+                "mode": mode,
                 "faults": len([f for f in faults if f.get("applied_s") is not None]),
                 "period_s": round(period, 3),
                 "heal_s": round(c.heal_s, 2),
@@ -214,11 +216,16 @@ def _compare(report: dict[str, Any], detect_s: float) -> list[dict[str, Any]]:
 
 def _every(report: dict[str, Any], run: str) -> int:
     """sync.every of a run, from the report's shared overrides (the last one set wins)."""
-    every = 1
+    return int(_setting(report, "sync.every", 1))
+
+
+def _setting(report: dict[str, Any], key: str, default: float) -> float:
+    """A numeric config key from the report's shared overrides (the last one set wins), else `default`."""
+    value = default
     for o in report.get("set", []):
-        if o.startswith("sync.every="):
-            every = int(o.split("=", 1)[1])
-    return every
+        if o.startswith(f"{key}="):
+            value = float(o.split("=", 1)[1])
+    return value
 
 
 def _mean(values: list[float], default: float) -> float:
@@ -356,13 +363,15 @@ def _main(argv: Optional[list[str]]) -> int:
         if a.json:
             print(json.dumps(rows, indent=1))
         else:
-            print("| run | rate | replicas | faults | period | heal | measured goodput | model | error | floor |")
-            print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            print(
+                "| run | rate | replicas | rounds | faults | period | heal | measured goodput | model | error | floor |"
+            )
+            print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
             for r in rows:
                 print(
-                    f"| {r['run']} | {r['rate']} | {r['replicas']} | {r['faults']} | {r['period_s']:.1f} s "
-                    f"| {r['heal_s']:.1f} s | {r['measured']:.3f} | {r['predicted']:.3f} | {r['error']:+.1%} "
-                    f"| {r['floor']:.3f} |"
+                    f"| {r['run']} | {r['rate']} | {r['replicas']} | {r['mode']} | {r['faults']} "
+                    f"| {r['period_s']:.1f} s | {r['heal_s']:.1f} s | {r['measured']:.3f} | {r['predicted']:.3f} "
+                    f"| {r['error']:+.1%} | {r['floor']:.3f} |"
                 )
         return 0
     if a.json:
