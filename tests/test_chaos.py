@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 import statistics
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,26 +87,25 @@ def test_a_bad_chaos_value_is_one_config_error_naming_the_key(tmp_path) -> None:
         make_plan(LinkOptions(spec=str(spec), shared=[f"run.out_dir={tmp_path}"]))
 
 
+def _at_20mbit(name: str, tmp_path: Path, measured: Any, record: Any) -> Any:
+    """A finished slow-link run of the chaos table's tests, at 20 Mbit/s."""
+    from hsdp.bench.records import LinkRun
+
+    return LinkRun(name, "20mbit", 20_000_000, 0, tmp_path, measured, record)
+
+
 def test_the_chaos_table_sets_a_run_against_the_calm_one(tmp_path) -> None:
     """slowlink.md's chaos table: the faults by kind, the restarts, both goodputs against the target run, the
     steps lost and what was checked after the run (2 of 3 replicas finished, equal; checkpoints valid)."""
     from hsdp.bench.analysis import Assessed
     from hsdp.bench.plan import LinkPlan
-    from hsdp.bench.records import LinkRun, Measured, RunRecord
+    from hsdp.bench.records import Measured, RunRecord
     from hsdp.bench.report import chaos_table
 
     plan = LinkPlan(
         "x", "b", [], [("20mbit", 20_000_000)], ["20mbit"], 0, "calm", 60, 2, {}, tmp_path, tmp_path, (3, 1)
     )
-    calm = LinkRun(
-        "calm",
-        "20mbit",
-        20_000_000,
-        0,
-        tmp_path,
-        Measured(),
-        RunRecord(tmp_path, {}, wall_time_s=90.0, final_val_loss=2.0),
-    )
+    calm = _at_20mbit("calm", tmp_path, Measured(), RunRecord(tmp_path, {}, wall_time_s=90.0, final_val_loss=2.0))
     faults = {
         "chaos": {"seed": 7, "mtbf_s": 30.0},
         "faults": [{"kind": "kill"}, {"kind": "stop"}, {"kind": "stop"}],
@@ -119,14 +120,8 @@ def test_the_chaos_table_sets_a_run_against_the_calm_one(tmp_path) -> None:
         },
     }
     summary = {"goodput": 0.9}
-    chaos = LinkRun(
-        "wild",
-        "20mbit",
-        20_000_000,
-        0,
-        tmp_path,
-        Measured(faults=faults),
-        RunRecord(tmp_path, summary, wall_time_s=120.0, final_val_loss=2.02),
+    chaos = _at_20mbit(
+        "wild", tmp_path, Measured(faults=faults), RunRecord(tmp_path, summary, wall_time_s=120.0, final_val_loss=2.02)
     )
     assessed = {("wild", "20mbit"): Assessed(2.0, time_to_target_vs_target_run=1.25)}
     (line,) = [x for x in chaos_table(plan, [calm, chaos], assessed) if x.startswith("| wild")]
@@ -218,28 +213,14 @@ def test_a_target_met_where_the_records_hold_no_time_is_not_called_not_reached(t
     met, "not reached"."""
     from hsdp.bench.analysis import Assessed, Reached
     from hsdp.bench.plan import LinkPlan
-    from hsdp.bench.records import LinkRun, Measured, RunRecord
+    from hsdp.bench.records import Measured, RunRecord
     from hsdp.bench.report import chaos_table, to_target_cell
 
     plan = LinkPlan("x", "b", [], [("20mbit", 20_000_000)], ["20mbit"], 0, "calm", 60, 2, {}, tmp_path, tmp_path)
-    calm = LinkRun(
-        "calm",
-        "20mbit",
-        20_000_000,
-        0,
-        tmp_path,
-        Measured(),
-        RunRecord(tmp_path, {}, wall_time_s=90.0, final_val_loss=2.0),
-    )
+    calm = _at_20mbit("calm", tmp_path, Measured(), RunRecord(tmp_path, {}, wall_time_s=90.0, final_val_loss=2.0))
     record = RunRecord(tmp_path, {}, steps=100, wall_time_s=120.0, final_val_loss=1.99)
-    wild = LinkRun(
-        "wild",
-        "20mbit",
-        20_000_000,
-        0,
-        tmp_path,
-        Measured(faults={"chaos": {"seed": 7, "mtbf_s": 30.0}, "faults": [], "after": {}}),
-        record,
+    wild = _at_20mbit(
+        "wild", tmp_path, Measured(faults={"chaos": {"seed": 7, "mtbf_s": 30.0}, "faults": [], "after": {}}), record
     )
     cells = {}
     for step in (99, 50, None):

@@ -350,13 +350,30 @@ def _lighthouse_process(port: int, min_replicas: int) -> subprocess.Popen:
     return proc
 
 
+def _manager_server(lighthouse: str, quorum_retries: int) -> Any:
+    """torchft's ManagerServer of a one-rank replica_0 (what rank 0's Manager starts), asking `lighthouse`."""
+    from torchft._torchft import ManagerServer
+
+    return ManagerServer(
+        replica_id="replica_0",
+        lighthouse_addr=lighthouse,
+        hostname="localhost",
+        bind="[::]:0",
+        store_addr="localhost:1",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=timedelta(seconds=1),
+        quorum_retries=quorum_retries,
+    )
+
+
 def test_a_quorum_in_flight_when_the_lighthouse_restarts_completes_at_the_new_one() -> None:
     """A lighthouse killed while a replica's quorum request is at it: with the retries build_manager gives
     torchft's manager (quorum_retries), the manager asks again about every elastic.timeout_s and the request
     completes at the lighthouse restarted at the same address. Without them torchft's manager never answers
     its caller and the replica waits out the whole quorum timeout, which this test's caller (30 s) turns into
     an error. (The first lighthouse wants 2 replicas, so the request waits there; the second, 1.)"""
-    from torchft._torchft import ManagerClient, ManagerServer
+    from torchft._torchft import ManagerClient
 
     from hsdp.sync.elastic.manager import quorum_retries, quorum_timeout_s
 
@@ -368,17 +385,7 @@ def test_a_quorum_in_flight_when_the_lighthouse_restarts_completes_at_the_new_on
         s.bind(("", 0))
         port = s.getsockname()[1]
     first = _lighthouse_process(port, min_replicas=2)
-    manager = ManagerServer(
-        replica_id="replica_0",
-        lighthouse_addr=f"http://localhost:{port}",
-        hostname="localhost",
-        bind="[::]:0",
-        store_addr="localhost:1",
-        world_size=1,
-        heartbeat_interval=timedelta(milliseconds=100),
-        connect_timeout=timedelta(seconds=1),
-        quorum_retries=quorum_retries(cfg),
-    )
+    manager = _manager_server(f"http://localhost:{port}", quorum_retries(cfg))
     client = ManagerClient(manager.address(), connect_timeout=timedelta(seconds=5))
     result: dict[str, Any] = {}
 
@@ -435,17 +442,7 @@ def test_a_replica_started_while_the_lighthouse_is_down_waits_for_it(capfd) -> N
     url = f"http://localhost:{port}"
 
     def torchft_start() -> ManagerServer:  # torchft's own connect, as rank 0's Manager makes it
-        return ManagerServer(
-            replica_id="replica_0",
-            lighthouse_addr=url,
-            hostname="localhost",
-            bind="[::]:0",
-            store_addr="localhost:1",
-            world_size=1,
-            heartbeat_interval=timedelta(milliseconds=100),
-            connect_timeout=timedelta(seconds=1),
-            quorum_retries=1,
-        )
+        return _manager_server(url, quorum_retries=1)
 
     # what the wait relies on: torchft's connect to a lighthouse that is not there raises this
     with pytest.raises(RuntimeError, match="failed to connect"):
