@@ -470,10 +470,11 @@ def test_a_replica_started_while_the_lighthouse_is_down_waits_for_it(capfd) -> N
     def flaky() -> str:  # the probe passes (a listener is up) but the first connect fails
         tries.append(1)
         if len(tries) == 1:
-            raise RuntimeError(f"failed to connect to {url} within timeout of 1s")
+            raise RuntimeError("failed to connect to the lighthouse within timeout of 1s")
         return "started"
 
-    with socket.socket() as listener:
-        listener.bind(("localhost", port))
+    with socket.socket() as listener:  # a port of its own: the killed lighthouse's may still be in TIME_WAIT
+        listener.bind(("localhost", 0))
         listener.listen()
-        assert start_when_lighthouse_up(flaky, url, 60.0) == "started" and len(tries) == 2
+        listening = f"http://localhost:{listener.getsockname()[1]}"
+        assert start_when_lighthouse_up(flaky, listening, 60.0) == "started" and len(tries) == 2
