@@ -63,11 +63,12 @@ def test_a_run_is_predicted_from_the_faults_it_had_and_checked_against_its_repor
         "mesh": [3, 1],
         "set": ["sync.every=8", "sync.every=32"],
         "runs": [
-            {"run": "calm", "rate": "20mbit", "wall_time_s": 150.0, "mean_step_s": 0.25},
+            {"run": "calm", "rate": "20mbit", "wall_time_s": 150.0, "mean_step_s": 0.25, "tokens": 1000},
             {
                 "run": "chaos",
                 "rate": "20mbit",
                 "wall_time_s": 200.0,
+                "tokens": 900,
                 "faults": {"chaos": {"seed": 7}, "faults": faults},
             },
         ],
@@ -75,7 +76,7 @@ def test_a_run_is_predicted_from_the_faults_it_had_and_checked_against_its_repor
     path = tmp_path / "slowlink.json"
     path.write_text(json.dumps(report))
     (row,) = validate(path, detect_s=5.0)
-    assert row["faults"] == 2 and row["heal_s"] == 30.0 and row["period_s"] == 8.0
+    assert row["faults"] == 2 and row["heal_s"] == 30.0 and row["period_s"] == 8.0 and row["measured_by"] == "wall"
     assert row["measured"] == 0.75 and row["predicted"] == pytest.approx(1 - cost / 600, abs=1e-3)
     # the floor, on the calm run's 150 s: the kill's unmerged half period (4 s) and the stop's 4 s, nothing else
     assert predict_run(faults, 150.0, c, "floor") == pytest.approx(1 - (8 / 2 + 4) / 450)
@@ -90,6 +91,7 @@ def test_a_run_is_predicted_from_the_faults_it_had_and_checked_against_its_repor
         predict_run(faults, 200.0, c, "paced"), abs=1e-3
     )
     assert row["predicted"] > predict_run(faults, 200.0, c, "elastic")  # nobody waits at the round for the stop
+    assert row["measured_by"] == "tokens" and row["measured"] == 0.9  # 900 of the calm run's 1,000 tokens
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,9 @@ train on and merge later). No recovery can beat 1 − those costs ÷ the run's r
 `--validate` reads a slow-link report (slowlink.json with chaos runs and their calm target run) and
 predicts each chaos run's goodput from the faults it actually had (kinds, spells, the heal times it
 measured) and the calm run's period, in the mode its rounds ran (paced where the report sets sync.every_s): the
-model's per-fault costs against the measured wall-time goodput, beside that schedule's floor.
+model's per-fault costs against the measured goodput, beside that schedule's floor. Measured by wall time (the calm
+run's ÷ the chaos run's) where rounds are step-counted, since every replica waits for the slowest; by tokens trained
+(the chaos run's ÷ the calm run's) where they are paced, since a paced run takes its time whatever the faults.
 Bad input (a flag's value, a report that is missing, not JSON or not a slow-link report) exits 2 with one line.
 """
 
@@ -193,7 +195,10 @@ def _compare(report: dict[str, Any], detect_s: float) -> list[dict[str, Any]]:
         period = base["mean_step_s"] * every
         c = Cluster(report["mesh"][0], period, _mean(heals, 30.0), detect_s)
         mode = "paced" if _setting(report, "sync.every_s", 0.0) > 0 else "elastic"  # rounds by wall time or steps
-        measured = base["wall_time_s"] / r["wall_time_s"]
+        # What the faults cost: step-counted rounds wait for the slowest replica, so the run takes longer (wall
+        # time); paced rounds take their time whatever the faults, so the cost is the tokens not trained.
+        by = "tokens" if mode == "paced" else "wall"
+        measured = r["tokens"] / base["tokens"] if by == "tokens" else base["wall_time_s"] / r["wall_time_s"]
         predicted = predict_run(faults, r["wall_time_s"], c, mode)
         out.append(
             {
@@ -201,6 +206,7 @@ def _compare(report: dict[str, Any], detect_s: float) -> list[dict[str, Any]]:
                 "rate": r["rate"],
                 "replicas": c.replicas,
                 "mode": mode,
+                "measured_by": by,
                 "faults": len([f for f in faults if f.get("applied_s") is not None]),
                 "period_s": round(period, 3),
                 "heal_s": round(c.heal_s, 2),
@@ -364,13 +370,15 @@ def _main(argv: Optional[list[str]]) -> int:
             print(json.dumps(rows, indent=1))
         else:
             print(
-                "| run | rate | replicas | rounds | faults | period | heal | measured goodput | model | error | floor |"
+                "| run | rate | replicas | rounds | faults | period | heal | measured goodput | measured by | model "
+                "| error | floor |"
             )
-            print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+            print("|---|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
             for r in rows:
                 print(
                     f"| {r['run']} | {r['rate']} | {r['replicas']} | {r['mode']} | {r['faults']} "
-                    f"| {r['period_s']:.1f} s | {r['heal_s']:.1f} s | {r['measured']:.3f} | {r['predicted']:.3f} "
+                    f"| {r['period_s']:.1f} s | {r['heal_s']:.1f} s | {r['measured']:.3f} | {r['measured_by']} "
+                    f"| {r['predicted']:.3f} "
                     f"| {r['error']:+.1%} | {r['floor']:.3f} |"
                 )
         return 0
