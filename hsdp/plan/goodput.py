@@ -76,7 +76,10 @@ class Cluster:
 
 
 def fault_cost(kind: str, spell_s: float, mode: str, c: Cluster) -> float:
-    """Replica-seconds one fault of `kind` with spell `spell_s` costs a run in `mode` (the module's table)."""
+    """Replica-seconds one fault of `kind` with spell `spell_s` costs a run in `mode` (the module's table; "floor":
+    its `spell_cost`, what no recovery can win back)."""
+    if mode == "floor":
+        return spell_cost(kind, spell_s, c)
     n, p, w, h = c.replicas, c.period_s, c.detect_s, c.heal_s
     r = c.heal_s if c.restart_s is None else c.restart_s
     redo = r + (c.checkpoint_every_s / 2 if math.isfinite(c.checkpoint_every_s) else 0.0)
@@ -138,10 +141,7 @@ def predict_run(faults: list[dict[str, Any]], wall_s: float, c: Cluster, mode: s
         if f.get("applied_s") is None:
             continue
         spell = min(float(f["seconds"]), max(0.0, wall_s - float(f["applied_s"])))  # what fell inside the run
-        if mode == "floor":
-            cost += spell_cost(f["kind"], spell, c)
-        else:
-            cost += fault_cost(f["kind"], spell, mode, c)
+        cost += fault_cost(f["kind"], spell, mode, c)
     return max(0.0, 1.0 - cost / (c.replicas * wall_s))
 
 
