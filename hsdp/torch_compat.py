@@ -497,11 +497,14 @@ def silence_http_access_log(transport: Any) -> None:
     transport._server.RequestHandlerClass.log_request = lambda *args, **kwargs: None
 
 
-def watch_http_transfers(transport: Any, sending: Callable[[], None]) -> None:
+def watch_http_transfers(
+    transport: Any, sending: Callable[[], None], sent: Optional[Callable[[], None]] = None
+) -> None:
     """Call `sending()` once per answer of torchft's HTTP checkpoint transport's server that has a body of more
     than one write (a state, not an error page), on the server's thread, once part of that body is out: after
     the headers and the body's first write (torchft's streaming save: the list of its records), before the
-    next. Where the heal's during_serve fault point sits: a fault there cuts a transfer in the middle."""
+    next. Where the heal's during_serve fault point sits: a fault there cuts a transfer in the middle.
+    `sent()`, when given, is called once such an answer is over (its last byte written, or its peer gone)."""
     handler = transport._server.RequestHandlerClass
 
     class Writer:
@@ -521,6 +524,13 @@ def watch_http_transfers(transport: Any, sending: Callable[[], None]) -> None:
         def setup(self) -> None:
             super().setup()
             self.wfile: Any = Writer(self.wfile)
+
+        def finish(self) -> None:
+            try:
+                super().finish()
+            finally:
+                if sent is not None and self.wfile.writes >= 3:
+                    sent()
 
     transport._server.RequestHandlerClass = Watched
 

@@ -244,6 +244,39 @@ def test_a_heal_whose_source_is_lost_heals_from_the_third_replica(tmp_path: Path
         assert all(torch.equal(got[k], reference[k]) for k in reference), m
 
 
+def test_replicas_healing_in_the_last_round_get_the_state_of_a_source_that_finishes(tmp_path: Path) -> None:
+    """Replicas 0 and 1 die two steps before the end; their restarts heal, out of band, from replica 2 in the run's
+    last round (tests/elastic_last_round_train.py). Replica 2 has nothing left to train, but its server stays up
+    until both have fetched its state (HealState.linger): exit 0, every replica finished, three equal states."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    cmd = [sys.executable, str(REPO / "tests/elastic_last_round_train.py"), str(STEPS - 3), str(markers)]
+    cmd += ["--config", str(REPO / "configs/tiny.yaml")]
+    for o in [*OVERRIDES, f"run.out_dir={tmp_path}", "run.name=last"]:
+        cmd += ["--set", o]
+    try:  # the hang guard: well under a minute on an idle 2-core box
+        proc = subprocess.run(
+            cmd, cwd=REPO, env={**os.environ, **QUIET_ENV}, capture_output=True, text=True, timeout=240
+        )
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the elastic run hung:\n{(e.stderr or b'')[-3000:]}") from None
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "elastic: replica 2: serving its state to 2 healing peer(s) before leaving" in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    run_dir = tmp_path / "last"
+    replicas = json.loads((run_dir / "replicas.json").read_text())
+    assert [replicas[str(m)]["restarts"] for m in range(3)] == [1, 1, 0], replicas
+    assert json.loads((run_dir / "summary.json").read_text())["finished_replicas"] == [0, 1, 2]
+    for m in (0, 1):
+        s = _summary(run_dir, m)
+        assert (s["heal_fetches"], s["heal_source"], s["heal_retries"]) == (1, 2, 0), (m, s)
+    states = [torch.load(markers / f"state.r{m}.pt") for m in range(3)]
+    for m in (0, 1):
+        for key in ("held", "global", "momentum"):
+            assert all(torch.equal(a, b) for a, b in zip(states[m][key], states[2][key], strict=True)), (m, key)
+
+
 # ---------------------------------------------------------------- a source's answers, on real snapshot servers
 @pytest.fixture
 def serving():
@@ -329,6 +362,40 @@ def test_a_source_that_stops_serving_is_lost_within_elastic_timeout(serving, cas
         heal.fetch(offer, 10, wait_s, timeout)
     assert time.perf_counter() - t0 < within + wait_s * (case == "promise kept too long")
     assert heal.fetches == 0
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # torchft's load (manager.py says)
+@pytest.mark.parametrize("peer", ["fetches", "is gone"])
+def test_a_source_leaving_serves_its_owed_state_until_fetched_or_no_peer_is_left(serving, peer: str) -> None:
+    """HealState.linger at the run's end: with its published state owed to one peer, it returns once the state
+    was sent whole (the peer fetches it 0.3 s later), or, when the lighthouse says no other replica is left,
+    after its next check (each second), the state unsent; never past mesh.timeout_s (here 30 s)."""
+    import threading
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from hsdp import torch_compat
+    from hsdp.sync.elastic.heal import END
+
+    source, heal, timeout = serving
+    torch_compat.watch_http_transfers(heal.snapshots, lambda: None, heal.sent)
+    heal.snapshots.send_checkpoint([], 10, {"held": [torch.arange(4.0)], END: torch.ones(1)}, timeout)
+    heal.served_round, heal.owed = 0, 1
+    got: list = []
+    fetch = threading.Timer(0.3, lambda: got.append(source.recv_checkpoint(0, heal.snapshots.address(), 10, timeout)))
+    if peer == "fetches":
+        fetch.start()
+    t0 = time.perf_counter()
+    heal.linger(
+        10, SimpleNamespace(open=False), timedelta(seconds=1), 30.0, logs=False, peers_alive=lambda: peer == "fetches"
+    )
+    waited = time.perf_counter() - t0
+    if peer == "fetches":
+        fetch.join()
+        assert heal.sent_whole == 1 and torch.equal(got[0]["held"][0], torch.arange(4.0)) and 0.3 <= waited < 10
+    else:
+        assert heal.sent_whole == 0 and 1.0 <= waited < 10
 
 
 def _closed_port() -> int:

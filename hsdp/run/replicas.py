@@ -33,7 +33,7 @@ from hsdp.run.metrics import last_record, ledger_totals, merged_rates, read_reco
 from hsdp.run.pool import Exit, Pool, WorkerError, start_zygote
 from hsdp.run.rank import Worker, forked_ranks, host_rendezvous_store, worker_env
 from hsdp.run.stop import StopSignals
-from hsdp.sync.elastic import clear_markers, died_at, in_words, lighthouse_unreachable
+from hsdp.sync.elastic import clear_markers, died_at, in_words, wait_for_lighthouse
 from hsdp.sync.seam import ReplicaSeat
 
 if TYPE_CHECKING:
@@ -109,18 +109,17 @@ def check_lighthouse_reachable(cfg: Config, wait_s: Optional[float] = None) -> N
         return
     if wait_s is None:
         wait_s = cfg.elastic.partition_timeout_s if later_life(cfg) else 0.0
-    deadline = time.monotonic() + wait_s
-    error = lighthouse_unreachable(url, cfg.elastic.timeout_s)
-    if error and wait_s > 0:
-        print(
-            f"elastic: the lighthouse at {url} does not answer ({in_words(error)}); waiting up to {wait_s:g} s "
+    error = wait_for_lighthouse(
+        url,
+        wait_s,
+        cfg.elastic.timeout_s,
+        lambda e: print(
+            f"elastic: the lighthouse at {url} does not answer ({in_words(e)}); waiting up to {wait_s:g} s "
             "(elastic.partition_timeout_s)",
             file=sys.stderr,
             flush=True,
-        )
-    while error and time.monotonic() < deadline:
-        time.sleep(0.5)
-        error = lighthouse_unreachable(url, cfg.elastic.timeout_s)
+        ),
+    )
     if error:
         waited = f" within {wait_s:g} s (elastic.partition_timeout_s)" if wait_s > 0 else ""
         raise ConfigError(

@@ -25,7 +25,7 @@ outside hsdp/sync.
 
 from hsdp.sync.elastic.closing import ReplicasDiffer, closes_level, verdicts
 from hsdp.sync.elastic.faults import clear_markers, died_at
-from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
+from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable, wait_for_lighthouse
 
 __all__ = [
     "ReplicasDiffer",
@@ -35,4 +35,5 @@ __all__ = [
     "in_words",
     "lighthouse_unreachable",
     "verdicts",
+    "wait_for_lighthouse",
 ]

@@ -29,9 +29,11 @@ import enum
 import re
 import socket
 import statistics
+import sys
 import time
 import urllib.error
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
@@ -99,6 +101,9 @@ class HealState:
         self.asked_at: Optional[int] = None  # a peer healed from this rank in the round begun after this step
         self.served_round: Optional[int] = None  # the round after which the served state was published
         self._serving_fault_round: Optional[int] = None  # that round's number for the during_serve point
+        self._promised = 0  # the peers the last offer promised this rank's state to (`promised_to`)
+        self.owed = 0  # the peers the published state is owed to (a source leaving at the end waits: `linger`)
+        self.sent_whole = 0  # the published state's transfers sent whole (`sent`)
         self.heals = 0
         self.fetches = 0  # peers' states fetched out of band
         self.fetch_s = 0.0  # wall time fetching them
@@ -279,11 +284,65 @@ class HealState:
             if self.faults is not None:
                 self.faults.at("before_serve", self._serving_fault_round)
             state = {**self.full_state(self.light), END: torch.ones(1)}  # END's bytes last: a cut transfer fails
+            self.owed, self.sent_whole = self._promised, 0
             self._server().send_checkpoint(dst_ranks=[], step=step, state_dict=state, timeout=timeout)
             self.asked_at, self.served_round = None, rounds
         elif self.served_round is not None and rounds > self.served_round:
             self._server().send_checkpoint(dst_ranks=[], step=-1, state_dict={}, timeout=timeout)
-            self.served_round = None
+            self.served_round, self.owed = None, 0
+
+    def promised_to(self, dst_ranks: list[int], state: dict[str, Any]) -> None:
+        """torchft's quorum sends `state` (this rank's `state_dict` under "user", by the name it was registered
+        with) to the healing ranks `dst_ranks`: where it is an offer, the state this rank publishes next is owed to
+        that many peers."""
+        if any(isinstance(mine, dict) and "snapshot" in mine for mine in state.get("user", {}).values()):
+            self._promised = len(dst_ranks)
+
+    def sent(self) -> None:
+        """This rank's snapshot server has sent a state whole (on the server's thread)."""
+        self.sent_whole += 1
+
+    def linger(
+        self,
+        step: int,
+        transport: FTTransport,
+        timeout: timedelta,
+        wait_s: float,
+        logs: bool,
+        peers_alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """At the run's end, before this rank's snapshot server stops: a state promised to healing peers (its
+        round's close never reached `serve`) is published, and a published one stays up until every peer it is
+        owed to has been sent it, up to `wait_s` (mesh.timeout_s: what such a peer waits for a promised state),
+        or until `peers_alive()` (asked each second: the lighthouse's heartbeats) says no other replica is left.
+        Without this a source that finishes the run while peers heal from it leaves them no state and, when no
+        other replica is left, no heal at all."""
+        if self.asked_at is not None and not transport.open:
+            self.serve(step, transport, timeout)
+        if self.served_round is None or self.sent_whole >= self.owed:
+            return
+        if logs:
+            print(
+                f"elastic: replica {self.replica}: serving its state to {self.owed - self.sent_whole} healing "
+                f"peer(s) before leaving (up to mesh.timeout_s={wait_s:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+        t0 = time.perf_counter()
+        asked = t0
+        alive = True
+        while self.sent_whole < self.owed and time.perf_counter() - t0 < wait_s and alive:
+            time.sleep(0.05)
+            if time.perf_counter() - asked > 1.0:
+                alive, asked = peers_alive(), time.perf_counter()
+        if self.sent_whole < self.owed and logs:
+            why = f"within {wait_s:g} s" if alive else "before every other replica was gone"
+            print(
+                f"elastic: replica {self.replica}: {self.sent_whole} of {self.owed} healing peer(s) fetched its state "
+                f"{why}; leaving",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def sending(self) -> None:
         """This rank's snapshot server has sent part of its published state to a healing peer (called on the

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 import urllib.request
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 from urllib.parse import urlsplit
 
@@ -26,6 +28,22 @@ def lighthouse_unreachable(url: str, timeout_s: float) -> Optional[OSError]:
     except OSError as e:
         return e
     return None
+
+
+def wait_for_lighthouse(
+    url: str, wait_s: float, probe_s: float, on_wait: Callable[[OSError], None], poll_s: float = 0.5
+) -> Optional[OSError]:
+    """Probe the lighthouse at `url` (each probe up to `probe_s`) every `poll_s` until it accepts a connection
+    (None) or `wait_s` has passed (the last probe's error). `on_wait(error)` is called once, at the first failed
+    probe, when there is time to wait: the caller's line saying what it waits for."""
+    deadline = time.monotonic() + wait_s
+    error = lighthouse_unreachable(url, probe_s)
+    if error is not None and wait_s > 0:
+        on_wait(error)
+    while error is not None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        error = lighthouse_unreachable(url, probe_s)
+    return error
 
 
 def in_words(e: OSError) -> str:

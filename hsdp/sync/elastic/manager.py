@@ -9,11 +9,12 @@ import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, Optional
 
 from hsdp import torch_compat
 from hsdp.config.schema import Config
 from hsdp.sync.elastic.heal import HealState
-from hsdp.sync.elastic.lighthouse import in_words, lighthouse_unreachable
+from hsdp.sync.elastic.lighthouse import in_words, wait_for_lighthouse
 from hsdp.sync.elastic.seam import Manager, ProcessGroup, Snapshots
 
 CONNECT_FACTOR = 6  # elastic.timeout_s multiples a quorum (and re-forming the group after it) may take
@@ -41,7 +42,9 @@ def build_manager(
     pg = torch_compat.elastic_gloo_group(CONNECT_FACTOR * timeout, timeout)
     # Where the peers reach this replica (its manager, and its state for a peer that heals from it).
     host = "127.0.0.1" if not cfg.elastic.lighthouse else address_towards(cfg.elastic.lighthouse)
-    transport = _http_transport(timeout, host)  # one server, whichever try of the manager below succeeds
+    # One server, whichever try of the manager below succeeds; what it sends in a quorum tells the heal how many
+    # peers an offer promised this rank's state to (they fetch it from the snapshot server below).
+    transport = _http_transport(timeout, host, on_send=heal.promised_to)
 
     def start() -> Manager:
         return TorchftManager(
@@ -70,7 +73,8 @@ def build_manager(
         start_when_lighthouse_up(start, lighthouse, cfg.elastic.partition_timeout_s) if shard_rank == 0 else start()
     )
     heal.snapshots = _http_transport(timeout, host)  # this rank's state, for a peer healing out of band
-    torch_compat.watch_http_transfers(heal.snapshots, heal.sending)  # the during_serve fault point
+    # the during_serve fault point; each state sent whole (a source leaving at the run's end waits for them)
+    torch_compat.watch_http_transfers(heal.snapshots, heal.sending, heal.sent)
     return manager, pg
 
 
@@ -82,9 +86,20 @@ def start_when_lighthouse_up(start: Callable[[], Manager], lighthouse: str, boun
     A replica (re)started while the lighthouse is down, e.g. restarted after a kill during a lighthouse
     restart, would otherwise exit at once and be restarted again: a second process start for nothing."""
     deadline = time.monotonic() + bound_s
-    noted = False
+    told: list[OSError] = []  # the line is printed once, at the first wait
+
+    def say_waiting(why: OSError) -> None:
+        if not told:
+            told.append(why)
+            print(
+                f"elastic: the lighthouse at {lighthouse} does not accept connections ({in_words(why)}); "
+                f"waiting up to elastic.partition_timeout_s={bound_s:g} s for it",
+                file=sys.stderr,
+                flush=True,
+            )
+
     while True:
-        why = lighthouse_unreachable(lighthouse, 1.0)
+        why = wait_for_lighthouse(lighthouse, max(0.0, deadline - time.monotonic()), 1.0, say_waiting, poll_s=0.2)
         if why is None:
             try:
                 return start()
@@ -92,20 +107,12 @@ def start_when_lighthouse_up(start: Callable[[], Manager], lighthouse: str, boun
                 if "failed to connect" not in str(e) or time.monotonic() > deadline:
                     raise
                 why = ConnectionError(str(e).splitlines()[0])
+                say_waiting(why)
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"elastic: the lighthouse at {lighthouse} did not accept connections within "
                 f"elastic.partition_timeout_s={bound_s:g} s ({in_words(why)})"
             )
-        if not noted:
-            noted = True
-            print(
-                f"elastic: the lighthouse at {lighthouse} does not accept connections ({in_words(why)}); "
-                f"waiting up to elastic.partition_timeout_s={bound_s:g} s for it",
-                file=sys.stderr,
-                flush=True,
-            )
-        time.sleep(0.2)
 
 
 def quorum_timeout_s(cfg: Config) -> float:
@@ -126,14 +133,24 @@ def quorum_retries(cfg: Config) -> int:
     return max(1, math.ceil(quorum_timeout_s(cfg) / cfg.elastic.timeout_s) - 1)
 
 
-def _http_transport(timeout: timedelta, host: str) -> Snapshots:
-    """torchft's HTTP checkpoint transport (heals), advertising `host` instead of this machine's hostname."""
+def _http_transport(
+    timeout: timedelta, host: str, on_send: Optional[Callable[[list[int], dict[str, Any]], None]] = None
+) -> Snapshots:
+    """torchft's HTTP checkpoint transport (heals), advertising `host` instead of this machine's hostname;
+    `on_send(dst_ranks, state)` is told of each state it is asked to send (torchft's quorum asks)."""
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class _Transport(HTTPTransport):
         def address(self) -> str:
             port = torch_compat.http_transport_port(self)  # torchft's own server (as its address() reads it)
             return f"http://{f'[{host}]' if ':' in host else host}:{port}/checkpoint/"
+
+        def send_checkpoint(
+            self, dst_ranks: list[int], step: int, state_dict: dict[str, Any], timeout: timedelta
+        ) -> None:
+            if on_send is not None:
+                on_send(dst_ranks, state_dict)
+            super().send_checkpoint(dst_ranks, step, state_dict, timeout)
 
     transport = _Transport(timeout=timeout, num_chunks=0)
     torch_compat.silence_http_access_log(transport)  # a line per heal request on the user's terminal says nothing

@@ -585,8 +585,22 @@ class ElasticReplica(PhaseLog):
         """Its quorums' waits: where a replica that arrives first waits for the others (torchft's quorum)."""
         return float(sum(self.transport.quorum_waits))
 
+    def _peers_alive(self) -> bool:
+        """Whether a replica other than this one heartbeats to the lighthouse (True when its page cannot be read)."""
+        status = quorum_status(self.lighthouse, self.cfg.elastic.timeout_s)
+        return status is None or status.heartbeating is None or status.heartbeating > 1
+
     def shutdown(self) -> None:
         self.enter(Phase.LEAVING, "the run is over")
+        # peers healing from this replica's last round fetch its state before its server stops
+        self.heal.linger(
+            self.heal.step,
+            self.transport,
+            self.timeout,
+            self.cfg.mesh.timeout_s,
+            self.logs(self.mesh),
+            peers_alive=self._peers_alive,
+        )
         self.transport.manager.shutdown(wait=False)
 
 
