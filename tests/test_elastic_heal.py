@@ -388,7 +388,7 @@ def test_a_source_leaving_serves_its_owed_state_until_fetched_or_no_peer_is_left
         fetch.start()
     t0 = time.perf_counter()
     heal.linger(
-        10, SimpleNamespace(open=False), timedelta(seconds=1), 30.0, logs=False, peers_alive=lambda: peer == "fetches"
+        SimpleNamespace(open=False), timedelta(seconds=1), 30.0, logs=False, peers_alive=lambda: peer == "fetches"
     )
     waited = time.perf_counter() - t0
     if peer == "fetches":

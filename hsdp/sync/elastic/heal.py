@@ -304,7 +304,6 @@ class HealState:
 
     def linger(
         self,
-        step: int,
         transport: FTTransport,
         timeout: timedelta,
         wait_s: float,
@@ -318,7 +317,7 @@ class HealState:
         Without this a source that finishes the run while peers heal from it leaves them no state and, when no
         other replica is left, no heal at all."""
         if self.asked_at is not None and not transport.open:
-            self.serve(step, transport, timeout)
+            self.serve(self.step, transport, timeout)
         if self.served_round is None or self.sent_whole >= self.owed:
             return
         if logs:

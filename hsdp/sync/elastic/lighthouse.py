@@ -85,3 +85,10 @@ def quorum_status(url: str, timeout_s: float) -> Optional[QuorumStatus]:
         return None
     beating = _HEARTBEATING.search(page)
     return QuorumStatus(int(quorum[1]), int(pending[2]), None if beating is None else int(beating[1]))
+
+
+def others_heartbeat(url: str, timeout_s: float) -> bool:
+    """Whether a replica other than the asking one heartbeats to the lighthouse at `url` (True when its status page
+    cannot be read: nothing says they are gone)."""
+    status = quorum_status(url, timeout_s)
+    return status is None or status.heartbeating is None or status.heartbeating > 1

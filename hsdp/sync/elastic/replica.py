@@ -1,37 +1,36 @@
 """ElasticReplica: one rank's elastic life on torchft, the training loop's `Membership` of an elastic run.
 
-The one object that owns the replica's phase (phase.py has the table of phases and transitions): it
-builds the mesh with the torchft transport, joins (a fresh run's meeting, or a restart's heal), catches up
-after a heal at a param sync (spectate, fetch, skip), rejoins after a cut, keeps the straggler bound's
-cuts, and reports. The parts it drives: transport.py (the rounds; quorum.py settles their members), heal.py
-(what crosses to a healing peer), straggler.py (elastic.round_timeout_s), manager.py (torchft's Manager),
-faults.py (elastic.faults). Its join is a walk through `JoinStep`s, each a method returning the next.
-It meets the engine only through `ReplicaState` (the held shards, the inner optimizer, the sync policy).
+The one object that owns the replica's phase (phase.py has the table of phases and transitions): it builds the mesh
+with the torchft transport, joins (a fresh run's meeting, or a restart's heal), catches up after a heal at a param
+sync (spectate, fetch, skip), rejoins after a cut, keeps the straggler bound's cuts, and reports. The parts it
+drives: transport.py (the rounds; quorum.py settles their members), heal.py (what crosses to a healing peer),
+straggler.py (elastic.round_timeout_s), manager.py (torchft's Manager), faults.py (elastic.faults). Its join is a
+walk through `JoinStep`s, each a method returning the next. It meets the engine only through `ReplicaState`.
 
-A restarted replica behind the live ones heals at their next sync round: inside a grad-sync round it takes
-the state there and joins the round; at a param-sync round it heals out of band (`_catch_up`):
+A restarted replica behind the live ones heals at their next sync round: inside a grad-sync round it takes the state
+there and joins the round; at a param-sync round it heals out of band (`_catch_up`):
 
-1. spectate that round: take part in its collectives with a part that does not count (the peers need
-   every quorum member in them), keep nothing;
-2. fetch the peer's state after that round while the peers train on (the slow part behind a slow link)
-   and load it: params, inner optimizer, θ_g, outer momentum, step;
-3. train the rest of the period from there and contribute to the peers' next round like any of them: the
-   steps the peers trained while the state crossed (the fetch's time over the peer's pace, sent with its
-   offer) are skipped, so the peers do not wait for this replica at that round.
+1. spectate that round: take part in its collectives with a part that does not count (the peers need every quorum
+   member in them), keep nothing;
+2. fetch the peer's state after that round while the peers train on (the slow part behind a slow link) and load it:
+   params, inner optimizer, θ_g, outer momentum, step;
+3. train the rest of the period from there and contribute to the peers' next round like any of them: the steps the
+   peers trained while the state crossed (the fetch's time over the peer's pace, sent with its offer) are skipped, so
+   the peers do not wait for this replica at that round.
 
-If its source is lost before its state is loaded (heal.py), it heals again from another live peer. A
-replica cut off mid-run (its link, the lighthouse) pauses at its sync (quorum.py); when a quorum answers
-and the peers went on without it, that quorum heals it, and the same catch-up follows after the round it
-began as its own sync (docs/design.md §9).
+If its source is lost before its state is loaded (heal.py), it heals again from another live peer. A replica cut off
+mid-run pauses at its sync (quorum.py); when a quorum answers and the peers went on without it, that quorum heals it,
+and the same catch-up follows after the round it began as its own sync (docs/design.md §9).
 
-After the last step's sync every replica closes the run (`_close`, closing.py): rounds that meet the others
-and compare their models, in which one behind heals whole, until all of them hold one model (or, if they
-cannot, one line: ReplicasDiffer), so the final eval and the summary see the run's one final model.
+After the last step's sync every replica closes the run (`_close`, closing.py): rounds that meet the others and
+compare their models, in which one behind heals whole, until all of them hold one model (or, if they cannot, one
+line: ReplicasDiffer), so the final eval and the summary see the run's one final model.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import statistics
 import sys
@@ -51,7 +50,7 @@ from hsdp.core import timeline
 from hsdp.sync.elastic.closing import Records, RunClose, closes_level
 from hsdp.sync.elastic.faults import FaultPoints
 from hsdp.sync.elastic.heal import HealState, SourceLost
-from hsdp.sync.elastic.lighthouse import lighthouse_unreachable, quorum_status
+from hsdp.sync.elastic.lighthouse import lighthouse_unreachable, others_heartbeat, quorum_status
 from hsdp.sync.elastic.manager import build_manager
 from hsdp.sync.elastic.phase import Heal, Phase, PhaseLog
 from hsdp.sync.elastic.quorum import RoundSettings
@@ -124,10 +123,8 @@ class ElasticReplica(PhaseLog):
         self.heals_seen = 0
         self.rejoins = 0  # times this replica was cut off mid-run and healed from a live one when back
         self.paused_s = 0.0  # the quorum waits of the rounds it rejoined in: paused at its sync, cut off
-        # the run's close (`_close`): done once; what the last step's round left (its drops before it, the
-        # steps each fragment's next round weighs, for doing it again); what the close did
-        self.last = cfg.run.steps - 1
-        self._closed = False
+        # the run's close (`_close`), once; the last round's drops before it and the steps it weighs (to redo it)
+        self.last, self._closed = cfg.run.steps - 1, False
         self._records: Optional[Records] = None
         self._dropped_before: Optional[int] = None
         self._since_sync: Optional[list[int]] = None
@@ -585,22 +582,11 @@ class ElasticReplica(PhaseLog):
         """Its quorums' waits: where a replica that arrives first waits for the others (torchft's quorum)."""
         return float(sum(self.transport.quorum_waits))
 
-    def _peers_alive(self) -> bool:
-        """Whether a replica other than this one heartbeats to the lighthouse (True when its page cannot be read)."""
-        status = quorum_status(self.lighthouse, self.cfg.elastic.timeout_s)
-        return status is None or status.heartbeating is None or status.heartbeating > 1
-
     def shutdown(self) -> None:
         self.enter(Phase.LEAVING, "the run is over")
         # peers healing from this replica's last round fetch its state before its server stops
-        self.heal.linger(
-            self.heal.step,
-            self.transport,
-            self.timeout,
-            self.cfg.mesh.timeout_s,
-            self.logs(self.mesh),
-            peers_alive=self._peers_alive,
-        )
+        alive = functools.partial(others_heartbeat, self.lighthouse, self.cfg.elastic.timeout_s)
+        self.heal.linger(self.transport, self.timeout, self.cfg.mesh.timeout_s, self.logs(self.mesh), alive)
         self.transport.manager.shutdown(wait=False)
 
 
