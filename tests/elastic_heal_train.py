@@ -46,12 +46,24 @@ def _die(markers: Path, replica: int, *also: str) -> None:
     os._exit(1)
 
 
-def _wait_for(condition, what: str, limit_s: float = 200.0) -> None:
+def wait_for(condition, what: str, limit_s: float = 200.0) -> None:
     deadline = time.monotonic() + limit_s
     while not condition():
         if time.monotonic() > deadline:  # the test's hang guard would fire anyway; say what never came
             raise RuntimeError(f"heal harness: {what} never happened")
         time.sleep(POLL_S)
+
+
+def others_down(markers: Path, me: int) -> list[Path]:
+    """The `down.r<m>` markers of the replicas other than `me` (each down from its death to its restart's mesh)."""
+    return [p for p in markers.glob("down.r*") if p.name != f"down.r{me}"]
+
+
+def save_replica_state(replica: ElasticReplica, path: Path) -> None:
+    """The rank's held shards and sync state (θ_g, momentum, residuals) at the end, for the tests to compare."""
+    policy = replica.heal.seam.policy.state_dict()["buffers"]
+    held = [h.detach().clone() for h in replica.heal.seam.held]
+    torch.save({"held": held, **policy}, path)
 
 
 def heal_worker(kill_step: int, markers: Path, cfg: Config, seat: ReplicaSeat) -> None:
@@ -86,7 +98,7 @@ def heal_worker(kill_step: int, markers: Path, cfg: Config, seat: ReplicaSeat) -
         if dying["next_step"]:
             _die(markers, me, "server_dead")
         if fragments_due(step, cfg.sync):
-            _wait_for(lambda: not [p for p in markers.glob("down.r*") if p.name != f"down.r{me}"], "a restart")
+            wait_for(lambda: not others_down(markers, me), "a restart")
         before_sync(self, step)
 
     def after_sync_or_die(self: ElasticReplica, step: int) -> None:
@@ -103,13 +115,11 @@ def heal_worker(kill_step: int, markers: Path, cfg: Config, seat: ReplicaSeat) -
 
     def fetch_after_the_server_died(self: HealState, offer, step: int, wait_s: float, timeout):
         if self.fetches == 0:
-            _wait_for((markers / "server_dead").exists, "the serving replica's death")
+            wait_for((markers / "server_dead").exists, "the serving replica's death")
         return fetch(self, offer, step, wait_s, timeout)
 
     def save_state(self: ElasticReplica) -> None:
-        policy = self.heal.seam.policy.state_dict()["buffers"]
-        held = [h.detach().clone() for h in self.heal.seam.held]
-        torch.save({"held": held, **policy}, markers / f"state.r{me}.pt")
+        save_replica_state(self, markers / f"state.r{me}.pt")
         shutdown(self)
 
     ElasticReplica.build_mesh = build_mesh_then_up

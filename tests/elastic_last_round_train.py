@@ -15,12 +15,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
 
 import train  # noqa: E402
 from hsdp.config.schema import Config  # noqa: E402
@@ -28,6 +25,7 @@ from hsdp.sync.elastic.heal import HealState  # noqa: E402
 from hsdp.sync.elastic.replica import ElasticReplica  # noqa: E402
 from hsdp.sync.schedule import fragments_due  # noqa: E402
 from hsdp.sync.seam import ReplicaSeat  # noqa: E402
+from tests.elastic_heal_train import others_down, save_replica_state, wait_for  # noqa: E402
 
 DYING = (0, 1)
 
@@ -50,11 +48,7 @@ def last_round_worker(kill_step: int, markers: Path, cfg: Config, seat: ReplicaS
 
     def hold_while_a_replica_is_down(self: ElasticReplica, step: int) -> None:
         if fragments_due(step, cfg.sync):
-            deadline = time.monotonic() + 200.0
-            while [p for p in markers.glob("down.r*") if p.name != f"down.r{me}"]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("last-round harness: a restart never came back")
-                time.sleep(0.05)
+            wait_for(lambda: not others_down(markers, me), "a restart")
         before_sync(self, step)
 
     def after_sync_or_die(self: ElasticReplica, step: int) -> None:
@@ -64,17 +58,11 @@ def last_round_worker(kill_step: int, markers: Path, cfg: Config, seat: ReplicaS
             os._exit(1)
 
     def fetch_once_the_source_leaves(self: HealState, offer, step: int, wait_s: float, timeout):
-        deadline = time.monotonic() + 200.0
-        while not (markers / "leaving").exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError("last-round harness: the source never left")
-            time.sleep(0.05)
+        wait_for((markers / "leaving").exists, "the source's leaving")
         return fetch(self, offer, step, wait_s, timeout)
 
     def save_state(self: ElasticReplica) -> None:
-        policy = self.heal.seam.policy.state_dict()["buffers"]
-        held = [h.detach().clone() for h in self.heal.seam.held]
-        torch.save({"held": held, **policy}, markers / f"state.r{me}.pt")
+        save_replica_state(self, markers / f"state.r{me}.pt")
         if me not in DYING:
             (markers / "leaving").touch()
         shutdown(self)

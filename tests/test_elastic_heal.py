@@ -372,8 +372,6 @@ def test_a_source_leaving_serves_its_owed_state_until_fetched_or_no_peer_is_left
     after its next check (each second), the state unsent; never past mesh.timeout_s (here 30 s)."""
     import threading
     import time
-    from datetime import timedelta
-    from types import SimpleNamespace
 
     from hsdp import torch_compat
     from hsdp.sync.elastic.heal import END
@@ -387,9 +385,7 @@ def test_a_source_leaving_serves_its_owed_state_until_fetched_or_no_peer_is_left
     if peer == "fetches":
         fetch.start()
     t0 = time.perf_counter()
-    heal.linger(
-        SimpleNamespace(open=False), timedelta(seconds=1), 30.0, logs=False, peers_alive=lambda: peer == "fetches"
-    )
+    heal.linger(30.0, logs=False, peers_alive=lambda: peer == "fetches")
     waited = time.perf_counter() - t0
     if peer == "fetches":
         fetch.join()

@@ -302,22 +302,12 @@ class HealState:
         """This rank's snapshot server has sent a state whole (on the server's thread)."""
         self.sent_whole += 1
 
-    def linger(
-        self,
-        transport: FTTransport,
-        timeout: timedelta,
-        wait_s: float,
-        logs: bool,
-        peers_alive: Callable[[], bool] = lambda: True,
-    ) -> None:
-        """At the run's end, before this rank's snapshot server stops: a state promised to healing peers (its
-        round's close never reached `serve`) is published, and a published one stays up until every peer it is
-        owed to has been sent it, up to `wait_s` (mesh.timeout_s: what such a peer waits for a promised state),
-        or until `peers_alive()` (asked each second: the lighthouse's heartbeats) says no other replica is left.
-        Without this a source that finishes the run while peers heal from it leaves them no state and, when no
-        other replica is left, no heal at all."""
-        if self.asked_at is not None and not transport.open:
-            self.serve(self.step, transport, timeout)
+    def linger(self, wait_s: float, logs: bool, peers_alive: Callable[[], bool] = lambda: True) -> None:
+        """At the run's end, before this rank's snapshot server stops: the state it published last (the last
+        step's `serve` ran after that round landed) stays up until every peer it is owed to has been sent it, up to
+        `wait_s` (mesh.timeout_s: what such a peer waits for a promised state), or until `peers_alive()` (asked each
+        second: the lighthouse's heartbeats) says no other replica is left. Without this a source that finishes the
+        run while peers heal from it leaves them no state and, when no other replica is left, no heal at all."""
         if self.served_round is None or self.sent_whole >= self.owed:
             return
         if logs:

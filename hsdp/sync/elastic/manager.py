@@ -86,11 +86,12 @@ def start_when_lighthouse_up(start: Callable[[], Manager], lighthouse: str, boun
     A replica (re)started while the lighthouse is down, e.g. restarted after a kill during a lighthouse
     restart, would otherwise exit at once and be restarted again: a second process start for nothing."""
     deadline = time.monotonic() + bound_s
-    told: list[OSError] = []  # the line is printed once, at the first wait
+    told = False  # the line is printed once, at the first wait
 
     def say_waiting(why: OSError) -> None:
+        nonlocal told
         if not told:
-            told.append(why)
+            told = True
             print(
                 f"elastic: the lighthouse at {lighthouse} does not accept connections ({in_words(why)}); "
                 f"waiting up to elastic.partition_timeout_s={bound_s:g} s for it",

@@ -586,7 +586,7 @@ class ElasticReplica(PhaseLog):
         self.enter(Phase.LEAVING, "the run is over")
         # peers healing from this replica's last round fetch its state before its server stops
         alive = functools.partial(others_heartbeat, self.lighthouse, self.cfg.elastic.timeout_s)
-        self.heal.linger(self.transport, self.timeout, self.cfg.mesh.timeout_s, self.logs(self.mesh), alive)
+        self.heal.linger(self.cfg.mesh.timeout_s, self.logs(self.mesh), alive)
         self.transport.manager.shutdown(wait=False)
 
 
