@@ -368,8 +368,9 @@ def test_a_source_that_stops_serving_is_lost_within_elastic_timeout(serving, cas
 @pytest.mark.parametrize("peer", ["fetches", "is gone"])
 def test_a_source_leaving_serves_its_owed_state_until_fetched_or_no_peer_is_left(serving, peer: str) -> None:
     """HealState.linger at the run's end: with its published state owed to one peer, it returns once the state
-    was sent whole (the peer fetches it 0.3 s later), or, when the lighthouse says no other replica is left,
-    after its next check (each second), the state unsent; never past mesh.timeout_s (here 30 s)."""
+        was sent whole (the peer fetches it 0.3 s later), or, when the lighthouse says no other replica is left,
+        after its next check (each second), the state unsent; in both well before mesh.timeout_s (here 120 s: the bound
+    below is a hang guard that still tells the two apart)."""
     import threading
     import time
 
@@ -385,13 +386,13 @@ def test_a_source_leaving_serves_its_owed_state_until_fetched_or_no_peer_is_left
     if peer == "fetches":
         fetch.start()
     t0 = time.perf_counter()
-    heal.linger(30.0, logs=False, peers_alive=lambda: peer == "fetches")
+    heal.linger(120.0, logs=False, peers_alive=lambda: peer == "fetches")
     waited = time.perf_counter() - t0
     if peer == "fetches":
         fetch.join()
-        assert heal.sent_whole == 1 and torch.equal(got[0]["held"][0], torch.arange(4.0)) and 0.3 <= waited < 10
+        assert heal.sent_whole == 1 and torch.equal(got[0]["held"][0], torch.arange(4.0)) and 0.3 <= waited < 60
     else:
-        assert heal.sent_whole == 0 and 1.0 <= waited < 10
+        assert heal.sent_whole == 0 and 1.0 <= waited < 60
 
 
 def _closed_port() -> int:
